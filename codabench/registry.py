@@ -1,0 +1,219 @@
+"""Implementations of ops, their registration and discovery.
+
+An implementation computes one op in its own ("native") layout. The harness calls, per cell::
+
+    native = impl.prepare(case)            # untimed: weight permutation, quantization, tables
+    out    = impl.run(native)              # timed (forward; autograd graph when grads are on)
+    impl.outputs_to_canonical(out, native) # untimed, for comparison
+    impl.grad_outputs_to_native(dy, native), impl.grads_to_canonical(grads, native)   # untimed
+
+Register a plain function (it is ``run``, called with the native tensors as keywords)::
+
+    @register("gemm_out", "my-gemm", modes=("fwd",), dtypes=("bf16",))
+    def my_gemm(x, w):
+        return {"out": x @ w.T}
+
+or decorate a subclass of :class:`Implementation` to override any step. Discovery imports every
+module under ``kernels/``, the modules named by the ``codabench.plugins`` entry-point group, and
+files given with ``--plugin``; a module that fails to import is recorded in ``load_errors`` and
+reported as an error row, never dropped.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pkgutil
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from codabench.case import Case
+
+Tensors = dict[str, Any]
+"""Named tensors; native dicts may also carry plain values (a model shape, eps), which the harness leaves alone."""
+ENTRY_POINT_GROUP = "codabench.plugins"
+
+
+class Implementation:
+    """Base class: identity layout conversions, canonical inputs as the native ones."""
+
+    name: str = ""
+    op: str = ""
+    modes: tuple[str, ...] = ("fwd", "bwd", "fwd_bwd")
+    dtypes: tuple[str, ...] = ("fp32", "fp16", "bf16")
+    requires: tuple[str, ...] = ()
+    """Requirement tokens: ``cuda``, ``sm90``, ``triton`` (GPU or interpreter), ``cpu``, ``pkg:<module>``."""
+    description: str = ""
+    label: str = "baseline"
+    """How the report groups it: ``baseline``, ``fused`` (CODA) or ``expert fused``."""
+    native_consts: tuple[str, ...] = ()
+    """Extra non-differentiable native inputs created by ``prepare`` (tables, scales)."""
+    source: str = ""
+
+    def skip_reason(self, case: Case) -> str | None:
+        """Why this cell cannot run here, or None. Default: mode, dtype and requirements."""
+        if case.mode not in self.modes:
+            return f"n/a: {self.name} has no {case.mode} mode"
+        if case.dtype not in self.dtypes:
+            return f"n/a: {self.name} does not support {case.dtype}"
+        for req in self.requires:
+            reason = requirement_missing(req, case.device)
+            if reason:
+                return reason
+        return None
+
+    def prepare(self, case: Case) -> Tensors:
+        return dict(case.inputs)
+
+    def run(self, native: Tensors) -> Tensors:
+        raise NotImplementedError
+
+    def outputs_to_canonical(self, outputs: Tensors, native: Tensors) -> Tensors:
+        return outputs
+
+    def grad_outputs_to_native(self, grad_outputs: Tensors, native: Tensors) -> Tensors:
+        return grad_outputs
+
+    def grads_to_canonical(self, grads: Tensors, native: Tensors) -> Tensors:
+        return grads
+
+    def metadata(self) -> dict[str, Any]:
+        """Provider facts recorded with every result row (package versions, resolved backends)."""
+        return {}
+
+
+class FunctionImplementation(Implementation):
+    def __init__(self, fn: Callable[..., Tensors], prepare: Callable[[Case], Tensors] | None = None):
+        self._fn, self._prepare = fn, prepare
+
+    def prepare(self, case: Case) -> Tensors:
+        return self._prepare(case) if self._prepare else dict(case.inputs)
+
+    def run(self, native: Tensors) -> Tensors:
+        return self._fn(**native)
+
+
+@dataclass
+class Registry:
+    impls: dict[tuple[str, str], Implementation] = field(default_factory=dict)
+    load_errors: list[tuple[str, str]] = field(default_factory=list)
+    """(source, message) for every plugin module that failed to import."""
+
+    def add(self, impl: Implementation) -> Implementation:
+        if not impl.name or not impl.op:
+            raise ValueError(f"implementation {impl!r} needs a name and an op")
+        key = (impl.op, impl.name)
+        old = self.impls.get(key)
+        if old is not None and type(old) is not type(impl) and old.source != impl.source:
+            raise ValueError(f"implementation {impl.name!r} of op {impl.op!r} registered twice "
+                             f"({old.source} and {impl.source})")
+        self.impls[key] = impl
+        return impl
+
+    def get(self, op: str, name: str) -> Implementation:
+        return self.impls[(op, name)]
+
+    def for_op(self, op: str) -> list[Implementation]:
+        return [v for (o, _), v in self.impls.items() if o == op]
+
+    def names(self) -> list[str]:
+        return sorted({n for _, n in self.impls})
+
+
+REGISTRY = Registry()
+
+
+def register(op: str | Iterable[str], name: str, *, modes: Iterable[str] | None = None,
+             dtypes: Iterable[str] | None = None, requires: Iterable[str] | None = None,
+             description: str | None = None, label: str | None = None,
+             prepare: Callable[[Case], Tensors] | None = None):
+    """Register a function or an :class:`Implementation` subclass for one op (or several)."""
+    ops = [op] if isinstance(op, str) else list(op)
+
+    def deco(obj):
+        for o in ops:
+            is_class = isinstance(obj, type) and issubclass(obj, Implementation)
+            impl = obj() if is_class else FunctionImplementation(obj, prepare)
+            impl.op, impl.name = o, name
+            impl.source = getattr(obj, "__module__", "") or ""
+            impl.description = description or impl.description or (obj.__doc__ or "").strip().split("\n")[0]
+            for attr, value in (("modes", modes), ("dtypes", dtypes), ("requires", requires)):
+                if value is not None:
+                    setattr(impl, attr, tuple(value))
+            if label is not None:
+                impl.label = label
+            REGISTRY.add(impl)
+        return obj
+
+    return deco
+
+
+def requirement_missing(req: str, device: torch.device) -> str | None:
+    """A skip reason if requirement ``req`` is not met on ``device``, else None."""
+    on_gpu = device.type == "cuda"
+    if req == "cuda":
+        return None if on_gpu else "skipped: needs a CUDA GPU"
+    if req == "cpu":
+        return None if not on_gpu else "skipped: CPU only"
+    if req == "sm90":
+        if not on_gpu or torch.cuda.get_device_capability(device)[0] < 9:
+            return "skipped: needs a Hopper (sm90+) GPU"
+        return None
+    if req == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return "skipped: triton is not installed"
+        if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+            return "skipped: triton on CPU needs TRITON_INTERPRET=1"
+        return None
+    if req.startswith("pkg:"):
+        mod = req[4:]
+        return None if importlib.util.find_spec(mod) is not None else f"skipped: package {mod} is not installed"
+    raise ValueError(f"unknown requirement {req!r}")
+
+
+def _import(name: str, source: str) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception:  # a broken plugin becomes an error row, not a crash
+        REGISTRY.load_errors.append((source, traceback.format_exc(limit=3)))
+
+
+def load_plugin_file(path: str | os.PathLike) -> None:
+    path = Path(path).resolve()
+    mod_name = f"codabench_plugin_{path.stem}"
+    if mod_name in sys.modules:
+        return
+    try:
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+    except Exception:
+        sys.modules.pop(mod_name, None)
+        REGISTRY.load_errors.append((str(path), traceback.format_exc(limit=3)))
+
+
+def discover(plugin_files: Iterable[str] = (), entry_points: bool = True) -> Registry:
+    """Import every implementation: ``kernels/``, entry points, then ``--plugin`` files."""
+    import kernels
+
+    for info in pkgutil.walk_packages(kernels.__path__, prefix="kernels."):
+        _import(info.name, info.name)
+    if entry_points:
+        from importlib.metadata import entry_points as eps
+
+        for ep in eps(group=ENTRY_POINT_GROUP):
+            try:
+                ep.load()
+            except Exception:
+                REGISTRY.load_errors.append((f"entry point {ep.name}", traceback.format_exc(limit=3)))
+    for f in plugin_files:
+        load_plugin_file(f)
+    return REGISTRY

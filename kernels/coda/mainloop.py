@@ -1,0 +1,160 @@
+"""The fixed GEMM mainloop every CODA kernel shares.
+
+A CODA kernel is a short Triton program::
+
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=FLATTEN):
+        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
+        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)   # fp32 (BM, BN)
+        ...epilogue primitives on acc (kernels/coda/epilogue.py)...
+
+It computes ``C[M, N] = A @ B`` with A stored (M, K) (``A_KM=False``) or (K, M), and B stored (N, K)
+(``B_KN=False``, the nn.Linear weight layout: C = A W^T) or (K, N). Operands are loaded through
+tensor descriptors (TMA on Hopper; out-of-bounds tiles read as zero), tiles are visited by a
+persistent grid of ``NUM_SMS`` programs in grouped (L2-friendly) order, and the accumulator is
+fp32. Tile configs are autotuned per kernel, keyed by (M, N, K) and the argument dtypes, with the
+results cached on disk (Triton's autotune cache). The same code runs under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def num_tiles(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    return tl.cdiv(M, BM) * tl.cdiv(N, BN)
+
+
+@triton.jit
+def tile_coords(tile_id, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Offsets (off_m, off_n) of tile ``tile_id``: groups of GROUP_M row-tiles sweep N together."""
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    group = tile_id // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    group_m = min(n_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % group_m)
+    pid_n = (tile_id % (GROUP_M * n_n)) // group_m
+    return pid_m * BM, pid_n * BN
+
+
+@triton.jit
+def tile_desc(ptr, rows, cols, stride, B0: tl.constexpr, B1: tl.constexpr):
+    """Descriptor over a row-major (rows, cols) matrix with row stride ``stride``, blocks (B0, B1)."""
+    return tl.make_tensor_descriptor(ptr, [rows, cols], [stride, 1], [B0, B1])
+
+
+@triton.jit
+def operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr):
+    if A_KM:
+        a_desc = tile_desc(a_ptr, K, M, stride_a, BK, BM)
+    else:
+        a_desc = tile_desc(a_ptr, M, K, stride_a, BM, BK)
+    if B_KN:
+        b_desc = tile_desc(b_ptr, K, N, stride_b, BK, BN)
+    else:
+        b_desc = tile_desc(b_ptr, N, K, stride_b, BN, BK)
+    return a_desc, b_desc
+
+
+@triton.jit
+def mainloop(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             A_KM: tl.constexpr, B_KN: tl.constexpr):
+    """fp32 accumulator of the (BM, BN) tile at (off_m, off_n): ``sum_k A[m, k] B[k, n]``."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        if A_KM:
+            a = a_desc.load([k * BK, off_m]).T
+        else:
+            a = a_desc.load([off_m, k * BK])
+        if B_KN:
+            b = b_desc.load([k * BK, off_n])
+        else:
+            b = b_desc.load([off_n, k * BK]).T
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: configs, autotuning, launch.
+
+def _config(bm, bn, bk, stages, warps, group_m=8, **extra) -> triton.Config:
+    return triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": group_m, **extra},
+                         num_stages=stages, num_warps=warps)
+
+
+def gemm_configs(min_bn: int = 16) -> list[triton.Config]:
+    """The tile configs the autotuner tries; one small config under the interpreter.
+
+    ``min_bn`` lets a kernel whose epilogue needs whole column groups in a tile (a RoPE head) ask for
+    BN >= min_bn.
+    """
+    if INTERPRET:
+        return [_config(32, max(32, min_bn), 32, 1, 4, group_m=2)]
+    # Measured on H100 + Triton 3.6 (benchmarks/bench_mainloop.py --sweep, benchmarks/PERF_NOTES.md): 128x256x64
+    # with 8 warps and 3 stages is best on every large shape; 128x256 with 4 stages exceeds shared
+    # memory, 64x256 crashes Triton 3.6's wgmma lowering, warp specialization gave wrong results.
+    cfgs = [_config(128, 256, 64, 3, 8), _config(256, 128, 64, 3, 8), _config(128, 128, 64, 4, 8),
+            _config(128, 128, 64, 5, 4), _config(128, 128, 128, 3, 8), _config(128, 64, 64, 5, 4)]
+    return [c for c in cfgs if c.kwargs["BN"] >= min_bn]
+
+
+def _prune_small(configs, named_args, **kwargs):
+    """Drop configs whose tile is much larger than the problem (small smoke/test shapes)."""
+    m, n = named_args["M"], named_args["N"]
+    keep = [c for c in configs if c.kwargs["BM"] <= max(64, triton.next_power_of_2(m))
+            and c.kwargs["BN"] <= max(64, triton.next_power_of_2(n))]
+    return keep or configs[:1]
+
+
+_AUTOTUNE_HAS_CACHE = "cache_results" in inspect.signature(triton.autotune).parameters
+
+
+def coda_autotune(key: Sequence[str] = ("M", "N", "K"), configs: list[triton.Config] | None = None,
+                  restore_value: Sequence[str] = ()) -> Callable:
+    """``triton.autotune`` over :func:`gemm_configs` with the on-disk result cache.
+
+    ``restore_value`` names outputs a kernel read-modify-writes (so tuning runs don't corrupt them).
+    """
+    kwargs = {"cache_results": True} if _AUTOTUNE_HAS_CACHE else {}
+    return triton.autotune(configs=configs or gemm_configs(), key=list(key),
+                           prune_configs_by={"early_config_prune": _prune_small},
+                           restore_value=list(restore_value), **kwargs)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def persistent_grid(M: int, N: int, device: torch.device):
+    """Grid of min(#SMs, #tiles) programs for the autotuned tile shape."""
+    sms = num_sms(device)
+    return lambda meta: (min(sms, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)
+
+
+def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+if not INTERPRET and torch.cuda.is_available():
+    triton.set_allocator(_alloc)  # scratch for the descriptors built inside kernels
+
+
+def operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A 2-D operand as (storage, transposed): a row-major tensor or the .T view of one."""
+    if t.stride(-1) == 1:
+        return t, False
+    if t.stride(0) == 1:
+        return t.T, True
+    raise ValueError("GEMM operands must be row-major or the transpose of a row-major tensor")

@@ -1,0 +1,124 @@
+"""The op contract: what every workload in the catalogue defines.
+
+An op is one cell family of the matrix. It generates its inputs in the canonical layout,
+holds the unfused reference math, and states the GEMMs it must do (for FLOPs and the
+speed-of-light) and the outputs that are compared.
+
+Two kinds of op:
+- ``autograd``: ``reference`` is a differentiable forward; the harness derives the modes
+  ``fwd`` (no grad), ``bwd`` (backward alone on a fresh graph) and ``fwd_bwd``. Gradients are
+  taken w.r.t. every floating input not listed in ``consts``, against random upstream
+  gradients (1 for a scalar loss).
+- ``direct``: ``reference`` computes the op's outputs directly (e.g. a backward kernel as one
+  op); it has exactly one mode, which names what it is (``fwd`` or ``bwd``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from workloads.models import ModelShape
+
+MODES = ("fwd", "bwd", "fwd_bwd")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+"""Dtype name -> dtype of the canonical inputs. fp8 cells get bf16 canonical inputs; quantizing
+them (e4m3, dynamic scaling) is an implementation's untimed ``prepare`` step."""
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM ``C[m, n] = A @ B`` with A stored (m, k) or (k, m) and B stored (n, k) or (k, n)."""
+
+    m: int
+    n: int
+    k: int
+    a_layout: Literal["mk", "km"] = "mk"
+    b_layout: Literal["nk", "kn"] = "nk"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    def backward(self) -> tuple["Gemm", "Gemm"]:
+        """dgrad ``dA = dC @ W`` and wgrad ``dW = dC^T A`` of a forward ``C = A W^T``."""
+        return Gemm(self.m, self.k, self.n, "mk", "kn"), Gemm(self.n, self.k, self.m, "km", "kn")
+
+
+class Op:
+    """Base class of an op of the catalogue; subclasses fill in the class attributes and methods."""
+
+    name: ClassVar[str]
+    kind: ClassVar[Literal["autograd", "direct"]] = "autograd"
+    modes: ClassVar[tuple[str, ...]] = MODES
+    description: ClassVar[str] = ""
+    outputs: ClassVar[tuple[str, ...]] = ()
+    """Outputs every implementation must return (canonical layout)."""
+    side_outputs: ClassVar[tuple[str, ...]] = ()
+    """fp32 side outputs (rstd, LSE, ...) the reference also returns; compared when an implementation returns them."""
+    consts: ClassVar[tuple[str, ...]] = ()
+    """Inputs that get no gradient (targets, positions, saved statistics)."""
+
+    def make_inputs(self, model: ModelShape, dtype: torch.dtype, device: torch.device | str,
+                    seed: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def reference(self, inputs: dict[str, torch.Tensor], model: ModelShape) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward_gemms(self, model: ModelShape) -> list[Gemm]:
+        raise NotImplementedError
+
+    def gemms(self, model: ModelShape, mode: str) -> list[Gemm]:
+        """The plain GEMMs a mode must do: its FLOPs and its speed-of-light."""
+        fwd = self.forward_gemms(model)
+        if self.kind == "direct" or mode == "fwd":
+            return fwd
+        bwd = [g for f in fwd for g in f.backward()]
+        return bwd if mode == "bwd" else fwd + bwd
+
+    def flops(self, model: ModelShape, mode: str) -> int:
+        return sum(g.flops for g in self.gemms(model, mode))
+
+    def differentiable(self, inputs: dict[str, torch.Tensor]) -> list[str]:
+        if self.kind == "direct":
+            return []
+        return [k for k, v in inputs.items() if k not in self.consts and v.is_floating_point()]
+
+    def grad_outputs(self, outputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+        """Upstream gradients for the compared outputs: random normal, or 1 for a scalar."""
+        gen = torch.Generator(device=next(iter(outputs.values())).device).manual_seed(seed)
+        out = {}
+        for k in self.outputs:
+            v = outputs[k]
+            out[k] = torch.ones_like(v) if v.dim() == 0 else torch.randn(
+                v.shape, generator=gen, device=v.device, dtype=torch.float32).to(v.dtype)
+        return out
+
+
+class InputMaker:
+    """Seeded random tensors on one device: ``x = InputMaker(...); a = x.normal(M, K)``."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device | str, seed: int):
+        self.dtype, self.device = dtype, torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    def normal(self, *shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        t = torch.randn(shape, generator=self.gen, device=self.device, dtype=torch.float32)
+        return (t * std + mean).to(self.dtype)
+
+    def weight(self, out_features: int, in_features: int) -> torch.Tensor:
+        """nn.Linear layout W[out, in], std 1/sqrt(in) so activations stay O(1)."""
+        return self.normal(out_features, in_features, std=in_features ** -0.5)
+
+    def gamma(self, n: int) -> torch.Tensor:
+        return self.normal(n, std=0.1, mean=1.0)
+
+    def targets(self, m: int, vocab: int, ignore_frac: float = 0.05) -> torch.Tensor:
+        t = torch.randint(0, vocab, (m,), generator=self.gen, device=self.device)
+        drop = torch.rand(m, generator=self.gen, device=self.device) < ignore_frac
+        return t.masked_fill(drop, -100)
+
+    def positions(self, m: int, seq_len: int) -> torch.Tensor:
+        return torch.arange(m, device=self.device) % seq_len
