@@ -103,9 +103,24 @@ def gemm_configs(min_bn: int = 16) -> list[triton.Config]:
     # Measured on H100 + Triton 3.6 (benchmarks/bench_mainloop.py --sweep, benchmarks/PERF_NOTES.md): 128x256x64
     # with 8 warps and 3 stages is best on every large shape; 128x256 with 4 stages exceeds shared
     # memory, 64x256 crashes Triton 3.6's wgmma lowering, warp specialization gave wrong results.
+    # 128x256x32 with 4 stages: for epilogues that store extra tiles (128x256x64 s3 then runs out of shared
+    # memory); measured 1.05-1.13x cuBLAS on the 7B/70B producer, SwiGLU+z_pre and CE shapes (H100, F's notes).
     cfgs = [_config(128, 256, 64, 3, 8), _config(256, 128, 64, 3, 8), _config(128, 128, 64, 4, 8),
-            _config(128, 128, 64, 5, 4), _config(128, 128, 128, 3, 8), _config(128, 64, 64, 5, 4)]
+            _config(128, 128, 64, 5, 4), _config(128, 128, 128, 3, 8), _config(128, 64, 64, 5, 4),
+            _config(128, 256, 32, 4, 8)]
     return [c for c in cfgs if c.kwargs["BN"] >= min_bn]
+
+
+def subtiled_configs(subtiles: Sequence[int] = (2, 4), min_cols: int = 16) -> list[triton.Config]:
+    """:func:`gemm_configs` crossed with ``EPI_SUB``, the number of column sub-tiles the epilogue works on.
+
+    An epilogue that loads and stores several extra tiles (the dgrad kernels) handles the (BM, BN) tile as
+    EPI_SUB sub-tiles of BN / EPI_SUB columns (:func:`kernels.coda.epilogue.split_cols`): fewer live registers
+    and smaller TMA staging buffers, so the large 128x256x64 tile still fits in shared memory (H100, Triton 3.6:
+    the whole-tile RMSNorm-backward epilogue needs 280 KB there). Sub-tiles under ``min_cols`` are skipped.
+    """
+    return [triton.Config({**c.kwargs, "EPI_SUB": s}, num_stages=c.num_stages, num_warps=c.num_warps)
+            for c in gemm_configs() for s in subtiles if c.kwargs["BN"] // s >= min_cols]
 
 
 def _prune_small(configs, named_args, **kwargs):
@@ -147,8 +162,17 @@ def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-if not INTERPRET and torch.cuda.is_available():
-    triton.set_allocator(_alloc)  # scratch for the descriptors built inside kernels
+def set_scratch_allocator() -> None:
+    """Install the scratch allocator for the descriptors built inside kernels, in the calling thread.
+
+    Triton keeps the allocator in a context variable: threads that did not import this module (autograd's
+    backward threads on the GPU) start without one, so backward passes call this first.
+    """
+    if not INTERPRET and torch.cuda.is_available():
+        triton.set_allocator(_alloc)
+
+
+set_scratch_allocator()
 
 
 def operand(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from workloads.op import Op
 from workloads.ops.block import Block
 from workloads.ops.gemm import GEMM_OPS
+from workloads.ops.gemm_bias_gelu import GemmBiasGelu
 from workloads.ops.lm_head_ce import LMHeadCrossEntropy
 from workloads.ops.rmsnorm_ce import RMSNormCrossEntropy
 from workloads.ops.rmsnorm_dgrad import RMSNormDgrad
@@ -14,7 +15,7 @@ from workloads.ops.swiglu_dgrad import SwiGLUDgrad
 
 OPS: dict[str, Op] = {cls.name: cls() for cls in [
     RMSNormLinear, RMSNormSwiGLU, RMSNormRoPE, RMSNormCrossEntropy, LMHeadCrossEntropy,
-    RMSNormDgrad, SwiGLUDgrad, Block, *GEMM_OPS]}
+    RMSNormDgrad, SwiGLUDgrad, Block, *GEMM_OPS, GemmBiasGelu]}
 
 
 def get_op(name: str) -> Op:

@@ -1,0 +1,93 @@
+"""Measured ceilings and the speed-of-light of a cell (benchmarking.md, "Ceilings", "Units").
+
+Ceilings, measured at the start of every GPU run: device-to-device copy bandwidth (bytes read +
+written per second), bf16 ``torch.mm`` and fp8 e4m3 ``torch._scaled_mm`` TFLOP/s at 8192^3.
+
+Speed-of-light of a cell: ``sol_ms = sum of the median times of the plain GEMMs the op must do``
+(``op.gemms(model, mode)``), each timed once per run with ``torch.mm`` in the given operand layouts
+(fp8 cells: ``torch._scaled_mm`` with per-tensor scales, A row-major and B column-major, which is
+the layout it requires). The epilogue overhead of a fused kernel is ``median_ms / sol_ms``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from codabench.timing import TimingConfig, measure
+from workloads.op import Gemm
+
+CEILING_N = 8192
+CEILING_WARMUP_MS = 1000.0
+COPY_BYTES = 2**30
+
+
+def _operands(g: Gemm, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A as an (m, k) view and B as a (k, n) view, stored in the GEMM's layouts, random values."""
+    a = torch.randn(g.m, g.k, device=device).to(dtype) if g.a_layout == "mk" else \
+        torch.randn(g.k, g.m, device=device).to(dtype).t()
+    b = torch.randn(g.n, g.k, device=device).to(dtype).t() if g.b_layout == "nk" else \
+        torch.randn(g.k, g.n, device=device).to(dtype)
+    return a, b
+
+
+def gemm_call(g: Gemm, dtype: str, device: torch.device) -> Callable[[Any], Any]:
+    """``fn(state)`` (state ignored) that runs the plain GEMM once, on random operands."""
+    if dtype == "fp8":
+        a = torch.randn(g.m, g.k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(g.n, g.k, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        return lambda _: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    a, b = _operands(g, tdt, device)
+    return lambda _: torch.mm(a, b)
+
+
+@dataclass
+class GemmTimer:
+    """Median time of each distinct (GEMM, dtype), measured once per run and cached."""
+
+    device: torch.device
+    cfg: TimingConfig
+    cache: dict[tuple[Gemm, str], float] = field(default_factory=dict)
+    failures: dict[tuple[Gemm, str], str] = field(default_factory=dict)
+
+    def time(self, g: Gemm, dtype: str) -> float | None:
+        key = (g, dtype)
+        if key not in self.cache and key not in self.failures:
+            try:
+                self.cache[key] = measure(gemm_call(g, dtype, self.device), None, self.device, self.cfg).median
+            except Exception as e:  # e.g. fp8 on a GPU without it, or K not a multiple of 16
+                self.failures[key] = f"{type(e).__name__}: {e}".splitlines()[0]
+        return self.cache.get(key)
+
+    def sol_ms(self, gemms: list[Gemm], dtype: str) -> float | None:
+        times = [self.time(g, dtype) for g in gemms]
+        return None if not times or any(t is None for t in times) else sum(times)
+
+
+def _copy_gbps(device: torch.device, cfg: TimingConfig) -> float:
+    """Device-to-device copy of COPY_BYTES: bytes read + written per second, in GB/s."""
+    src = torch.randn(COPY_BYTES // 4, device=device)
+    dst = torch.empty_like(src)
+    ms = measure(lambda _: dst.copy_(src), None, device, cfg).median
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
+def measure_ceilings(device: torch.device, cfg: TimingConfig) -> dict[str, float | str]:
+    """Copy GB/s and bf16/fp8 GEMM TFLOP/s on this GPU now (failures recorded as strings).
+
+    Each measurement warms up for at least CEILING_WARMUP_MS: an idle GPU needs time to raise its
+    clocks, and a ceiling measured cold would be too low (fused kernels would exceed 100%)."""
+    cfg = replace(cfg, warmup_ms=max(cfg.warmup_ms, CEILING_WARMUP_MS))
+    out: dict[str, float | str] = {"copy_gbps": _copy_gbps(device, cfg)}
+    g = Gemm(CEILING_N, CEILING_N, CEILING_N)
+    for dtype in ("bf16", "fp8"):
+        try:
+            ms = measure(gemm_call(g, dtype, device), None, device, cfg).median
+            out[f"{dtype}_tflops"] = g.flops / (ms * 1e-3) / 1e12
+        except Exception as e:
+            out[f"{dtype}_tflops_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+    torch.cuda.empty_cache()
+    return out

@@ -1,0 +1,178 @@
+"""Command line: ``python run_bench.py [run flags]``, ``python -m codabench {merge,compare,report} ...``.
+
+Call :func:`codabench.bootstrap.select_device` before importing this module (the entry points do):
+on a machine without a GPU it sets ``TRITON_INTERPRET=1``, which triton reads when imported.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from codabench.bootstrap import INTERPRETER_NOTE, select_device
+from codabench.matrix import Selection, parse_shard
+from codabench.registry import discover
+from codabench.report import finalize, load_run
+from codabench.report.compare import compare, format_compare
+from codabench.report.merge import merge
+from codabench.runner import DeviceLost, RunConfig, Runner, RunExists
+from codabench.timing import TimingConfig
+from workloads.models import PRESETS
+from workloads.op import DTYPES, MODES
+from workloads.suites import SUITES, get_suite
+
+REPORTS = Path("reports")
+SUBCOMMANDS = ("merge", "compare", "report", "wheelhouse", "install-offline")
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="run_bench.py", description="Run a codabench suite: (op x model x mode x dtype x impl) cells, "
+        "each checked against a float64 reference and timed; writes reports/<run>/. Other commands: "
+        "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR', 'wheelhouse ...', "
+        "'install-offline DIR'.")
+    p.add_argument("--suite", choices=list(SUITES), help="default: smoke without a GPU, quick with one")
+    p.add_argument("--ops", type=_csv, help="comma-separated op names (default: the suite's)")
+    p.add_argument("--models", type=_csv, help=f"comma-separated presets: {', '.join(PRESETS)}")
+    p.add_argument("--modes", type=_csv, help=f"comma-separated: {', '.join(MODES)}")
+    p.add_argument("--dtypes", type=_csv, help=f"comma-separated: {', '.join(DTYPES)}")
+    p.add_argument("--impls", type=_csv, help="comma-separated implementation names (default: all registered)")
+    p.add_argument("--tokens", type=int, help="M, tokens per step (default: the preset's, 16384 for llama-*)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's, 32768 for llama-*)")
+    p.add_argument("--check-tokens", type=int, help="tokens of the correctness pass (default: same as timing)")
+    p.add_argument("--out", type=Path, help="run directory (default: reports/<suite>-<date>-<time>)")
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE",
+                   help="python file registering implementations (repeatable)")
+    p.add_argument("--no-entry-points", action="store_true", help="do not load codabench.plugins entry points")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (default: the newest reports/<suite>-*), skipping finished cells")
+    p.add_argument("--list", action="store_true", help="print the cells and their status, run nothing")
+    p.add_argument("--shard", type=parse_shard, metavar="I/N", help="run shard I of N (1-based; whole groups)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time fwd/direct cells as CUDA-graph replays over rotating input sets")
+    p.add_argument("--warmup", type=int, default=TimingConfig.warmup, help="warm-up calls before sampling")
+    p.add_argument("--reps", type=int, help="samples per cell (default: adaptive, 20-200 on the GPU; 1 on the CPU)")
+    p.add_argument("--no-l2-flush", action="store_true", help="keep L2 warm between samples (not the default)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return _subcommand(argv[0], argv[1:])
+    args = run_parser().parse_args(argv)
+    device = torch.device(select_device())
+    suite = get_suite(args.suite or ("quick" if device.type == "cuda" else "smoke"))
+    if device.type == "cpu":
+        print(f"codabench: {INTERPRETER_NOTE}", file=sys.stderr)
+    registry = discover(args.plugin, entry_points=not args.no_entry_points)
+    sel = Selection.from_suite(suite, ops=args.ops, models=args.models, modes=args.modes, dtypes=args.dtypes,
+                               impls=args.impls)
+    _check_names(sel, registry)
+    out = args.out or _default_out(suite.name, args.resume, args.shard)
+    # torch.compile's caches (compiled graphs, CPU compiler probes) live beside the runs, so a second
+    # run does not pay the compile time again; an explicit TORCHINDUCTOR_CACHE_DIR wins.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((out.parent / ".cache" / "torchinductor").resolve()))
+    cfg = RunConfig(out_dir=out, selection=sel, device=device, suite=suite.name, tokens=args.tokens,
+                    vocab=args.vocab, check_tokens=args.check_tokens, cuda_graph=args.cuda_graph,
+                    resume=args.resume, shard=args.shard, show_progress=not args.quiet,
+                    timing=TimingConfig(warmup=args.warmup, reps=args.reps, flush_l2=not args.no_l2_flush))
+    runner = Runner(cfg, registry)
+    if args.list:
+        return _list(runner, out if args.resume else None)
+    if suite.needs_gpu and device.type != "cuda" and not (args.models and args.dtypes):
+        print(f"codabench: suite {suite.name!r} needs a CUDA GPU (use --suite smoke, or give --models and "
+              "--dtypes to run a custom slice on the CPU)", file=sys.stderr)
+        return 2
+    print(f"codabench: {suite.name} suite, {len(runner.cells)} cells -> {out}", file=sys.stderr)
+    code = 0
+    try:
+        runner.run()
+    except RunExists as e:
+        print(f"codabench: {e}", file=sys.stderr)
+        return 2
+    except DeviceLost as e:
+        print(f"codabench: {e}", file=sys.stderr)
+        code = 3
+    except KeyboardInterrupt:
+        print("codabench: interrupted; finished cells are saved, rerun with --resume to go on", file=sys.stderr)
+        code = 130
+    html = finalize(out)
+    df, _, _ = load_run(out)
+    counts = ", ".join(f"{v} {k}" for k, v in df["status"].value_counts().items())
+    print(f"codabench: {counts}\ncodabench: report {html}\ncodabench: table  {out / 'results.csv'}")
+    return code
+
+
+def _check_names(sel: Selection, registry) -> None:
+    for kind, given, known in (("model", sel.models, PRESETS), ("mode", sel.modes, MODES),
+                               ("dtype", sel.dtypes, DTYPES)):
+        bad = [g for g in given if g not in known]
+        if bad:
+            raise SystemExit(f"codabench: unknown {kind}(s) {', '.join(bad)}; known: {', '.join(known)}")
+    if sel.impls:
+        unknown = [i for i in sel.impls if i not in registry.names()]
+        if unknown:
+            print(f"codabench: warning: no implementation named {', '.join(unknown)} is registered "
+                  f"(registered: {', '.join(registry.names())})", file=sys.stderr)
+
+
+def _default_out(suite: str, resume: bool, shard: tuple[int, int] | None) -> Path:
+    tail = f"-shard{shard[0]}of{shard[1]}" if shard else ""
+    if resume:
+        runs = sorted(p for p in REPORTS.glob(f"{suite}-*{tail}") if (p / "results.csv").exists())
+        if runs:
+            return runs[-1]
+    return REPORTS / f"{suite}-{datetime.datetime.now():%Y%m%d-%H%M%S}{tail}"
+
+
+def _list(runner: Runner, resume_dir: Path | None) -> int:
+    done = {}
+    if resume_dir is not None and (resume_dir / "results.csv").exists():
+        df, _, _ = load_run(resume_dir)
+        done = {tuple(r[k] for k in ("op", "model", "mode", "dtype", "impl")): r["status"] for _, r in df.iterrows()}
+    counts: dict[str, int] = {}
+    for cell, status in runner.plan():
+        shown = f"done ({done[cell.key]})" if cell.key in done else ("to run" if status == "run" else status)
+        counts[shown.split(":")[0]] = counts.get(shown.split(":")[0], 0) + 1
+        print(f"{cell.op:16} {cell.model:10} {cell.mode:8} {cell.dtype:5} {cell.impl:18} {shown}")
+    for source, err in runner.registry.load_errors:
+        print(f"plugin {source} failed to load: {err.strip().splitlines()[-1]}")
+    print(f"{len(runner.cells)} cells: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    return 0
+
+
+def _subcommand(name: str, argv: list[str]) -> int:
+    if name in ("wheelhouse", "install-offline"):  # wheels of the baselines for offline GPU nodes
+        from codabench import wheelhouse
+
+        return (wheelhouse.main_wheelhouse if name == "wheelhouse" else wheelhouse.main_install_offline)(argv)
+    p = argparse.ArgumentParser(prog=f"codabench {name}")
+    if name == "merge":
+        p.add_argument("out", type=Path, help="new run directory for the merged report")
+        p.add_argument("shards", type=Path, nargs="+", help="the shards' run directories")
+        a = p.parse_args(argv)
+        print(f"codabench: merged report {merge(a.out, a.shards) / 'report.html'}")
+    elif name == "compare":
+        p.add_argument("run_a", type=Path)
+        p.add_argument("run_b", type=Path)
+        p.add_argument("--csv", type=Path, help="also write the joined table here")
+        a = p.parse_args(argv)
+        m = compare(a.run_a, a.run_b)
+        print(format_compare(m))
+        if a.csv:
+            m.to_csv(a.csv, index=False)
+    else:
+        p.add_argument("run_dir", type=Path)
+        a = p.parse_args(argv)
+        print(f"codabench: report {finalize(a.run_dir)}")
+    return 0

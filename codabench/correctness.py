@@ -1,0 +1,167 @@
+"""The untimed correctness pass of a cell (benchmarking.md, "Correctness protocol").
+
+Per (op, model, mode, dtype) group, once: fresh inputs from ``CHECK_SEED`` (the timing uses another
+seed); the float64 reference (``op.reference`` on float64 copies, autograd in float64); and the
+error of PyTorch itself (the torch-eager implementation in the cell's dtype; bf16 for fp8 cells).
+Per implementation: the same inputs regenerated, the allocator poisoned with NaN, one call, then
+checks for input mutation, missing outputs, shapes, dtypes, NaN/Inf, and the pass rule of
+:mod:`codabench.metrics` per output.
+
+Compared outputs: ``fwd`` and direct ops: ``op.outputs`` plus the ``op.side_outputs`` the
+implementation returns; ``bwd``: the gradient ``grad_<input>`` of every differentiable input;
+``fwd_bwd``: both.
+
+Poisoning: before the call, blocks of the outputs' sizes are allocated, filled with 0xFF bytes (NaN
+in every floating format: fp64 down to fp8 e4m3) and freed, so that an output the implementation
+allocates but never fully writes shows up as NaN (see :func:`poison_allocator`). This is best
+effort: allocations the implementation makes before its outputs may take the poisoned blocks, and
+on the CPU the C allocator may hand back fresh (zeroed) pages for large blocks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from codabench.case import Case
+from codabench.execute import CellError, Result, forward_shapes, reference_once, run_once, uses_autograd
+from codabench.metrics import ErrorStats, error_ratio, error_stats, passes
+from codabench.registry import Implementation, Tensors
+from kernels.torch_baselines import TorchEager
+from workloads.op import DTYPES, Op
+
+CHECK_SEED = 1001
+"""Seed of the correctness inputs; the timing inputs use codabench.runner.TIMING_SEED."""
+GRAD_SEED = 1002
+"""Seed of the upstream gradients of the correctness pass."""
+
+
+@dataclass
+class OutputCheck:
+    output: str
+    stats: ErrorStats | None
+    torch_rel_err: float | None
+    ratio: float | None
+    passed: bool
+
+
+@dataclass
+class CheckOutcome:
+    checks: list[OutputCheck] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """Faults that make the cell an error row (mutation, missing output, shape, dtype, NaN/Inf)."""
+
+    @property
+    def correct(self) -> bool:
+        return not self.errors and bool(self.checks) and all(c.passed for c in self.checks)
+
+    def worst(self, value: Callable[[OutputCheck], float | None]) -> float | None:
+        """The largest finite-or-inf value over the compared outputs (None when there is none)."""
+        vals = [value(c) for c in self.checks]
+        vals = [v for v in vals if v is not None and not math.isnan(v)]
+        return max(vals) if vals else None
+
+
+@dataclass
+class GroupReference:
+    """What every cell of one (op, model, mode, dtype) group is compared against."""
+
+    op: Op
+    case: Case
+    """The group's correctness case, without its inputs (each cell regenerates them)."""
+    grad_outputs: Tensors | None
+    reference: dict[str, torch.Tensor]
+    expected_dtype: dict[str, torch.dtype]
+    torch_stats: dict[str, ErrorStats]
+
+    def fresh_case(self) -> Case:
+        """The correctness inputs, regenerated (deterministic seed) so no cell sees another's."""
+        c = self.case
+        return replace(c, inputs=self.op.make_inputs(c.model, DTYPES[c.dtype], c.device, CHECK_SEED))
+
+
+def compared(op: Op, mode: str, result: Result) -> dict[str, torch.Tensor]:
+    """The named tensors of ``result`` that are compared in ``mode``."""
+    out: dict[str, torch.Tensor] = {}
+    if not (uses_autograd(op, mode) and mode == "bwd"):
+        out.update({k: v for k, v in result.outputs.items() if k in op.outputs or k in op.side_outputs})
+    out.update(result.grads)
+    return out
+
+
+def build_reference(op: Op, case: Case) -> GroupReference:
+    """The float64 reference and PyTorch's own error for the group of ``case`` (its inputs: CHECK_SEED)."""
+    eager = TorchEager(op)
+    eager_case = replace(case, dtype="bf16") if case.dtype == "fp8" else case
+    grad_outputs = None
+    if uses_autograd(op, case.mode):
+        grad_outputs = op.grad_outputs(forward_shapes(op, eager, eager.prepare(eager_case)), GRAD_SEED)
+    torch_res = compared(op, case.mode, run_once(op, eager, eager_case, grad_outputs))
+    ref = compared(op, case.mode, reference_once(op, case, grad_outputs))
+    stats = {k: error_stats(torch_res[k], ref[k]) for k in ref if k in torch_res}
+    return GroupReference(op, replace(case, inputs={}), grad_outputs, ref, {k: v.dtype for k, v in torch_res.items()},
+                          stats)
+
+
+def poison_allocator(device: torch.device, sizes: list[int]) -> None:
+    """Hand the allocator NaN (0xFF) blocks where the next allocations of ``sizes`` bytes will land.
+
+    Two blocks of each output size are allocated first: a caching allocator carves them from the
+    same best-fit free blocks that the implementation's outputs will be carved from, and freed
+    blocks keep their bytes. On the GPU one large block (both pools emptied first) follows.
+    """
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    blocks = [torch.full((s,), 255, dtype=torch.uint8, device=device) for s in sizes for _ in range(2)]
+    if device.type == "cuda":
+        total = max(2 * sum(sizes), 64 * 2**20)
+        blocks.append(torch.full((min(total, torch.cuda.mem_get_info(device)[0] // 2),), 255,
+                                 dtype=torch.uint8, device=device))
+    del blocks
+
+
+def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
+    """Run ``impl`` once on fresh correctness inputs and compare every output with the reference."""
+    op, case = group.op, group.fresh_case()
+    snapshot = {k: v.clone() for k, v in case.inputs.items() if isinstance(v, torch.Tensor)}
+    sizes = [t.numel() * group.expected_dtype.get(k, t.dtype).itemsize for k, t in group.reference.items()]
+    poison_allocator(case.device, sizes)
+    result = compared(op, case.mode, run_once(op, impl, case, group.grad_outputs))
+    outcome = CheckOutcome()
+    mutated = [k for k, v in snapshot.items() if not torch.equal(case.inputs[k], v)]
+    if mutated:
+        outcome.errors.append(f"mutated its input(s) {', '.join(mutated)}")
+    for name, ref in group.reference.items():
+        check = _check_output(group, name, result.get(name), ref, case.dtype)
+        if isinstance(check, str):
+            if check:
+                outcome.errors.append(check)
+            continue
+        outcome.checks.append(check)
+        if check.stats is not None and not check.stats.finite:
+            outcome.errors.append(f"{name} has {check.stats.n_nan} NaN and {check.stats.n_inf} Inf values")
+    return outcome
+
+
+def _check_output(group: GroupReference, name: str, out: torch.Tensor | None, ref: torch.Tensor,
+                  dtype: str) -> OutputCheck | str:
+    """An OutputCheck, an error message, or "" for a side output the implementation does not return."""
+    if out is None:
+        if name in group.op.side_outputs:
+            return ""
+        return f"missing {'gradient' if name.startswith('grad_') else 'output'} {name!r}"
+    if not isinstance(out, torch.Tensor):
+        raise CellError(f"output {name!r} is a {type(out).__name__}, not a tensor")
+    if tuple(out.shape) != tuple(ref.shape):
+        return f"{name} has shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    want = group.expected_dtype.get(name)
+    allowed = {want} | ({torch.float32} if name in group.op.side_outputs else set())
+    if want is not None and out.dtype not in allowed:
+        return f"{name} has dtype {out.dtype}, expected {want}"
+    stats = error_stats(out, ref)
+    torch_stats = group.torch_stats.get(name)
+    torch_rel = torch_stats.rel_err if torch_stats is not None else None
+    return OutputCheck(name, stats, torch_rel, error_ratio(stats.rel_err, torch_rel),
+                       passes(stats, torch_rel, dtype))

@@ -1,0 +1,132 @@
+"""How an implementation is called in each mode (the lead's semantics, see README "Modes").
+
+- ``fwd`` (and the single mode of a ``direct`` op): ``impl.run(native)`` under ``torch.no_grad()``.
+- ``fwd_bwd``: the differentiable native tensors become fresh leaves (untimed), then
+  ``impl.run`` + ``torch.autograd.backward(outputs, grad_outputs)`` is timed.
+- ``bwd``: the forward on fresh leaves is the untimed per-sample setup; the backward alone is
+  timed, on a fresh graph every sample.
+
+Differentiable native tensors: floating tensors whose key is in neither ``op.consts`` nor
+``impl.native_consts``. Gradients are read from the leaves' ``.grad``.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from codabench.case import Case
+from codabench.registry import Implementation, Tensors
+from workloads.op import Op
+
+
+class CellError(Exception):
+    """A fault of the implementation under test, reported as the cell's error message."""
+
+
+def uses_autograd(op: Op, mode: str) -> bool:
+    return op.kind == "autograd" and mode in ("bwd", "fwd_bwd")
+
+
+def differentiable_keys(op: Op, impl: Implementation, native: Tensors) -> list[str]:
+    if op.kind != "autograd":
+        return []
+    return [k for k, v in native.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+            and k not in op.consts and k not in impl.native_consts]
+
+
+def fresh_leaves(native: Tensors, keys: list[str]) -> Tensors:
+    return {k: (v.detach().requires_grad_(True) if k in keys else v) for k, v in native.items()}
+
+
+def call_run(impl: Implementation, native: Tensors) -> Tensors:
+    out = impl.run(native)
+    if not isinstance(out, dict):
+        raise CellError(f"run() returned {type(out).__name__}, expected a dict of named tensors")
+    return out
+
+
+def backward(outputs: Tensors, grad_outputs: Tensors) -> None:
+    """``torch.autograd.backward`` over the outputs that have an upstream gradient."""
+    tensors, grads = [], []
+    for k, g in grad_outputs.items():
+        if k not in outputs:
+            raise CellError(f"output {k!r} missing (needed for backward)")
+        if not outputs[k].requires_grad:
+            raise CellError(f"output {k!r} does not require grad: the implementation cut the autograd graph")
+        tensors.append(outputs[k])
+        grads.append(g)
+    torch.autograd.backward(tensors, grads)
+
+
+@dataclass
+class Timed:
+    """``setup`` (untimed, per sample) and ``fn`` (timed), for :func:`codabench.timing.measure`."""
+
+    fn: Callable[[Any], Any]
+    setup: Callable[[], Any] | None
+    context: Any
+    """Context to hold around the whole measurement (no_grad for forward-only modes)."""
+
+
+def timed_call(op: Op, impl: Implementation, native: Tensors, mode: str, grad_outputs_native: Tensors) -> Timed:
+    if not uses_autograd(op, mode):
+        return Timed(lambda _: impl.run(native), None, torch.no_grad())
+    keys = differentiable_keys(op, impl, native)
+    if mode == "fwd_bwd":
+        return Timed(lambda leaves: backward(impl.run(leaves), grad_outputs_native),
+                     lambda: fresh_leaves(native, keys), nullcontext())
+
+    def forward():
+        return impl.run(fresh_leaves(native, keys))
+
+    return Timed(lambda out: backward(out, grad_outputs_native), forward, nullcontext())
+
+
+@dataclass
+class Result:
+    """Canonical outputs and gradients of one untimed call (gradients named ``grad_<input>``)."""
+
+    outputs: Tensors
+    grads: Tensors
+
+
+def run_once(op: Op, impl: Implementation, case: Case, grad_outputs: Tensors | None) -> Result:
+    """Prepare and run ``impl`` once on ``case`` in its mode; ``grad_outputs`` canonical (autograd modes)."""
+    native = impl.prepare(case)
+    if not uses_autograd(op, case.mode):
+        with torch.no_grad():
+            out = call_run(impl, native)
+        return Result(impl.outputs_to_canonical(out, native), {})
+    keys = differentiable_keys(op, impl, native)
+    leaves = fresh_leaves(native, keys)
+    out = call_run(impl, leaves)
+    backward(out, impl.grad_outputs_to_native(grad_outputs, leaves))
+    grads = {k: leaves[k].grad for k in keys if leaves[k].grad is not None}
+    outputs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+    canon_grads = impl.grads_to_canonical(grads, leaves)
+    with torch.no_grad():
+        canon_out = impl.outputs_to_canonical(outputs, leaves)
+    return Result(canon_out, {f"grad_{k}": v for k, v in canon_grads.items()})
+
+
+def reference_once(op: Op, case: Case, grad_outputs: Tensors | None) -> Result:
+    """``op.reference`` on float64 copies of the case's inputs (autograd in float64)."""
+    inp = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+           for k, v in case.inputs.items()}
+    if not uses_autograd(op, case.mode):
+        with torch.no_grad():
+            return Result(op.reference(inp, case.model), {})
+    keys = op.differentiable(case.inputs)
+    leaves = fresh_leaves(inp, keys)
+    out = op.reference(leaves, case.model)
+    backward(out, {k: g.double() for k, g in grad_outputs.items()})
+    return Result({k: v.detach() for k, v in out.items()}, {f"grad_{k}": leaves[k].grad for k in keys})
+
+
+def forward_shapes(op: Op, impl: Implementation, native: Tensors) -> Tensors:
+    """The canonical outputs of one untimed forward (no grad): shapes for the timing's upstream grads."""
+    with torch.no_grad():
+        return impl.outputs_to_canonical(call_run(impl, native), native)

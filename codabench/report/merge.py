@@ -1,0 +1,36 @@
+"""Merge the run directories of the shards of one run (``--shard I/N``) into one report."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from codabench.report import finalize, load_run, records, tables
+
+
+def merge(out_dir: str | Path, shard_dirs: list[str | Path]) -> Path:
+    """Concatenate the shards' rows (a cell present twice: the later directory wins), keep every
+    shard's env.json under ``shards``, and build the report in ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / tables.RESULTS).exists():
+        raise FileExistsError(f"{out_dir} already holds results; merge into a new directory")
+    results = tables.AppendWriter(out_dir / tables.RESULTS, tables.RESULT_COLUMNS)
+    errors = tables.AppendWriter(out_dir / tables.ERRORS, tables.ERROR_COLUMNS)
+    envs = []
+    for d in map(Path, shard_dirs):
+        if not (d / tables.RESULTS).exists():
+            raise FileNotFoundError(f"{d} has no {tables.RESULTS}")
+        df, err, env = load_run(d)
+        results.write(records(df))
+        errors.write(records(err))
+        for s in tables.read_samples(d / tables.SAMPLES):
+            tables.append_jsonl(out_dir / tables.SAMPLES, s)
+        envs.append({"dir": str(d), **env})
+    first = envs[0] if envs else {}
+    merged = {k: first.get(k) for k in ("suite", "device", "torch", "triton", "cuda", "git_sha", "timestamp")}
+    merged.update(run=out_dir.name, merged_from=[e["dir"] for e in envs], shards=envs)
+    if first.get("gpu"):
+        merged["gpu"] = first["gpu"]
+    tables.write_json(out_dir / tables.ENV, merged)
+    finalize(out_dir)
+    return out_dir
+

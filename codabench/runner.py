@@ -1,0 +1,347 @@
+"""Runs the cells of a selection and appends one row per cell as it finishes.
+
+Per cell: ``skip_reason`` (n/a or skipped row) -> untimed correctness pass on fresh inputs
+(:mod:`codabench.correctness`) -> timing on other inputs (:mod:`codabench.timing`) -> speed-of-light
+(:mod:`codabench.ceilings`). Every failure of an implementation (exception, missing output, wrong
+shape or dtype, NaN/Inf, input mutation, out of memory) becomes an error row with a clear message
+and the run goes on. A broken CUDA context (e.g. an illegal memory access) cannot be recovered in
+the same process: the run stops after writing that cell's row, and ``--resume`` goes on from there.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import math
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from codabench.case import Case
+from codabench.ceilings import GemmTimer, measure_ceilings
+from codabench.correctness import CHECK_SEED, CheckOutcome, GroupReference, build_reference, check_impl
+from codabench.env import collect_env, gpu_state
+from codabench.execute import forward_shapes, timed_call, uses_autograd
+from codabench.matrix import PLUGIN_OP, SPEED_BASELINE, Cell, Selection, build_cells, groups, shard
+from codabench.progress import Progress
+from codabench.registry import Implementation, Registry, Tensors
+from codabench.report import tables
+from codabench.timing import Timing, TimingConfig, measure, measure_graph
+from kernels.torch_baselines import TorchEager
+from workloads.models import ModelShape, get_model
+from workloads.op import DTYPES
+from workloads.ops import OPS
+
+TIMING_SEED = 0
+TIMING_GRAD_SEED = 7
+MAX_GRAPH_SETS = 8
+
+
+class RunExists(Exception):
+    """The output directory already holds results and --resume was not given."""
+
+
+class DeviceLost(Exception):
+    """The CUDA context is unusable after a cell's failure; resume in a new process."""
+
+
+@dataclass
+class RunConfig:
+    out_dir: Path
+    selection: Selection
+    device: torch.device
+    suite: str = "custom"
+    tokens: int | None = None
+    vocab: int | None = None
+    check_tokens: int | None = None
+    """Tokens of the correctness pass (default: the timing's)."""
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    cuda_graph: bool = False
+    resume: bool = False
+    shard: tuple[int, int] | None = None
+    cooldown_s: float = 0.05
+    """Pause between cells on the GPU."""
+    show_progress: bool = True
+
+
+def describe_exception(e: BaseException) -> str:
+    """``Type: first line of the message (file:line of the innermost frame)``."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" ({Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    prefix = "out of memory: " if isinstance(e, torch.cuda.OutOfMemoryError) else ""
+    return f"{prefix}{type(e).__name__}: {msg}{where}"[:600]
+
+
+def status_of_reason(reason: str) -> str:
+    return "n/a" if reason.startswith("n/a") else "skipped"
+
+
+class _Group:
+    """The shared state of one (op, model, mode, dtype) group: reference and timing gradients (both
+    lazy), and the medians measured so far."""
+
+    def __init__(self, make_case: Callable[[], Case]):
+        self.make_case = make_case
+        """Builds the correctness case (inputs from CHECK_SEED); called only if a cell of the group runs."""
+        self._ref: GroupReference | None = None
+        self._error: str | None = None
+        self._timing_grads: Tensors | None = None
+        self.medians: dict[str, float] = {}
+
+    def timing_grad_outputs(self, timing_case: Case) -> Tensors:
+        """Canonical upstream gradients of the timing pass, shaped by PyTorch's own forward (so the
+        implementation under test is not run, or compiled, once more just to learn its shapes)."""
+        if self._timing_grads is None:
+            eager = TorchEager(timing_case.op)
+            shapes = forward_shapes(timing_case.op, eager, eager.prepare(timing_case))
+            self._timing_grads = timing_case.op.grad_outputs(shapes, TIMING_GRAD_SEED)
+        return self._timing_grads
+
+    def reference(self) -> GroupReference:
+        if self._ref is None and self._error is None:
+            try:
+                case = self.make_case()
+                self._ref = build_reference(case.op, case)
+            except Exception as e:
+                self._error = describe_exception(e)
+        if self._error is not None:
+            raise RuntimeError(f"building the float64 reference / PyTorch error failed: {self._error}")
+        return self._ref
+
+
+class Runner:
+    def __init__(self, cfg: RunConfig, registry: Registry):
+        self.cfg, self.registry = cfg, registry
+        self.device = cfg.device
+        self.cells = build_cells(cfg.selection, registry)
+        if cfg.shard:
+            self.cells = shard(self.cells, *cfg.shard)
+        self.gemm_timer = GemmTimer(self.device, cfg.timing)
+        self.ceilings: dict[str, Any] = {}
+
+    # ---- the matrix --------------------------------------------------------------------------
+
+    def model(self, name: str, check: bool = False) -> ModelShape:
+        m = get_model(name, self.cfg.tokens, self.cfg.vocab)
+        return m.with_(tokens=self.cfg.check_tokens) if check else m
+
+    def impl(self, cell: Cell) -> Implementation:
+        return self.registry.get(cell.op, cell.impl)
+
+    def skip_reason(self, cell: Cell) -> str | None:
+        allowed = self.cfg.selection.impl_modes.get(cell.impl)
+        if allowed is not None and OPS[cell.op].kind == "autograd" and cell.mode not in allowed:
+            return (f"skipped: the {self.cfg.suite} suite runs {cell.impl} only in "
+                    f"{'/'.join(allowed)} mode (give --modes or --impls to run every mode)")
+        stub = Case(OPS[cell.op], self.model(cell.model), cell.mode, cell.dtype, self.device, {})
+        return self.impl(cell).skip_reason(stub)
+
+    def plan(self) -> list[tuple[Cell, str]]:
+        """Each cell with its planned status: ``run``, ``n/a: ...``, ``skipped: ...``, ``error: ...``."""
+        out = []
+        for c in self.cells:
+            try:
+                out.append((c, self.skip_reason(c) or "run"))
+            except Exception as e:
+                out.append((c, f"error: skip_reason raised {describe_exception(e)}"))
+        return out
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def run(self) -> Path:
+        out = self.cfg.out_dir
+        out.mkdir(parents=True, exist_ok=True)
+        results_path = out / tables.RESULTS
+        if results_path.exists() and not self.cfg.resume:
+            raise RunExists(f"{out} already holds results: pass --resume to continue it, or another --out")
+        done = self._done_keys() if self.cfg.resume else set()
+        results = tables.AppendWriter(results_path, tables.RESULT_COLUMNS)
+        errors = tables.AppendWriter(out / tables.ERRORS, tables.ERROR_COLUMNS)
+        self._write_env(out)
+
+        results.write(r for r in self._load_error_rows() if _key(r) not in done)
+        plan = [(c, s) for c, s in self.plan() if c.key not in done]
+        progress = Progress(len(plan), sum(s == "run" for _, s in plan), enabled=self.cfg.show_progress)
+        try:
+            planned = dict((c.key, s) for c, s in plan)
+            for group in groups(c for c, _ in plan):
+                state = _Group(lambda cell=group[0]: self._check_case(cell))
+                for cell in group:
+                    t0 = time.monotonic()
+                    row, err_rows, samples = self.run_cell(cell, state, planned[cell.key])
+                    results.write([row])
+                    errors.write(err_rows)
+                    if samples is not None:
+                        tables.append_jsonl(out / tables.SAMPLES, {**dict(zip(tables.KEY, cell.key)), **samples})
+                    progress.update(str(cell), _outcome(row), planned[cell.key] == "run", time.monotonic() - t0)
+                    if row["status"] == "error":
+                        self._after_error(cell)
+                    elif self.device.type == "cuda" and planned[cell.key] == "run":
+                        time.sleep(self.cfg.cooldown_s)
+                del state
+        finally:
+            progress.close()
+        return out
+
+    def _done_keys(self) -> set[tuple]:
+        df = tables.read_csv(self.cfg.out_dir / tables.RESULTS, tables.RESULT_COLUMNS)
+        return {tuple("" if isinstance(v, float) and math.isnan(v) else str(v) for v in r)
+                for r in df[tables.KEY].itertuples(index=False)}
+
+    def _write_env(self, out: Path) -> None:
+        impls = [self.impl(c) for c in self.cells]
+        env = collect_env(self.device, impls)
+        env.update(suite=self.cfg.suite, run=out.name, shard=list(self.cfg.shard) if self.cfg.shard else None,
+                   tokens=self.cfg.tokens, vocab=self.cfg.vocab, check_tokens=self.cfg.check_tokens,
+                   cuda_graph=self.cfg.cuda_graph, timing=vars(self.cfg.timing),
+                   load_errors=[{"source": s, "error": e} for s, e in self.registry.load_errors])
+        if self.device.type == "cuda":
+            self.ceilings = measure_ceilings(self.device, self.cfg.timing)
+            env["ceilings"] = self.ceilings
+        env_path = out / tables.ENV
+        if self.cfg.resume and env_path.exists():
+            old = json.loads(env_path.read_text())
+            env["earlier_sessions"] = old.pop("earlier_sessions", []) + [old]
+        tables.write_json(env_path, env)
+
+    def _load_error_rows(self) -> list[dict[str, Any]]:
+        return [{"op": PLUGIN_OP, "impl": source, "model": "", "mode": "", "dtype": "", "status": "error",
+                 "message": f"plugin failed to load: {err.strip().splitlines()[-1]}", "finished_at": _now()}
+                for source, err in self.registry.load_errors]
+
+    def _check_case(self, cell: Cell) -> Case:
+        op, model = OPS[cell.op], self.model(cell.model, check=self.cfg.check_tokens is not None)
+        return Case(op, model, cell.mode, cell.dtype, self.device,
+                    op.make_inputs(model, DTYPES[cell.dtype], self.device, CHECK_SEED))
+
+    def _after_error(self, cell: Cell) -> None:
+        gc.collect()
+        if self.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        except Exception as e:
+            raise DeviceLost(f"the CUDA context is unusable after cell {cell} ({describe_exception(e)}); "
+                             f"its row is written: rerun with --resume to go on") from e
+
+    # ---- one cell ----------------------------------------------------------------------------
+
+    def run_cell(self, cell: Cell, group: _Group, planned: str
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+        """The results row, the per-output error rows and the timing samples of one cell."""
+        row = self._base_row(cell)
+        if planned != "run":
+            row.update(status="error" if planned.startswith("error") else status_of_reason(planned),
+                       message=planned)
+            return row, [], None
+        impl, op = self.impl(cell), OPS[cell.op]
+        try:
+            outcome = check_impl(group.reference(), impl)
+        except Exception as e:
+            row.update(status="error", message=f"correctness run: {describe_exception(e)}")
+            return row, [], None
+        err_rows = [self._error_row(cell, c) for c in outcome.checks]
+        self._fill_errors(row, outcome)
+        if outcome.errors:
+            row.update(status="error", message="; ".join(outcome.errors))
+            return row, err_rows, None
+        model = self.model(cell.model)
+        try:
+            timing = self.time_cell(cell, model, group)
+        except Exception as e:
+            row.update(status="error", message=f"timing run: {describe_exception(e)}")
+            return row, err_rows, None
+        notes = [timing.note] if timing.note else []
+        group.medians[cell.impl] = timing.median
+        sol = self.gemm_timer.sol_ms(op.gemms(model, cell.mode), cell.dtype)
+        if sol is None and self.gemm_timer.failures:
+            notes.append("no speed-of-light: " + next(iter(self.gemm_timer.failures.values())))
+        tflops = op.flops(model, cell.mode) / (timing.median * 1e-3) / 1e12
+        ceiling = self.ceilings.get("fp8_tflops" if cell.dtype == "fp8" else "bf16_tflops")
+        base = group.medians.get(SPEED_BASELINE)
+        row.update(status="ok", message="; ".join(notes), median_ms=timing.median, p20_ms=timing.p20,
+                   p80_ms=timing.p80, cv=timing.cv, n_samples=len(timing.samples_ms), timing=timing.kind,
+                   tflops=tflops, speedup=base / timing.median if base else None, sol_ms=sol,
+                   sol_ratio=timing.median / sol if sol else None,
+                   pct_ceiling=100 * tflops / ceiling if isinstance(ceiling, float) and cell.dtype != "fp32" else None,
+                   **gpu_state(self.device))
+        return row, err_rows, {"timing": timing.kind, "samples_ms": timing.samples_ms}
+
+    def time_cell(self, cell: Cell, model: ModelShape, group: _Group) -> Timing:
+        op, impl, dev = OPS[cell.op], self.impl(cell), self.device
+        case = Case(op, model, cell.mode, cell.dtype, dev, op.make_inputs(model, DTYPES[cell.dtype], dev, TIMING_SEED))
+        grad_outputs = group.timing_grad_outputs(case) if uses_autograd(op, cell.mode) else None
+        native = impl.prepare(case)
+        if grad_outputs is not None:
+            grad_outputs = impl.grad_outputs_to_native(grad_outputs, native)
+        note = ""
+        if self.cfg.cuda_graph and dev.type == "cuda":
+            if uses_autograd(op, cell.mode):
+                note = "cuda-graph mode covers fwd and direct modes only: timed with events"
+            else:
+                try:
+                    with torch.no_grad():
+                        return measure_graph(lambda nat: impl.run(nat), self._graph_sets(impl, case, native), dev,
+                                             self.cfg.timing)
+                except Exception as e:
+                    note = f"cuda-graph capture failed ({describe_exception(e)}): timed with events"
+        timed = timed_call(op, impl, native, cell.mode, grad_outputs)
+        with timed.context:
+            timing = measure(timed.fn, timed.setup, dev, self.cfg.timing)
+        timing.note = note
+        return timing
+
+    def _graph_sets(self, impl: Implementation, case: Case, native: dict) -> list[dict]:
+        """Prepared input sets to rotate among, together at least 3x L2 (2 to MAX_GRAPH_SETS sets)."""
+        nbytes = sum(t.numel() * t.element_size() for t in case.inputs.values() if isinstance(t, torch.Tensor))
+        l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 64 * 2**20
+        k = min(MAX_GRAPH_SETS, max(2, math.ceil(3 * l2 / max(nbytes, 1))))
+        sets = [native]
+        for i in range(1, k):
+            inputs = case.op.make_inputs(case.model, DTYPES[case.dtype], self.device, TIMING_SEED + i)
+            sets.append(impl.prepare(replace(case, inputs=inputs)))
+        return sets
+
+    # ---- rows --------------------------------------------------------------------------------
+
+    def _base_row(self, cell: Cell) -> dict[str, Any]:
+        impl = self.impl(cell)
+        return {"op": cell.op, "impl": cell.impl, "model": cell.model, "mode": cell.mode, "dtype": cell.dtype,
+                "label": impl.label, "tokens": self.model(cell.model).tokens,
+                "check_tokens": self.model(cell.model, check=self.cfg.check_tokens is not None).tokens,
+                "finished_at": _now()}
+
+    @staticmethod
+    def _fill_errors(row: dict[str, Any], outcome: CheckOutcome) -> None:
+        row.update(rel_err=outcome.worst(lambda c: c.stats.rel_err),
+                   max_abs_err=outcome.worst(lambda c: c.stats.max_abs),
+                   err_ratio=outcome.worst(lambda c: c.ratio),
+                   correct=outcome.correct if outcome.checks else None)
+
+    @staticmethod
+    def _error_row(cell: Cell, c) -> dict[str, Any]:
+        return {"op": cell.op, "impl": cell.impl, "model": cell.model, "mode": cell.mode, "dtype": cell.dtype,
+                "output": c.output, "rel_err": c.stats.rel_err, "max_abs": c.stats.max_abs,
+                "cosine": c.stats.cosine, "torch_rel_err": c.torch_rel_err, "ratio": c.ratio, "passed": c.passed}
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return tuple(str(row[k]) for k in tables.KEY)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _outcome(row: dict[str, Any]) -> str:
+    if row["status"] != "ok":
+        msg = row["message"]
+        return (msg if msg.startswith(row["status"]) else f"{row['status']}: {msg}")[:160]
+    ok = {True: "pass", False: "FAIL", None: "?"}[row.get("correct")]
+    return f"ok {row['median_ms']:.3f} ms ({row['timing']}), {ok}"

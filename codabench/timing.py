@@ -1,0 +1,187 @@
+"""Timing loops (benchmarking.md): CUDA events, warm-up, cold L2, many samples, optional CUDA graphs.
+
+One sample is ``state = setup(); [flush L2]; start.record(); fn(state); end.record()``: the setup
+(e.g. the forward pass that a backward-only measurement needs, or fresh autograd leaves) and the L2
+flush stay outside the event pair. All samples are kept; the summary is the median, p20/p80 and the
+coefficient of variation. On the CPU the loop measures wall time with ``time.perf_counter``; such a
+figure checks that the code runs, it is not a performance figure (``Timing.is_perf`` is False).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+CUDA_EVENTS, CUDA_GRAPH, CPU_WALL = "cuda-events", "cuda-graph", "cpu-wall"
+
+
+@dataclass
+class TimingConfig:
+    warmup: int = 3
+    """Untimed calls before sampling (the first call also compiles, autotunes, allocates)."""
+    warmup_ms: float = 50.0
+    """...and at least this much warm-up time (GPU)."""
+    reps: int | None = None
+    """Samples; None: enough for ``target_ms`` of measured time, within [min_reps, max_reps]."""
+    min_reps: int = 20
+    max_reps: int = 200
+    target_ms: float = 500.0
+    cpu_reps: int = 1
+    """Samples on the CPU (after one warm-up call), where the figure is only a sanity check: the
+    smoke suite spends its time on correctness, not on CPU wall times that mean nothing."""
+    flush_l2: bool = True
+
+
+@dataclass
+class Timing:
+    samples_ms: list[float]
+    kind: str
+    """``cuda-events``, ``cuda-graph`` or ``cpu-wall``."""
+    note: str = ""
+
+    @property
+    def is_perf(self) -> bool:
+        return self.kind != CPU_WALL
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    def quantile(self, q: float) -> float:
+        """Linear-interpolation quantile of the samples, q in [0, 1]."""
+        s = sorted(self.samples_ms)
+        pos = q * (len(s) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+    @property
+    def p20(self) -> float:
+        return self.quantile(0.2)
+
+    @property
+    def p80(self) -> float:
+        return self.quantile(0.8)
+
+    @property
+    def cv(self) -> float:
+        """Standard deviation over mean (0 for a single sample)."""
+        if len(self.samples_ms) < 2:
+            return 0.0
+        return statistics.stdev(self.samples_ms) / statistics.mean(self.samples_ms)
+
+
+@dataclass
+class L2Flusher:
+    """Writes a buffer twice the size of L2 so that the next kernel starts with a cold cache."""
+
+    device: torch.device
+    buf: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        props = torch.cuda.get_device_properties(self.device)
+        l2 = getattr(props, "L2_cache_size", 0) or 64 * 2**20
+        self.buf = torch.empty(2 * l2, dtype=torch.uint8, device=self.device)
+
+    def flush(self) -> None:
+        self.buf.zero_()
+
+
+_FLUSHERS: dict[torch.device, L2Flusher] = {}
+
+
+def l2_flusher(device: torch.device) -> L2Flusher:
+    if device not in _FLUSHERS:
+        _FLUSHERS[device] = L2Flusher(device)
+    return _FLUSHERS[device]
+
+
+def _n_samples(cfg: TimingConfig, est_ms: float) -> int:
+    if cfg.reps is not None:
+        return cfg.reps
+    n = int(cfg.target_ms / max(est_ms, 1e-3))
+    return max(cfg.min_reps, min(cfg.max_reps, n))
+
+
+def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: torch.device,
+            cfg: TimingConfig | None = None) -> Timing:
+    """Time ``fn(setup())`` per sample; ``setup`` (may be None) runs untimed before each sample."""
+    cfg = cfg or TimingConfig()
+    setup = setup or (lambda: None)
+    if device.type != "cuda":
+        return _measure_cpu(fn, setup, cfg)
+    flusher = l2_flusher(device) if cfg.flush_l2 else None
+    start_warm, calls = time.perf_counter(), 0
+    while calls < max(cfg.warmup, 1) or ((time.perf_counter() - start_warm) * 1e3 < cfg.warmup_ms
+                                         and calls < 1000):
+        fn(setup())
+        torch.cuda.synchronize(device)
+        calls += 1
+    est = _sample_events(fn, setup, flusher, device, 3)
+    n = _n_samples(cfg, statistics.median(est))
+    return Timing(_sample_events(fn, setup, flusher, device, n), CUDA_EVENTS)
+
+
+def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n: int) -> list[float]:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        state = setup()
+        if flusher is not None:
+            flusher.flush()
+        starts[i].record()
+        fn(state)
+        ends[i].record()
+        del state
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def _measure_cpu(fn, setup, cfg: TimingConfig) -> Timing:
+    fn(setup())  # one warm-up call: compile, first-call allocations
+    samples = []
+    for _ in range(cfg.reps or cfg.cpu_reps):
+        state = setup()
+        t0 = time.perf_counter()
+        fn(state)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return Timing(samples, CPU_WALL)
+
+
+def measure_graph(fn: Callable[[Any], Any], states: list[Any], device: torch.device,
+                  cfg: TimingConfig | None = None) -> Timing:
+    """CUDA-graph mode: one graph per input set in ``states``, replayed in rotation.
+
+    Rotating among input sets whose total size exceeds L2 keeps the data cold without a flush
+    (plain replay of one graph would keep it hot in L2 and flatter memory-bound kernels).
+    Each replay is timed with its own event pair.
+    """
+    cfg = cfg or TimingConfig()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for s in states:
+            for _ in range(max(cfg.warmup, 1)):
+                fn(s)
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graphs = []
+    for s in states:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(s)
+        graphs.append(g)
+    torch.cuda.synchronize(device)
+    k = len(graphs)
+    est = _sample_events(lambda i: graphs[i % k].replay(), _counter(), None, device, 3)
+    n = _n_samples(cfg, statistics.median(est))
+    return Timing(_sample_events(lambda i: graphs[i % k].replay(), _counter(), None, device, n), CUDA_GRAPH,
+                  note=f"cuda graph, {k} rotating input sets")
+
+
+def _counter() -> Callable[[], int]:
+    it = iter(range(1 << 62))
+    return lambda: next(it)

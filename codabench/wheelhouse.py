@@ -1,0 +1,226 @@
+"""Wheels of the baseline packages for GPU nodes without internet.
+
+On a connected machine::
+
+    python -m codabench wheelhouse --dest DIR --python-version 3.12 --platform manylinux_2_28_x86_64
+
+downloads (``pip download --no-deps --only-binary=:all:``) liger-kernel, flashinfer-python and
+apache-tvm-ffi for the node's Python and platform, and rewrites the flashinfer wheel so that its
+``data/`` keeps only what the norm, activation and RoPE modules JIT-compile: ``data/include``,
+``data/cutlass``, ``data/cccl``, ``data/spdlog`` and, of ``data/csrc``, ``norm.cu``, ``rope.cu``,
+their two ``flashinfer_*_binding.cu`` files and every ``*.h``/``*.cuh`` header (62 MB -> ~35 MB).
+The rewritten wheel keeps its name; its ``RECORD`` lists exactly the files it holds, so pip
+installs it. ``DIR/wheelhouse.json`` records every file's size and sha256. A file larger than
+``--max-part-mib`` is split into ``NAME.part00``, ``NAME.part01``, ... (join by hand with
+``cat NAME.part* > NAME``). Carry DIR to the node, then::
+
+    python -m codabench install-offline DIR
+
+joins any split files (checking their sha256), then runs ``pip install --no-index --no-deps`` on
+every wheel in DIR. ``--no-deps``: the node already has flashinfer's import-time needs (torch,
+nvidia-ml-py, cuda-bindings, tqdm, packaging, requests, ninja); flashinfer's other declared
+dependencies (cutlass-dsl, cudnn-frontend, nccl, ...) serve kernels this suite does not call.
+quack is not in the default set (it needs nvidia-cutlass-dsl, about 100 MB); add it with
+``--extra quack-kernels==0.6.1 --extra nvidia-cutlass-dsl==... --extra ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import hashlib
+import io
+import json
+import posixpath
+import re
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+LIGER_VERSION = "0.8.5"
+FLASHINFER_VERSION = "0.7.2.post1"
+TVM_FFI_SPEC = "apache-tvm-ffi>=0.1.11,<0.2"  # flashinfer 0.7.2.post1's requirement
+MANIFEST = "wheelhouse.json"
+
+FLASHINFER_DATA_DIRS = ("include", "cutlass", "cccl", "spdlog")
+FLASHINFER_CSRC_SOURCES = ("norm.cu", "flashinfer_norm_binding.cu", "rope.cu", "flashinfer_rope_binding.cu")
+_PART = re.compile(r"^(?P<name>.+)\.part(?P<idx>\d{2})$")
+
+
+def keep_flashinfer_file(path: str) -> bool:
+    """Whether a file of the flashinfer wheel is needed by the norm, activation and RoPE JIT modules.
+
+    Everything outside ``flashinfer/data/`` (the Python package, dist-info) and the loose files of
+    ``data/`` are kept; of the data subfolders only the header trees and the four sources.
+    """
+    parts = path.split("/")
+    if parts[:2] != ["flashinfer", "data"] or len(parts) == 3:
+        return True
+    sub = parts[2]
+    if sub in FLASHINFER_DATA_DIRS:
+        return True
+    if sub == "csrc":
+        base = posixpath.basename(path)
+        return base in FLASHINFER_CSRC_SOURCES or base.endswith((".h", ".cuh"))
+    return False
+
+
+@dataclass
+class TrimStats:
+    kept: int
+    dropped: int
+    bytes_before: int
+    bytes_after: int
+
+
+def record_hash(data: bytes) -> str:
+    """The wheel RECORD form of a sha256: ``sha256=<urlsafe base64, no padding>``."""
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def trim_wheel(src: Path, dest: Path, keep=keep_flashinfer_file) -> TrimStats:
+    """Write ``dest``: the wheel ``src`` with only the files ``keep`` accepts, and a matching RECORD."""
+    src, dest = Path(src), Path(dest)
+    bytes_before = src.stat().st_size
+    with zipfile.ZipFile(src) as zin:
+        infos = zin.infolist()
+        record_name = next(i.filename for i in infos if i.filename.endswith(".dist-info/RECORD"))
+        kept = [i for i in infos if i.filename == record_name or keep(i.filename)]
+        kept_names = {i.filename for i in kept}
+        rows = list(csv.reader(io.StringIO(zin.read(record_name).decode())))
+        record = io.StringIO()
+        csv.writer(record, lineterminator="\n").writerows(r for r in rows if r and r[0] in kept_names)
+        tmp = dest.with_name(dest.name + ".tmp")
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zout:
+            for info in kept:
+                data = record.getvalue().encode() if info.filename == record_name else zin.read(info)
+                zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    tmp.replace(dest)
+    return TrimStats(kept=len(kept), dropped=len(infos) - len(kept), bytes_before=bytes_before,
+                     bytes_after=dest.stat().st_size)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def split_file(path: Path, max_bytes: int) -> list[Path]:
+    """Split ``path`` into ``path.part00, path.part01, ...`` of at most ``max_bytes``; remove ``path``."""
+    parts = []
+    with open(path, "rb") as f:
+        for idx, chunk in enumerate(iter(lambda: f.read(max_bytes), b"")):
+            part = path.with_name(f"{path.name}.part{idx:02d}")
+            part.write_bytes(chunk)
+            parts.append(part)
+    path.unlink()
+    return parts
+
+
+def join_parts(folder: Path) -> list[Path]:
+    """Join every ``NAME.partNN`` set in ``folder`` into ``NAME`` (sha256 checked against the manifest)."""
+    folder = Path(folder)
+    manifest = json.loads((folder / MANIFEST).read_text()) if (folder / MANIFEST).exists() else {"files": {}}
+    groups: dict[str, list[Path]] = {}
+    for p in sorted(folder.iterdir()):
+        m = _PART.match(p.name)
+        if m:
+            groups.setdefault(m["name"], []).append(p)
+    joined = []
+    for name, parts in groups.items():
+        expected = manifest["files"].get(name, {}).get("parts")
+        if expected is not None and [p.name for p in parts] != expected:
+            raise RuntimeError(f"{name}: expected parts {expected}, found {[p.name for p in parts]}")
+        out = folder / name
+        with open(out, "wb") as f:
+            for p in parts:
+                f.write(p.read_bytes())
+        want = manifest["files"].get(name, {}).get("sha256")
+        if want and sha256_file(out) != want:
+            out.unlink()
+            raise RuntimeError(f"{name}: sha256 of the joined parts differs from {MANIFEST}")
+        for p in parts:
+            p.unlink()
+        joined.append(out)
+    return joined
+
+
+def pip_download_command(specs: list[str], dest: Path, python_version: str, platform: str) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--python-version", python_version, "--platform", platform, "-d", str(dest), *specs]
+
+
+def default_specs(liger_version: str = LIGER_VERSION, flashinfer_version: str = FLASHINFER_VERSION) -> list[str]:
+    return [f"liger-kernel=={liger_version}", f"flashinfer-python=={flashinfer_version}", TVM_FFI_SPEC]
+
+
+def build(dest: Path, python_version: str, platform: str, specs: list[str], max_part_bytes: int) -> dict:
+    """Download, trim flashinfer, split oversized files, write and return the manifest."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run(pip_download_command(specs, dest, python_version, platform), check=True)
+    manifest: dict = {"python_version": python_version, "platform": platform, "specs": specs, "files": {}}
+    for wheel in sorted(dest.glob("*.whl")):
+        entry: dict = {}
+        if wheel.name.startswith("flashinfer_python-"):
+            stats = trim_wheel(wheel, wheel)
+            entry["trimmed"] = {"kept_files": stats.kept, "dropped_files": stats.dropped,
+                                "keep_data_dirs": list(FLASHINFER_DATA_DIRS),
+                                "keep_csrc": [*FLASHINFER_CSRC_SOURCES, "*.h", "*.cuh"]}
+        entry["bytes"], entry["sha256"] = wheel.stat().st_size, sha256_file(wheel)
+        if entry["bytes"] > max_part_bytes:
+            entry["parts"] = [p.name for p in split_file(wheel, max_part_bytes)]
+        manifest["files"][wheel.name] = entry
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def install_command(folder: Path, target: str | None = None) -> list[str]:
+    wheels = sorted(str(p) for p in Path(folder).glob("*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"no wheels in {folder}")
+    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links", str(folder), *wheels]
+    return cmd + (["--target", target] if target else [])
+
+
+def main_wheelhouse(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="codabench wheelhouse", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dest", required=True, type=Path, help="folder to fill (created)")
+    ap.add_argument("--python-version", default="3.12", help="the GPU node's Python (default 3.12)")
+    ap.add_argument("--platform", default="manylinux_2_28_x86_64", help="the node's wheel platform tag")
+    ap.add_argument("--liger-version", default=LIGER_VERSION)
+    ap.add_argument("--flashinfer-version", default=FLASHINFER_VERSION)
+    ap.add_argument("--extra", action="append", default=[], metavar="SPEC",
+                    help="another requirement to download (repeatable), e.g. quack-kernels==0.6.1")
+    ap.add_argument("--max-part-mib", type=float, default=60.0,
+                    help="split files larger than this into parts (default 60)")
+    args = ap.parse_args(argv)
+    specs = default_specs(args.liger_version, args.flashinfer_version) + args.extra
+    manifest = build(args.dest, args.python_version, args.platform, specs, int(args.max_part_mib * 2**20))
+    total = 0
+    for name, entry in manifest["files"].items():
+        total += entry["bytes"]
+        note = f"  (split: {', '.join(entry['parts'])})" if "parts" in entry else ""
+        note += "  (trimmed)" if "trimmed" in entry else ""
+        print(f"{entry['bytes'] / 2**20:8.2f} MiB  {name}{note}")
+    print(f"{total / 2**20:8.2f} MiB  total in {args.dest}; on the node: python -m codabench install-offline DIR")
+    return 0
+
+
+def main_install_offline(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="codabench install-offline",
+                                 description="Install a wheelhouse made by `codabench wheelhouse`, with no index.")
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--target", help="install into this folder (pip --target) instead of site-packages")
+    ap.add_argument("--dry-run", action="store_true", help="print the pip command, install nothing")
+    args = ap.parse_args(argv)
+    for joined in join_parts(args.folder):
+        print(f"joined {joined.name}")
+    cmd = install_command(args.folder, args.target)
+    print(" ".join(cmd))
+    return 0 if args.dry_run else subprocess.run(cmd).returncode

@@ -1,0 +1,239 @@
+"""Epilogue primitives: small ``@triton.jit`` helpers applied to an fp32 output tile.
+
+A tile is the (BM, BN) block at (off_m, off_n) of an M x N output; ``acc`` is the mainloop's fp32
+accumulator (or any fp32 tile derived from it). Elements outside the matrix are zero in ``acc`` and in
+tiles read through a descriptor (out-of-bounds reads are zero), which the reductions below rely on;
+only the log-sum-exp masks explicitly (exp(0) is not 0). All math is fp32; values are cast to the
+destination dtype only when stored. The five kinds (coda-spec.md):
+
+1. elementwise / scale: :func:`scale_scalar`, :func:`scale_rows`, :func:`scale_cols`, :func:`add_tile`,
+   :func:`rmsnorm_dx` (RMSNorm backward)
+2. vector loads broadcast along M or N: :func:`load_rows`, :func:`load_cols`
+3. tile load / store: :func:`load_tile`, :func:`store_tile`
+4. block reductions: :func:`store_row_partial` (+ :func:`row_sumsq_partial`, :func:`row_dot_partial`)
+   into ``part[M, T]`` (T = number of N tiles) and :func:`col_sum_partial` into ``part[Tm, N]``;
+   finished by the kernels of ``kernels/coda/reduce.py`` (deterministic: no atomics)
+5. stateful / pairwise: :func:`tile_lse`, :func:`gather_cols`, :func:`split_cols`, :func:`split_pairs` /
+   :func:`join_pairs`, :func:`silu_mul_pairs`, :func:`silu_mul_pairs_bwd`, :func:`rotate_pairs`,
+   :func:`rope_cos_sin` (+ :func:`cos_sin_reduced`)
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.coda.mainloop import INTERPRET
+
+FAST_TRIG = tl.constexpr(not INTERPRET)
+"""cos/sin of reduced angles with the GPU's approximate instructions (libdevice's are ~4x slower in an epilogue)."""
+
+# 2*pi as A + B + C with A = 201/32 (8 significant bits: k * A is exact for |k| < 2^16), for the
+# Cody-Waite reduction of RoPE angles.
+TWO_PI_A = tl.constexpr(6.28125)
+TWO_PI_B = tl.constexpr(0.0019353071693331003)
+TWO_PI_C = tl.constexpr(1.0253131677018246e-11)
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
+
+
+# ---- 1-2. scales and vector loads -------------------------------------------------------------
+
+@triton.jit
+def scale_scalar(acc, scale_ptr):
+    """``acc * s`` with the fp32 scalar ``s = *scale_ptr`` (e.g. an fp8 dequantization scale)."""
+    return acc * tl.load(scale_ptr).to(tl.float32)
+
+
+@triton.jit
+def load_rows(vec_ptr, off_m, M, BM: tl.constexpr):
+    """``v[off_m + i]`` for i < BM as fp32 (0 past M): a per-row vector of the tile."""
+    rows = off_m + tl.arange(0, BM)
+    return tl.load(vec_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_cols(vec_ptr, off_n, N, BN: tl.constexpr):
+    """``v[off_n + j]`` for j < BN as fp32 (0 past N): a per-column vector of the tile."""
+    cols = off_n + tl.arange(0, BN)
+    return tl.load(vec_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def scale_rows(acc, vec_ptr, off_m, M, BM: tl.constexpr):
+    """``acc[i, j] * v[off_m + i]``: row-vector scale (RMSNorm's ``rstd``, per-token fp8 scales)."""
+    return acc * load_rows(vec_ptr, off_m, M, BM)[:, None]
+
+
+@triton.jit
+def scale_cols(acc, vec_ptr, off_n, N, BN: tl.constexpr):
+    """``acc[i, j] * v[off_n + j]``: column-vector scale (RMSNorm's ``gamma``, per-channel scales)."""
+    return acc * load_cols(vec_ptr, off_n, N, BN)[None, :]
+
+
+# ---- 3. tile loads and stores -----------------------------------------------------------------
+
+@triton.jit
+def load_tile(desc, off_m, off_n):
+    """The tile of ``desc`` at (off_m, off_n) as fp32 (zero outside the matrix)."""
+    return desc.load([off_m, off_n]).to(tl.float32)
+
+
+@triton.jit
+def add_tile(acc, desc, off_m, off_n):
+    """``acc + T`` with T the tile of ``desc`` at (off_m, off_n): residual add."""
+    return acc + load_tile(desc, off_m, off_n)
+
+
+@triton.jit
+def store_tile(desc, off_m, off_n, val):
+    """Write ``val`` cast to the descriptor's dtype at (off_m, off_n) (rows/cols past the end are dropped)."""
+    desc.store([off_m, off_n], val.to(desc.dtype))
+
+
+# ---- 4. block reductions ----------------------------------------------------------------------
+
+@triton.jit
+def store_row_partial(part_ptr, val, off_m, off_n, M, stride_p, BM: tl.constexpr, BN: tl.constexpr):
+    """``part[off_m + i, off_n // BN] = val[i]``: one (row, N-tile) partial; ``part`` has row stride ``stride_p``."""
+    rows = off_m + tl.arange(0, BM)
+    tl.store(part_ptr + rows.to(tl.int64) * stride_p + off_n // BN, val, mask=rows < M)
+
+
+@triton.jit
+def row_sumsq_partial(part_ptr, x, off_m, off_n, M, stride_p, BM: tl.constexpr, BN: tl.constexpr):
+    """Row partials of the sum of squares: ``part[m, t] = sum_{j in tile t} x_mj^2``."""
+    store_row_partial(part_ptr, tl.sum(x * x, axis=1), off_m, off_n, M, stride_p, BM, BN)
+
+
+@triton.jit
+def row_dot_partial(part_ptr, a, b, off_m, off_n, M, stride_p, BM: tl.constexpr, BN: tl.constexpr):
+    """Row partials of a dot product: ``part[m, t] = sum_{j in tile t} a_mj b_mj`` (ZdZ)."""
+    store_row_partial(part_ptr, tl.sum(a * b, axis=1), off_m, off_n, M, stride_p, BM, BN)
+
+
+@triton.jit
+def col_sum_partial(part_ptr, x, off_m, off_n, N, stride_p, BM: tl.constexpr, BN: tl.constexpr):
+    """Column partials ``part[off_m // BM, n] = sum_{i in tile} x_in`` (e.g. dgamma); row stride ``stride_p``."""
+    cols = off_n + tl.arange(0, BN)
+    tl.store(part_ptr + (off_m // BM).to(tl.int64) * stride_p + cols, tl.sum(x, axis=0), mask=cols < N)
+
+
+# ---- 5. stateful and pairwise transforms ------------------------------------------------------
+
+@triton.jit
+def tile_lse(logits, off_n, N, BN: tl.constexpr):
+    """Per-row log-sum-exp over the tile's columns < N: ``max_j l_j + log sum_j exp(l_j - max_j l_j)``."""
+    cols = off_n + tl.arange(0, BN)
+    masked = tl.where((cols < N)[None, :], logits, float("-inf"))
+    row_max = tl.max(masked, axis=1)
+    return row_max + tl.log(tl.sum(tl.exp(masked - row_max[:, None]), axis=1))
+
+
+@triton.jit
+def gather_cols(x, idx, off_n, BN: tl.constexpr):
+    """``(x[i, idx_i - off_n], hit_i)``: per row, the element in column ``idx_i`` if this tile holds it.
+
+    ``hit_i`` is whether the tile holds column ``idx_i``; the value is 0 where it does not.
+    """
+    cols = off_n + tl.arange(0, BN)
+    val = tl.sum(tl.where(cols[None, :] == idx[:, None], x, 0.0), axis=1)
+    return val, (idx >= off_n) & (idx < off_n + BN)
+
+
+@triton.jit
+def split_pairs(x, BM: tl.constexpr, BN: tl.constexpr):
+    """``(x[:, 0::2], x[:, 1::2])``: the even and odd columns of a (BM, BN) tile, each (BM, BN // 2)."""
+    return x.reshape(BM, BN // 2, 2).split()
+
+
+@triton.jit
+def join_pairs(even, odd, BM: tl.constexpr, BN: tl.constexpr):
+    """Inverse of :func:`split_pairs`: the (BM, BN) tile with ``even`` in columns 2i and ``odd`` in 2i+1."""
+    return tl.join(even, odd).reshape(BM, BN)
+
+
+@triton.jit
+def silu_mul_pairs(z, BM: tl.constexpr, BN: tl.constexpr):
+    """SwiGLU on interleaved (gate, up) columns: ``y[:, i] = silu(z[:, 2i]) z[:, 2i+1]``, shape (BM, BN // 2)."""
+    gate, up = split_pairs(z, BM, BN)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def rotate_pairs(z, cos, sin, BM: tl.constexpr, BN: tl.constexpr):
+    """Rotate adjacent pairs ``(x, y) = (z[:, 2i], z[:, 2i+1]) -> (x cos_i - y sin_i, y cos_i + x sin_i)``.
+
+    ``cos``/``sin`` are (BM, BN // 2), one angle per pair; ``sin = -sin`` gives the inverse rotation.
+    """
+    x, y = split_pairs(z, BM, BN)
+    return join_pairs(x * cos - y * sin, y * cos + x * sin, BM, BN)
+
+
+@triton.jit
+def rope_cos_sin(pos_ptr, freq_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """cos and sin, each (BM, BN // 2), of the angles ``pos[m] * f[p]`` of the tile's rows and column pairs.
+
+    ``freq_ptr`` points at the fp32 table [2, N // 2] of :func:`kernels.coda.rope.rope_freq_table`:
+    ``f = hi + lo`` with 8 significant bits in ``hi``, so ``pos * hi`` is exact for positions < 2^16;
+    the angle is reduced to [-pi, pi] (Cody-Waite, 2 pi in three parts) before cos/sin. Its error is about
+    ``1e-7 + pos * f * 2^-31`` radians, against ``pos * f * 2^-24`` for a plain fp32 product; cos/sin add
+    < 1e-6 (:func:`cos_sin_reduced`).
+    """
+    P = N // 2
+    pairs = off_n // 2 + tl.arange(0, BN // 2)
+    f_hi = tl.load(freq_ptr + pairs, mask=pairs < P, other=0.0)
+    f_lo = tl.load(freq_ptr + P + pairs, mask=pairs < P, other=0.0)
+    rows = off_m + tl.arange(0, BM)
+    pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.float32)[:, None]
+    a_hi = pos * f_hi[None, :]
+    a_lo = pos * f_lo[None, :]
+    k = tl.floor((a_hi + a_lo) * INV_TWO_PI + 0.5)
+    r = (a_hi - k * TWO_PI_A) - k * TWO_PI_B - k * TWO_PI_C + a_lo
+    return cos_sin_reduced(r)
+
+
+@triton.jit
+def cos_sin_reduced(r):
+    """``(cos r, sin r)`` for r in [-pi, pi]: ``cos.approx``/``sin.approx`` on the GPU (abs. error < 2^-20.5
+    there), exact math under the interpreter."""
+    if FAST_TRIG:
+        c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
+        s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        c = tl.cos(r)
+        s = tl.sin(r)
+    return c, s
+
+
+@triton.jit
+def split_cols(x, BM: tl.constexpr, BN: tl.constexpr):
+    """``(x[:, :BN // 2], x[:, BN // 2:])``: the left and right column halves of a (BM, BN) tile.
+
+    Epilogue sub-tiles: a kernel that loads/stores several extra tiles works on BN / 2 (or BN / 4) columns
+    at a time to keep registers and TMA staging buffers small (``EPI_SUB`` of
+    :func:`kernels.coda.mainloop.subtiled_configs`).
+    """
+    return x.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
+
+
+# ---- backward primitives ----------------------------------------------------------------------
+
+@triton.jit
+def rmsnorm_dx(gy, xhat, rstd, gamma, c):
+    """RMSNorm backward of ``y = gamma * xhat``, ``xhat = x * rstd``: ``dx = rstd (gy gamma - xhat c)``.
+
+    ``gy`` is dL/dy, ``rstd`` and ``c = (1/d) sum_j gy_j gamma_j xhat_j`` are per row (BM,), ``gamma`` per
+    column (BN,); by the ZdZ identity ``c = <z, dz> / d`` for ``z = y W^T``, so it is known before the tile.
+    """
+    return rstd[:, None] * (gy * gamma[None, :] - xhat * c[:, None])
+
+
+@triton.jit
+def silu_mul_pairs_bwd(dy, gate, up):
+    """SwiGLU backward of ``y = silu(gate) up``: ``(dgate, dup, y)`` with, for ``s = sigmoid(gate)``,
+
+    ``dgate = dy up s (1 + gate (1 - s))`` (silu'(g) = s (1 + g (1 - s))) and ``dup = dy silu(gate)``;
+    ``y`` is the recomputed activation. All operands have the same shape (the pair halves of a tile).
+    """
+    s = tl.sigmoid(gate)
+    silu = gate * s
+    return dy * up * s * (1.0 + gate * (1.0 - s)), dy * silu, silu * up

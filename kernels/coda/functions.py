@@ -1,0 +1,251 @@
+"""Autograd for the CODA ops, built only from the kernels of this package.
+
+Three compositions, each parametrized by the *consumer* GEMM that reads a normalized activation
+``rmsnorm(x; gamma) = rstd * (x * gamma)`` (coda-spec rewrite (a)):
+
+    producer_consumer   x = residual + a Wp^T;  out = consumer(rmsnorm(x; gamma) W^T)       (the patterns)
+    block               x1 = residual + a Wo^T;  y = SwiGLU(rmsnorm(x1; gamma_mlp) Wgu^T);
+                        x = x1 + y Wd^T;  out = consumer(rmsnorm(x; gamma) W^T)           (CODA's block)
+    norm_consumer       out = consumer(rmsnorm(x; gamma) W^T) for an x no GEMM produced   (first layer, LM head)
+
+Consumers: :class:`Linear` (z), :class:`SwiGLU` (y), :class:`RoPE` (rotated qkv), :class:`CrossEntropy`
+(loss). A consumer's backward yields ``(dz, zdz, s)``: the gradient of its GEMM output ``z``, the ZdZ
+statistic ``<z, dz>`` and a scalar multiplier ``s`` of dz (the loss scale; 1 otherwise). Then
+
+    dx, y, dgamma = dgrad_rmsnorm(dz, W, x, rstd, gamma, zdz, dres, s)    (one fused dgrad GEMM)
+    dW = s dz^T y;   producer: da = dx Wp, dWp = dx^T a, dresidual = dx     (plain mainloop GEMMs)
+
+and the block's down-proj dgrad carries the SwiGLU backward (:func:`dgrad_swiglu`). Backward of the
+block: 1 elementwise kernel (RoPE) + 3 fused dgrad GEMMs + small sums + 5 plain GEMMs.
+
+Saved for backward (coda-spec "The block"): the residual streams x (x1), the rstd vectors, the SwiGLU
+pre-activation, the rotated qkv; the linear consumer keeps its output z and cross-entropy the dlogits and
+zdz its forward already computed (plus the GEMM inputs a and the weights). h, y and the pre-RoPE values
+are recomputed in epilogues. Without grad (or when no input needs one) nothing is saved and the LM head
+never writes logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.coda.cross_entropy import gemm_cross_entropy
+from kernels.coda.cross_entropy_bwd import ce_grad_scale, scaled_matmul
+from kernels.coda.gemm import matmul
+from kernels.coda.mainloop import set_scratch_allocator
+from kernels.coda.producer import gemm_residual_norm, norm_input
+from kernels.coda.reduce import row_dot
+from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
+from kernels.coda.rope import gemm_rope
+from kernels.coda.rope_bwd import rope_bwd
+from kernels.coda.scaled_linear import scaled_linear
+from kernels.coda.swiglu import gemm_swiglu
+from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
+
+Saved = tuple[torch.Tensor, ...]
+
+
+# ---- consumers ------------------------------------------------------------------------------------
+
+class Consumer:
+    """The GEMM ``z = rstd * (h @ W^T)`` on ``h = x * gamma`` and the epilogue op applied to z."""
+
+    def forward(self, h: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, save: bool
+                ) -> tuple[torch.Tensor, Saved, Saved]:
+        """``(output, non-differentiable side outputs, tensors saved for backward)``."""
+        raise NotImplementedError
+
+    def backward(self, grad: torch.Tensor, saved: Saved) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]:
+        """``(dz, zdz, s)`` from the output's gradient: the gradient of z is ``s * dz``, zdz = <z, dz>."""
+        raise NotImplementedError
+
+
+class Linear(Consumer):
+    """``z`` itself (pattern (a), plain row scale); keeps z, ZdZ by a row dot product."""
+
+    def forward(self, h, w, rstd, save):
+        z = scaled_linear(h, w, rstd)
+        return z, (), (z,) if save else ()
+
+    def backward(self, dz, saved):
+        (z,) = saved
+        return dz, row_dot(z, dz), 1.0
+
+
+class SwiGLU(Consumer):
+    """``y_i = silu(z_2i) z_2i+1`` on interleaved gate/up rows of W; keeps the pre-activation z."""
+
+    def forward(self, h, w_gu, rstd, save):
+        y, z_pre = gemm_swiglu(h, w_gu, rstd, save_preact=save)
+        return y, (), (z_pre,) if save else ()
+
+    def backward(self, dy, saved):
+        dz, zdz = swiglu_bwd(dy, saved[0])
+        return dz, zdz, 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class RoPE(Consumer):
+    """Packed qkv with RoPE on q and k (adjacent-pair layout); keeps the rotated qkv."""
+
+    positions: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    theta: float
+
+    def forward(self, h, w_qkv, rstd, save):
+        qkv = gemm_rope(h, w_qkv, rstd, self.positions, self.heads, self.kv_heads, self.head_dim, self.theta)
+        return qkv, (), (qkv,) if save else ()
+
+    def backward(self, dqkv, saved):
+        dz, zdz = rope_bwd(dqkv, saved[0], self.positions, self.heads, self.kv_heads, self.head_dim, self.theta)
+        return dz, zdz, 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class CrossEntropy(Consumer):
+    """Cross-entropy loss of the logits z (side output: lse); keeps dlogits and zdz from the forward."""
+
+    target: torch.Tensor
+    ignore_index: int = -100
+    reduction: str = "mean"
+
+    def forward(self, h, w_lm, rstd, save):
+        loss, lse, dlogits, zdz = gemm_cross_entropy(h, w_lm, rstd, self.target, self.ignore_index,
+                                                     self.reduction, with_grad=save)
+        return loss, (lse,), (dlogits, zdz) if save else ()
+
+    def backward(self, dloss, saved):
+        dlogits, zdz = saved
+        return dlogits, zdz, ce_grad_scale(dloss, self.target, self.ignore_index, self.reduction)
+
+
+# ---- backward pieces -------------------------------------------------------------------------------
+
+def _consumer_bwd(consumer: Consumer, grad: torch.Tensor | None, saved: Saved, w: torch.Tensor, x: torch.Tensor,
+                  rstd: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None):
+    """``(dx, dgamma, dW)`` through the consumer, the RMSNorm backward and the consumer's weight gradient.
+
+    dx includes dres (the incoming residual gradient); with no gradient for the output it is dres itself.
+    """
+    if grad is None:
+        return dres, None, None
+    dz, zdz, scale = consumer.backward(grad.contiguous(), saved)
+    dx, y, dgamma = dgrad_rmsnorm(dz, w, x, rstd, gamma, zdz, dres, dz_scale=scale)
+    dw = scaled_matmul(dz.T, y, scale) if isinstance(scale, torch.Tensor) else matmul(dz.T, y)
+    return dx, dgamma, dw
+
+
+def _producer_bwd(dx: torch.Tensor | None, a: torch.Tensor, w_p: torch.Tensor):
+    """``(da, dWp)`` of ``x = residual + a Wp^T`` (the residual's gradient is dx itself)."""
+    if dx is None:
+        return None, None
+    return matmul(dx, w_p), matmul(dx.T, a)
+
+
+def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.contiguous() if t is not None else None
+
+
+# ---- autograd Functions ----------------------------------------------------------------------------
+
+class ProducerConsumerFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, residual, w_p, gamma, w, consumer: Consumer, eps: float, save: bool):
+        x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps)
+        out, side, saved = consumer.forward(h, w, rstd, save)
+        ctx.consumer = consumer
+        if save:
+            ctx.save_for_backward(a, w_p, gamma, w, x, rstd, *saved)
+        ctx.mark_non_differentiable(rstd, *side)
+        ctx.set_materialize_grads(False)
+        return x, out, rstd, *side
+
+    @staticmethod
+    def backward(ctx, dx_out, dout, *_):
+        set_scratch_allocator()  # backward may run in autograd's device thread
+        a, w_p, gamma, w, x, rstd, *saved = ctx.saved_tensors
+        dx, dgamma, dw = _consumer_bwd(ctx.consumer, dout, saved, w, x, rstd, gamma, _contig(dx_out))
+        da, dw_p = _producer_bwd(dx, a, w_p)
+        return da, dx, dw_p, dgamma, dw, None, None, None
+
+
+class BlockFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer: Consumer, eps: float,
+                save: bool):
+        x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps)
+        y, z_pre = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=save)
+        x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps)
+        out, side, saved = consumer.forward(h2, w, rstd, save)
+        ctx.consumer = consumer
+        if save:
+            ctx.save_for_backward(a, w_o, gamma_mlp, w_gu, w_down, gamma, w, x1, x, rstd_mlp, rstd, z_pre, *saved)
+        ctx.mark_non_differentiable(rstd_mlp, rstd, *side)
+        ctx.set_materialize_grads(False)
+        return x, out, rstd_mlp, rstd, *side
+
+    @staticmethod
+    def backward(ctx, dx_out, dout, *_):
+        set_scratch_allocator()
+        a, w_o, gamma_mlp, w_gu, w_down, gamma, w, x1, x, rstd_mlp, rstd, z_pre, *saved = ctx.saved_tensors
+        dx, dgamma, dw = _consumer_bwd(ctx.consumer, dout, saved, w, x, rstd, gamma, _contig(dx_out))
+        if dx is None:
+            return (None,) * 11
+        dz_pre, y, zdz = dgrad_swiglu(dx, w_down, z_pre)
+        dw_down = matmul(dx.T, y)
+        # dx is this function's own buffer unless the consumer had no gradient: then add into a copy.
+        dx1, y1, dgamma_mlp = dgrad_rmsnorm(dz_pre, w_gu, x1, rstd_mlp, gamma_mlp, zdz, dx, inplace=dout is not None)
+        dw_gu = matmul(dz_pre.T, y1)
+        da, dw_o = _producer_bwd(dx1, a, w_o)
+        return da, dx1, dw_o, dgamma_mlp, dw_gu, dw_down, dgamma, dw, None, None, None
+
+
+class NormConsumerFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gamma, w, consumer: Consumer, eps: float, save: bool):
+        h, rstd = norm_input(x, gamma, eps)
+        out, side, saved = consumer.forward(h, w, rstd, save)
+        ctx.consumer = consumer
+        if save:
+            ctx.save_for_backward(x, gamma, w, rstd, *saved)
+        ctx.mark_non_differentiable(rstd, *side)
+        ctx.set_materialize_grads(False)
+        return out, rstd, *side
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        set_scratch_allocator()
+        x, gamma, w, rstd, *saved = ctx.saved_tensors
+        dx, dgamma, dw = _consumer_bwd(ctx.consumer, dout, saved, w, x, rstd, gamma, None)
+        return dx, dgamma, dw, None, None, None
+
+
+# ---- public API --------------------------------------------------------------------------------------
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def producer_consumer(a: torch.Tensor, residual: torch.Tensor, w_p: torch.Tensor, gamma: torch.Tensor,
+                      w: torch.Tensor, consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
+    """``(x, out, rstd, *side)``: x = residual + a w_p^T, out = consumer(rmsnorm(x; gamma) w^T)."""
+    save = _needs_grad(a, residual, w_p, gamma, w)
+    return ProducerConsumerFn.apply(a, residual, w_p, gamma, w, consumer, eps, save)
+
+
+def block(a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma_mlp: torch.Tensor, w_gu: torch.Tensor,
+          w_down: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consumer: Consumer, eps: float
+          ) -> tuple[torch.Tensor, ...]:
+    """``(x, out, rstd_mlp, rstd, *side)`` of the CODA block (w_gu interleaved; out = consumer of rmsnorm(x))."""
+    save = _needs_grad(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w)
+    return BlockFn.apply(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, eps, save)
+
+
+def norm_consumer(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consumer: Consumer, eps: float
+                  ) -> tuple[torch.Tensor, ...]:
+    """``(out, rstd, *side)``: out = consumer(rmsnorm(x; gamma) w^T)."""
+    save = _needs_grad(x, gamma, w)
+    return NormConsumerFn.apply(x, gamma, w, consumer, eps, save)

@@ -1,0 +1,172 @@
+"""The ``coda-triton`` implementation of every op of the catalogue (label "fused").
+
+Each op is composed from the CODA kernels of this package, through the autograd compositions of
+:mod:`kernels.coda.functions` (under no_grad: the forward kernels alone; backward: the fused dgrad kernels)::
+
+  producer        x, h, rstd = gemm_residual_norm(a, Wp, residual, gamma)   (+ finish_rstd)
+  rmsnorm_linear  z = scaled_linear(h, Wc, rstd)
+  rmsnorm_swiglu  y = gemm_swiglu(h, W_gu, rstd)           W_gu: gate/up rows interleaved
+  rmsnorm_rope    qkv = gemm_rope(h, W_qkv', rstd, positions)  W_qkv': q/k rows in adjacent-pair order
+  rmsnorm_ce      loss, lse = gemm_cross_entropy(h, Wlm, rstd, target)   (logits never written)
+  lm_head_ce      h, rstd = norm_input(x, gamma); loss as above
+  block           producer(out-proj) -> gemm_swiglu -> producer(down-proj) -> gemm_rope
+  rmsnorm_dgrad   dx, y, dgamma = dgrad_rmsnorm(dz, W, x, rstd, gamma, zdz, dres)   (direct op, bwd)
+  swiglu_dgrad    dz_pre, a, zdz = dgrad_swiglu(dx, Wd, z_pre)   z_pre: gate/up columns interleaved (bwd)
+  gemm_*          the plain mainloop GEMM (kernels.coda.gemm.linear)
+
+``prepare`` (untimed) interleaves the gate/up weights and permutes the q/k rows of W_qkv; outputs and
+gradients are converted back to the canonical layouts (half-split qkv, separate gate/up weights).
+Side outputs: rstd (rstd_mlp / rstd_attn for the block) and lse.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+
+from codabench.case import Case
+from codabench.registry import REGISTRY, Implementation, Tensors
+from kernels import layouts
+from kernels.coda.functions import CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer, producer_consumer
+from kernels.coda.gemm import linear
+from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
+from kernels.coda.swiglu_bwd import dgrad_swiglu
+from workloads.models import ModelShape
+from workloads.ops.gemm import GEMM_SHAPES
+
+
+def _qkv_args(model: ModelShape) -> tuple[int, int, int]:
+    return model.heads, model.kv_heads, model.head_dim
+
+
+def _rope(n: Tensors) -> RoPE:
+    model = n["model"]
+    return RoPE(n["positions"], *_qkv_args(model), model.rope_theta)
+
+
+# ---- compositions (native layouts) ------------------------------------------------------------
+
+def rmsnorm_linear_run(n: Tensors) -> Tensors:
+    x, z, rstd = producer_consumer(n["a"], n["residual"], n["w_o"], n["gamma"], n["w_c"], Linear(), n["model"].eps)
+    return {"x": x, "z": z, "rstd": rstd}
+
+
+def rmsnorm_swiglu_run(n: Tensors) -> Tensors:
+    x, y, rstd = producer_consumer(n["a"], n["residual"], n["w_o"], n["gamma"], n["w_gu"], SwiGLU(), n["model"].eps)
+    return {"x": x, "y": y, "rstd": rstd}
+
+
+def rmsnorm_rope_run(n: Tensors) -> Tensors:
+    x, qkv, rstd = producer_consumer(n["a"], n["residual"], n["w_down"], n["gamma"], n["w_qkv"], _rope(n),
+                                     n["model"].eps)
+    return {"x": x, "qkv": qkv, "rstd": rstd}
+
+
+def rmsnorm_ce_run(n: Tensors) -> Tensors:
+    x, loss, rstd, lse = producer_consumer(n["a"], n["residual"], n["w_down"], n["gamma"], n["w_lm"],
+                                           CrossEntropy(n["target"]), n["model"].eps)
+    return {"x": x, "loss": loss, "rstd": rstd, "lse": lse}
+
+
+def lm_head_ce_run(n: Tensors) -> Tensors:
+    loss, rstd, lse = norm_consumer(n["x"], n["gamma"], n["w_lm"], CrossEntropy(n["target"]), n["model"].eps)
+    return {"loss": loss, "rstd": rstd, "lse": lse}
+
+
+def block_run(n: Tensors) -> Tensors:
+    x, qkv, rstd_mlp, rstd_attn = block(n["a"], n["residual"], n["w_o"], n["gamma_mlp"], n["w_gu"], n["w_down"],
+                                        n["gamma_attn"], n["w_qkv"], _rope(n), n["model"].eps)
+    return {"x": x, "qkv": qkv, "rstd_mlp": rstd_mlp, "rstd_attn": rstd_attn}
+
+
+def rmsnorm_dgrad_run(n: Tensors) -> Tensors:
+    dx, y, dgamma = dgrad_rmsnorm(n["dz"], n["w"], n["x"], n["rstd"], n["gamma"], n["zdz"], n["dres"])
+    return {"dx": dx, "dgamma": dgamma, "y": y}
+
+
+def swiglu_dgrad_run(n: Tensors) -> Tensors:
+    dz_pre, a, zdz = dgrad_swiglu(n["dx"], n["w_down"], n["z_pre"])
+    return {"dz_pre": dz_pre, "a": a, "zdz": zdz}
+
+
+# ---- the implementation -----------------------------------------------------------------------
+
+class CodaTriton(Implementation):
+    """One op as CODA fused GEMM-epilogue Triton kernels (the fixed mainloop + epilogue primitives)."""
+
+    name = "coda-triton"
+    label = "fused"
+    dtypes = ("fp32", "fp16", "bf16")
+    requires = ("triton",)
+
+    def __init__(self, op: str, forward: Callable[[Tensors], Tensors], modes: tuple[str, ...], description: str):
+        self.op, self._forward, self.modes, self.description = op, forward, modes, description
+        self.source = __name__
+
+    def prepare(self, case: Case) -> Tensors:
+        """Canonical -> native, untimed: interleaved gate/up rows, q/k rows in adjacent-pair order."""
+        native: Tensors = {k: v for k, v in case.inputs.items() if k not in ("w_gate", "w_up")}
+        if "w_gate" in case.inputs:
+            native["w_gu"] = layouts.interleave_rows(case.inputs["w_gate"], case.inputs["w_up"])
+        if "w_qkv" in case.inputs:
+            native["w_qkv"] = layouts.qkv_rows_to_adjacent(case.inputs["w_qkv"], *_qkv_args(case.model))
+        if "gate" in case.inputs:  # swiglu_dgrad: the saved pre-activation, interleaved as the forward keeps it
+            native["z_pre"] = layouts.interleave_cols(native.pop("gate"), native.pop("up"))
+        native["model"] = case.model
+        return native
+
+    def run(self, native: Tensors) -> Tensors:
+        return self._forward(native)
+
+    def outputs_to_canonical(self, outputs: Tensors, native: Tensors) -> Tensors:
+        out = dict(outputs)
+        if "qkv" in out:
+            out["qkv"] = layouts.qkv_cols_to_halfsplit(out["qkv"], *_qkv_args(native["model"]))
+        if "dz_pre" in out:
+            out["dgate"], out["dup"] = layouts.deinterleave_cols(out.pop("dz_pre"))
+        return out
+
+    def grad_outputs_to_native(self, grad_outputs: Tensors, native: Tensors) -> Tensors:
+        out = dict(grad_outputs)
+        if "qkv" in out:
+            out["qkv"] = layouts.qkv_cols_to_adjacent(out["qkv"], *_qkv_args(native["model"]))
+        return out
+
+    def grads_to_canonical(self, grads: Tensors, native: Tensors) -> Tensors:
+        out = dict(grads)
+        if "w_gu" in out:
+            out["w_gate"], out["w_up"] = layouts.deinterleave_rows(out.pop("w_gu"))
+        if "w_qkv" in out:
+            out["w_qkv"] = layouts.qkv_rows_to_halfsplit(out["w_qkv"], *_qkv_args(native["model"]))
+        return out
+
+    def metadata(self) -> dict[str, str]:
+        return {"triton": triton.__version__, "torch": torch.__version__}
+
+
+class CodaGemm(CodaTriton):
+    """A plain GEMM op through the CODA mainloop (the speed-of-light of the fused kernels)."""
+
+    def __init__(self, op: str):
+        super().__init__(op, lambda n: {"out": linear(n["x"], n["w"])}, ("fwd",), "plain GEMM, CODA mainloop")
+
+    def prepare(self, case: Case) -> Tensors:
+        return dict(case.inputs)
+
+
+ALL_MODES = ("fwd", "bwd", "fwd_bwd")
+for _op, _fn, _modes, _desc in [
+    ("rmsnorm_linear", rmsnorm_linear_run, ALL_MODES, "producer GEMM + residual + norm partials; row-scaled GEMM"),
+    ("rmsnorm_swiglu", rmsnorm_swiglu_run, ALL_MODES, "producer GEMM + norm partials; gate/up GEMM + SwiGLU epilogue"),
+    ("rmsnorm_rope", rmsnorm_rope_run, ALL_MODES, "producer GEMM + norm partials; QKV GEMM + RoPE epilogue"),
+    ("rmsnorm_ce", rmsnorm_ce_run, ALL_MODES, "producer GEMM + norm partials; LM-head GEMM + LSE/CE epilogue"),
+    ("lm_head_ce", lm_head_ce_run, ALL_MODES, "norm statistics pass; LM-head GEMM + LSE/CE epilogue"),
+    ("block", block_run, ALL_MODES, "4 fused GEMMs + 2 rstd reductions (CODA block boundary); "
+                                    "bwd: RoPE bwd + 3 fused dgrad GEMMs + sums + 5 GEMMs"),
+    ("rmsnorm_dgrad", rmsnorm_dgrad_run, ("bwd",), "dgrad GEMM + RMSNorm backward epilogue + dgamma partials"),
+    ("swiglu_dgrad", swiglu_dgrad_run, ("bwd",), "down-proj dgrad GEMM + SwiGLU backward + ZdZ partials"),
+]:
+    REGISTRY.add(CodaTriton(_op, _fn, _modes, _desc))
+for _op in GEMM_SHAPES:
+    REGISTRY.add(CodaGemm(_op))

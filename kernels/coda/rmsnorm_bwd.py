@@ -1,0 +1,126 @@
+"""dgrad GEMM + RMSNorm backward (coda-spec, backward rewrites).
+
+For ``y = gamma * x * rstd`` (normalized, scaled) feeding ``z = y @ W^T``, given ``dz``::
+
+    gy = s (dz @ W)                                 (the dgrad GEMM; s an optional scalar, e.g. the loss scale)
+    xhat = x rstd;   c_m = s zdz_m / d               (ZdZ: zdz_m = <z_m, dz_m>, from whoever produced dz)
+    dx = dres + rstd (gy gamma - xhat c)             (added into the incoming residual gradient)
+    y  = xhat gamma                                  (recomputed, for the weight gradient dW = dz^T y)
+    dgamma = sum_m gy xhat                           (per-M-tile column partials + a finishing sum)
+
+One fused GEMM writes dx, y and the dgamma partials; :func:`kernels.coda.reduce.finish_col_sum` sums
+the partials. dx may overwrite dres (each tile is read and written by the one program that owns it).
+The epilogue runs on EPI_SUB column sub-tiles of the accumulator (autotuned: 2 or 4), so the large tile
+fits in shared memory next to its TMA staging buffers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.coda.epilogue import (col_sum_partial, load_cols, load_rows, load_tile, rmsnorm_dx, split_cols,
+                                   store_tile)
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
+from kernels.coda.reduce import col_partials, finish_col_sum, launched_tiles
+
+
+@triton.jit
+def _rmsnorm_bwd_subtile(gy, off_m, off_n, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc, dg_ptr, N, stride_dg,
+                         HAS_RES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The epilogue on the (BM, BN) sub-tile gy at (off_m, off_n): dx, y and the dgamma column partials."""
+    gamma = load_cols(gamma_ptr, off_n, N, BN)
+    xhat = load_tile(x_desc, off_m, off_n) * rstd[:, None]
+    dx = rmsnorm_dx(gy, xhat, rstd, gamma, c)
+    if HAS_RES:
+        dx += load_tile(dres_desc, off_m, off_n)
+    store_tile(dx_desc, off_m, off_n, dx)
+    store_tile(y_desc, off_m, off_n, xhat * gamma[None, :])
+    col_sum_partial(dg_ptr, gy * xhat, off_m, off_n, N, stride_dg, BM, BN)
+
+
+@coda_autotune(key=("M", "N", "K", "HAS_RES", "HAS_SCALE"), configs=subtiled_configs(), restore_value=("dx_ptr",))
+@triton.jit
+def dgrad_rmsnorm_kernel(dz_ptr, w_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_ptr, dx_ptr, y_ptr,
+                         dg_ptr, M, N, K, stride_dz, stride_w, stride_x, stride_dres, stride_dx, stride_y,
+                         stride_dg, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, A_KM: tl.constexpr,
+                         B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EPI_SUB: tl.constexpr):
+    a_desc, b_desc = operand_descs(dz_ptr, w_ptr, M, N, K, stride_dz, stride_w, BM, BN, BK, A_KM, B_KN)
+    SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
+    x_desc = tile_desc(x_ptr, M, N, stride_x, BM, SN)
+    dres_desc = tile_desc(dres_ptr, M, N, stride_dres, BM, SN)
+    dx_desc = tile_desc(dx_ptr, M, N, stride_dx, BM, SN)
+    y_desc = tile_desc(y_ptr, M, N, stride_y, BM, SN)
+    c_scale = 1.0 / N
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+        c_scale = c_scale * scale
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
+        gy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
+        if HAS_SCALE:
+            gy = gy * scale
+        rstd = load_rows(rstd_ptr, off_m, M, BM)
+        c = load_rows(zdz_ptr, off_m, M, BM) * c_scale
+        g0, g1 = split_cols(gy, BM, BN)
+        if EPI_SUB == 2:
+            _rmsnorm_bwd_subtile(g0, off_m, off_n, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc, dg_ptr,
+                                 N, stride_dg, HAS_RES, BM, SN)
+            _rmsnorm_bwd_subtile(g1, off_m, off_n + SN, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc, dg_ptr,
+                                 N, stride_dg, HAS_RES, BM, SN)
+        else:  # EPI_SUB == 4
+            g00, g01 = split_cols(g0, BM, BN // 2)
+            g10, g11 = split_cols(g1, BM, BN // 2)
+            _rmsnorm_bwd_subtile(g00, off_m, off_n, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc, dg_ptr,
+                                 N, stride_dg, HAS_RES, BM, SN)
+            _rmsnorm_bwd_subtile(g01, off_m, off_n + SN, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc,
+                                 dg_ptr, N, stride_dg, HAS_RES, BM, SN)
+            _rmsnorm_bwd_subtile(g10, off_m, off_n + 2 * SN, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc,
+                                 dg_ptr, N, stride_dg, HAS_RES, BM, SN)
+            _rmsnorm_bwd_subtile(g11, off_m, off_n + 3 * SN, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc,
+                                 dg_ptr, N, stride_dg, HAS_RES, BM, SN)
+
+
+def scale_arg(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A scalar multiplier as the fp32 one-element tensor a kernel loads (None for the constant 1)."""
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().reshape(1).to(device=device, dtype=torch.float32)
+    if scale == 1.0:
+        return None
+    return torch.full((1,), scale, device=device, dtype=torch.float32)
+
+
+def dgrad_rmsnorm(dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor,
+                  zdz: torch.Tensor, dres: torch.Tensor | None = None, dz_scale: float | torch.Tensor = 1.0,
+                  inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, y, dgamma)`` of RMSNorm followed by ``z = y @ w.T``, given ``dz`` (see the module docstring).
+
+    dz [M, N'] and w [N', d] (nn.Linear layout of the consumer GEMM); x [M, d] the saved residual stream,
+    rstd and zdz fp32 [M], gamma [d]. ``dres`` [M, d] is the incoming residual gradient (None: zero), and
+    ``inplace`` writes dx into it. ``dz_scale`` (float, or a one-element tensor read on the device) multiplies
+    dz, and with it gy, dx, dgamma and c; y is not scaled. dx has dres's dtype (x's without dres), y dz's,
+    dgamma gamma's.
+    """
+    (a_s, a_t), (w_s, w_t) = operand(dz), operand(w)
+    M, K = dz.shape
+    N = w.shape[1]
+    if w.shape[0] != K or x.shape != (M, N):
+        raise ValueError(f"shape mismatch: dz {tuple(dz.shape)}, w {tuple(w.shape)}, x {tuple(x.shape)}")
+    if inplace and dres is None:
+        raise ValueError("inplace=True needs dres")
+    x, gamma = x.contiguous(), gamma.contiguous()
+    dres = dres.contiguous() if dres is not None else None
+    dx = dres if inplace else torch.empty(M, N, device=x.device, dtype=(dres if dres is not None else x).dtype)
+    y = torch.empty(M, N, device=x.device, dtype=dz.dtype)
+    kernel = dgrad_rmsnorm_kernel
+    dg = col_partials(kernel, M, N, x.device)
+    scale = scale_arg(dz_scale, x.device)
+    res = dres if dres is not None else dx
+    kernel[persistent_grid(M, N, x.device)](
+        a_s, w_s, x, rstd, gamma, zdz, scale if scale is not None else rstd, res, dx, y, dg,
+        M, N, K, a_s.stride(0), w_s.stride(0), x.stride(0), res.stride(0), dx.stride(0), y.stride(0),
+        dg.stride(0), HAS_RES=dres is not None, HAS_SCALE=scale is not None, A_KM=a_t, B_KN=not w_t,
+        NUM_SMS=num_sms(x.device))
+    return dx, y, finish_col_sum(dg, launched_tiles(kernel, M, N)[0], gamma.dtype)

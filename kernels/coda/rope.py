@@ -1,0 +1,71 @@
+"""QKV GEMM + RMSNorm row scale + RoPE (coda-spec rewrite (c)).
+
+The q and k rows of ``w_qkv`` are permuted once (:func:`kernels.layouts.qkv_rows_to_adjacent`) so each
+head's rotary pairs are adjacent columns. Epilogue, for pair p = (column 2p, column 2p+1)::
+
+    z = rstd[:, None] * (h @ w_qkv^T)
+    (x, y) = (z_2p, z_2p+1) -> (x cos - y sin, y cos + x sin),   angle = pos_m * theta^(-2i/dh)
+
+with i = p mod (dh / 2) the pair's index within its head; v columns have frequency 0 (cos 1, sin 0).
+This equals Hugging Face's half-split RoPE after the layout permutation.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.coda.epilogue import rope_cos_sin, rotate_pairs, scale_rows, store_tile
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+                                   persistent_grid, tile_coords, tile_desc)
+
+
+@functools.lru_cache(maxsize=32)
+def rope_freq_table(heads: int, kv_heads: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """fp32 [2, q/2] (q = (H + 2 Hkv) dh): per column pair, ``f = theta^(-2i/dh)`` as ``hi + lo``.
+
+    f is computed in fp64; ``hi`` keeps its 8 leading significant bits (exact in fp32, and ``pos * hi`` is
+    exact in fp32 for pos < 2^16), ``lo`` is the rest rounded to fp32. v pairs get f = 0.
+    """
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    f = theta ** (-2.0 * i / head_dim)
+    per_pair = torch.cat([f.repeat(heads + kv_heads), torch.zeros(kv_heads * head_dim // 2, dtype=torch.float64)])
+    mant, exp = torch.frexp(per_pair)
+    hi = torch.ldexp(torch.floor(mant * 256) / 256, exp)
+    return torch.stack([hi, per_pair - hi]).to(device=device, dtype=torch.float32)
+
+
+@coda_autotune()
+@triton.jit
+def gemm_rope_kernel(h_ptr, w_ptr, rstd_ptr, pos_ptr, freq_ptr, out_ptr, M, N, K, stride_h, stride_w, stride_o,
+                     A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
+    out_desc = tile_desc(out_ptr, M, N, stride_o, BM, BN)
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
+        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
+        z = scale_rows(acc, rstd_ptr, off_m, M, BM)
+        cos, sin = rope_cos_sin(pos_ptr, freq_ptr, off_m, off_n, M, N, BM, BN)
+        store_tile(out_desc, off_m, off_n, rotate_pairs(z, cos, sin, BM, BN))
+
+
+def gemm_rope(h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor, heads: int,
+              kv_heads: int, head_dim: int, theta: float) -> torch.Tensor:
+    """Packed qkv [M, (H + 2 Hkv) dh] in h's dtype, RoPE'd q and k in the adjacent-pair layout.
+
+    w_qkv: nn.Linear layout with q/k rows in the adjacent-pair order; rstd fp32 [M]; positions [M] (integer).
+    """
+    (a_s, a_t), (w_s, w_t) = operand(h), operand(w_qkv.T)
+    M, K = h.shape
+    N = w_qkv.shape[0]
+    if N != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
+        raise ValueError(f"w_qkv has {N} rows; expected (heads + 2 kv_heads) * head_dim with an even head_dim")
+    freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), h.device)
+    out = torch.empty(M, N, device=h.device, dtype=h.dtype)
+    gemm_rope_kernel[persistent_grid(M, N, h.device)](
+        a_s, w_s, rstd, positions.contiguous(), freq, out, M, N, K, a_s.stride(0), w_s.stride(0), out.stride(0),
+        A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
+    return out

@@ -1,0 +1,129 @@
+"""SwiGLU backward: fused into the down-proj dgrad GEMM, or elementwise (coda-spec, backward rewrites).
+
+The forward kept the interleaved pre-activation ``z_pre`` [M, 2f] (column 2i = gate_i, 2i+1 = up_i) and
+computed ``y_i = silu(gate_i) up_i``, ``x = ... + y @ Wd^T``. Given the gradient ``dy`` of y::
+
+    dgate = dy up silu'(gate),   dup = dy silu(gate)        (written interleaved, like z_pre)
+    zdz_m = sum_i gate_mi dgate_mi + up_mi dup_mi           (= <z, dz>, the ZdZ the RMSNorm backward needs)
+
+:func:`dgrad_swiglu` gets ``dy = dx @ Wd`` from its own GEMM (the down-proj dgrad) and also writes the
+recomputed activation ``y`` for the weight gradient ``dWd = dx^T y``; zdz comes from per-N-tile row
+partials and :func:`kernels.coda.reduce.finish_row_sum`; its epilogue runs on EPI_SUB column sub-tiles
+(autotuned: 2 or 4), each reading a [BM, 2 * BN / EPI_SUB] tile of z_pre. :func:`swiglu_bwd` is the
+elementwise kernel for a given dy (one pass over the rows; zdz summed in the kernel).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.coda.epilogue import (join_pairs, load_tile, silu_mul_pairs_bwd, split_cols, split_pairs,
+                                   store_row_partial, store_tile)
+from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
+from kernels.coda.reduce import finish_row_sum, launched_tiles, row_partials
+
+
+@triton.jit
+def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.constexpr, BN: tl.constexpr):
+    """The epilogue on the (BM, BN) sub-tile dy at (off_m, off_n): y and interleaved (dgate, dup); returns the
+    sub-tile's row sums of ``gate dgate + up dup``."""
+    gate, up = split_pairs(load_tile(zp_desc, off_m, 2 * off_n), BM, 2 * BN)
+    dgate, dup, y = silu_mul_pairs_bwd(dy, gate, up)
+    store_tile(y_desc, off_m, off_n, y)
+    store_tile(dzp_desc, off_m, 2 * off_n, join_pairs(dgate, dup, BM, 2 * BN))
+    return tl.sum(gate * dgate + up * dup, axis=1)
+
+
+@coda_autotune(configs=subtiled_configs())
+@triton.jit
+def dgrad_swiglu_kernel(dx_ptr, w_ptr, zp_ptr, dzp_ptr, y_ptr, part_ptr, M, N, K, stride_dx, stride_w, stride_zp,
+                        stride_dzp, stride_y, stride_p, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                        EPI_SUB: tl.constexpr):
+    a_desc, b_desc = operand_descs(dx_ptr, w_ptr, M, N, K, stride_dx, stride_w, BM, BN, BK, A_KM, B_KN)
+    SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
+    zp_desc = tile_desc(zp_ptr, M, 2 * N, stride_zp, BM, 2 * SN)
+    dzp_desc = tile_desc(dzp_ptr, M, 2 * N, stride_dzp, BM, 2 * SN)
+    y_desc = tile_desc(y_ptr, M, N, stride_y, BM, SN)
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
+        dy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
+        d0, d1 = split_cols(dy, BM, BN)
+        if EPI_SUB == 2:
+            zdz = _swiglu_bwd_subtile(d0, off_m, off_n, zp_desc, dzp_desc, y_desc, BM, SN)
+            zdz += _swiglu_bwd_subtile(d1, off_m, off_n + SN, zp_desc, dzp_desc, y_desc, BM, SN)
+        else:  # EPI_SUB == 4
+            d00, d01 = split_cols(d0, BM, BN // 2)
+            d10, d11 = split_cols(d1, BM, BN // 2)
+            zdz = _swiglu_bwd_subtile(d00, off_m, off_n, zp_desc, dzp_desc, y_desc, BM, SN)
+            zdz += _swiglu_bwd_subtile(d01, off_m, off_n + SN, zp_desc, dzp_desc, y_desc, BM, SN)
+            zdz += _swiglu_bwd_subtile(d10, off_m, off_n + 2 * SN, zp_desc, dzp_desc, y_desc, BM, SN)
+            zdz += _swiglu_bwd_subtile(d11, off_m, off_n + 3 * SN, zp_desc, dzp_desc, y_desc, BM, SN)
+        store_row_partial(part_ptr, zdz, off_m, off_n, M, stride_p, BM, BN)
+
+
+def _check_preact(z_pre: torch.Tensor, M: int, f: int) -> None:
+    if z_pre.shape != (M, 2 * f):
+        raise ValueError(f"z_pre must be the interleaved [M, 2f] = [{M}, {2 * f}] pre-activation, "
+                         f"got {tuple(z_pre.shape)}")
+
+
+def dgrad_swiglu(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dz_pre, y, zdz)``: SwiGLU backward of ``dy = dx @ w_down`` fused into that dgrad GEMM.
+
+    dx [M, d] is the gradient of the down-proj output, w_down [d, f] (nn.Linear layout), z_pre [M, 2f] the
+    saved interleaved pre-activation. dz_pre [M, 2f] (interleaved dgate/dup) and y = silu(gate) up [M, f]
+    are in z_pre's dtype; zdz is fp32 [M].
+    """
+    (a_s, a_t), (w_s, w_t) = operand(dx), operand(w_down)
+    M, K = dx.shape
+    N = w_down.shape[1]
+    if w_down.shape[0] != K:
+        raise ValueError(f"shape mismatch: dx {tuple(dx.shape)}, w_down {tuple(w_down.shape)}")
+    _check_preact(z_pre, M, N)
+    z_pre = z_pre.contiguous()
+    dz_pre = torch.empty_like(z_pre)
+    y = torch.empty(M, N, device=dx.device, dtype=z_pre.dtype)
+    kernel = dgrad_swiglu_kernel
+    part = row_partials(kernel, M, N, dx.device)
+    kernel[persistent_grid(M, N, dx.device)](
+        a_s, w_s, z_pre, dz_pre, y, part, M, N, K, a_s.stride(0), w_s.stride(0), z_pre.stride(0),
+        dz_pre.stride(0), y.stride(0), part.stride(0), A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(dx.device))
+    return dz_pre, y, finish_row_sum(part, launched_tiles(kernel, M, N)[1])
+
+
+@triton.jit
+def swiglu_bwd_kernel(dy_ptr, zp_ptr, dzp_ptr, zdz_ptr, M, N, stride_dy, stride_zp, stride_dzp,
+                      BM: tl.constexpr, BN: tl.constexpr):
+    """Rows [pid BM, pid BM + BM): interleaved (dgate, dup) and zdz = sum_i gate dgate + up dup."""
+    off_m = tl.program_id(0) * BM
+    dy_desc = tile_desc(dy_ptr, M, N, stride_dy, BM, BN)
+    zp_desc = tile_desc(zp_ptr, M, 2 * N, stride_zp, BM, 2 * BN)
+    dzp_desc = tile_desc(dzp_ptr, M, 2 * N, stride_dzp, BM, 2 * BN)
+    zdz = tl.zeros((BM,), dtype=tl.float32)
+    for off_n in range(0, N, BN):
+        gate, up = split_pairs(load_tile(zp_desc, off_m, 2 * off_n), BM, 2 * BN)
+        dgate, dup, _ = silu_mul_pairs_bwd(load_tile(dy_desc, off_m, off_n), gate, up)
+        store_tile(dzp_desc, off_m, 2 * off_n, join_pairs(dgate, dup, BM, 2 * BN))
+        zdz += tl.sum(gate * dgate + up * dup, axis=1)
+    rows = off_m + tl.arange(0, BM)
+    tl.store(zdz_ptr + rows, zdz, mask=rows < M)
+
+
+def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dz_pre, zdz)``: SwiGLU backward for a given dy [M, f]; z_pre [M, 2f] interleaved (gate, up).
+
+    dz_pre [M, 2f] (interleaved dgate/dup) is in z_pre's dtype, zdz fp32 [M]. One pass, one launch.
+    """
+    M, N = dy.shape
+    _check_preact(z_pre, M, N)
+    dy, z_pre = dy.contiguous(), z_pre.contiguous()
+    dz_pre = torch.empty_like(z_pre)
+    zdz = torch.empty(M, device=dy.device, dtype=torch.float32)
+    bm, bn = (16, 32) if INTERPRET else (16, 128)
+    swiglu_bwd_kernel[(triton.cdiv(M, bm),)](dy, z_pre, dz_pre, zdz, M, N, dy.stride(0), z_pre.stride(0),
+                                             dz_pre.stride(0), BM=bm, BN=bn)
+    return dz_pre, zdz

@@ -1,0 +1,1 @@
+"""Example plugins built from the CODA primitives (see docs/writing-kernels.md)."""

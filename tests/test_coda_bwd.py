@@ -1,0 +1,320 @@
+"""CODA backward kernels and autograd Functions against float64 references (CPU, Triton interpreter).
+
+Shapes are multiples of 8 but not of the interpreter's 32x32x32 tile, so every edge is masked. Each output
+passes when its relative error is at most 2x that of plain PyTorch in the same dtype plus a floor (the
+suite's pass rule), and each fused kernel is checked to be one launch plus the finishing reductions its
+math needs.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codabench.case import Case
+from codabench.correctness import CHECK_SEED, build_reference, check_impl
+from codabench.registry import REGISTRY
+from kernels import layouts as L
+from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
+from kernels.coda.cross_entropy_bwd import ce_grad_scale, scaled_matmul
+from kernels.coda.functions import CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer, producer_consumer
+from kernels.coda.reduce import row_dot, rstd_kernel
+from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
+from kernels.coda.rope_bwd import rope_bwd
+from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
+from workloads import reference as R
+from workloads.models import ModelShape, get_model
+from workloads.ops import OPS
+
+TINY = get_model("tiny")  # M 80, d 72, f 88, 4 heads / 2 kv heads of 16, vocab 200
+H, HKV, DH = TINY.heads, TINY.kv_heads, TINY.head_dim
+FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4}
+DTYPES = [torch.float32, torch.float16]
+
+
+def rand(*shape: int, dtype=torch.float32, seed: int = 0, scale: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale + mean).to(dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor, torch_out: torch.Tensor) -> None:
+    """``out`` within 2x PyTorch's error (+ floor) of the fp64 ``ref``; same shape and dtype as torch_out."""
+    assert out.shape == ref.shape and out.dtype == torch_out.dtype, (name, out.shape, out.dtype, torch_out.dtype)
+    assert torch.isfinite(out).all(), name
+    ours, theirs = rel_err(out, ref), rel_err(torch_out, ref)
+    assert ours <= 2 * theirs + FLOOR.get(torch_out.dtype, 1e-6), f"{name}: {ours:.2e} vs torch {theirs:.2e}"
+
+
+@contextmanager
+def launches():
+    """Names of the Triton kernels launched inside the block (in the interpreter: real launches, no tuning)."""
+    names: list[str] = []
+    cls = type(rstd_kernel)
+    orig = cls.run
+
+    def run(self, *args, **kwargs):
+        names.append(self.__name__)
+        return orig(self, *args, **kwargs)
+
+    cls.run = run
+    try:
+        yield names
+    finally:
+        cls.run = orig
+
+
+def f64(inp: dict) -> dict:
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in inp.items()}
+
+
+# ---- kernels --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["residual", "scaled_no_residual", "inplace"])
+def test_dgrad_rmsnorm(dtype, variant):
+    op = OPS["rmsnorm_dgrad"]
+    inp = op.make_inputs(TINY, dtype, "cpu", seed=1)
+    ref, tor = op.reference(f64(inp), TINY), op.reference(inp, TINY)
+    scale = 1.0
+    if variant == "scaled_no_residual":  # the CE path: dz = s * dlogits, no residual gradient
+        scale = torch.tensor(0.5)
+        inp["dres"] = torch.zeros_like(inp["dres"])  # reference: dx + 0
+        ref, tor = op.reference(f64({**inp, "dz": inp["dz"] * 0.5}), TINY), op.reference({**inp, "dz": inp["dz"] * 0.5}, TINY)
+    dres = None if variant == "scaled_no_residual" else inp["dres"].clone()
+    with launches() as names:
+        dx, y, dgamma = dgrad_rmsnorm(inp["dz"], inp["w"], inp["x"], inp["rstd"], inp["gamma"], inp["zdz"], dres,
+                                      dz_scale=scale, inplace=variant == "inplace")
+    assert names == ["dgrad_rmsnorm_kernel", "col_sum_kernel"]
+    if variant == "inplace":
+        assert dx.data_ptr() == dres.data_ptr()
+    check("dx", dx, ref["dx"], tor["dx"])
+    check("y", y, ref["y"], tor["y"])
+    check("dgamma", dgamma, ref["dgamma"], tor["dgamma"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dgrad_swiglu(dtype):
+    op = OPS["swiglu_dgrad"]
+    inp = op.make_inputs(TINY, dtype, "cpu", seed=2)
+    ref, tor = op.reference(f64(inp), TINY), op.reference(inp, TINY)
+    with launches() as names:
+        dz_pre, y, zdz = dgrad_swiglu(inp["dx"], inp["w_down"], L.interleave_cols(inp["gate"], inp["up"]))
+    assert names == ["dgrad_swiglu_kernel", "row_sum_kernel"]
+    dgate, dup = L.deinterleave_cols(dz_pre)
+    for name, out in [("dgate", dgate), ("dup", dup), ("a", y), ("zdz", zdz)]:
+        check(name, out, ref[name], tor[name])
+
+
+def swiglu_grads(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """(dgate, dup, zdz) by autograd through silu(gate) * up, in the inputs' dtype (zdz in fp32 or fp64)."""
+    g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    R.swiglu(g, u).backward(dy)
+    acc = torch.float64 if dy.dtype == torch.float64 else torch.float32
+    zdz = (g.to(acc) * g.grad.to(acc) + u.to(acc) * u.grad.to(acc)).sum(-1)
+    return g.grad, u.grad, zdz
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_bwd_elementwise(dtype):
+    M, f = 40, 88  # two column blocks of the interpreter's 32 (one masked), three row blocks (one masked)
+    dy, gate, up = (rand(M, f, dtype=dtype, seed=s) for s in (3, 4, 5))
+    ref, tor = swiglu_grads(dy.double(), gate.double(), up.double()), swiglu_grads(dy, gate, up)
+    with launches() as names:
+        dz_pre, zdz = swiglu_bwd(dy, L.interleave_cols(gate, up))
+    assert names == ["swiglu_bwd_kernel"]
+    dgate, dup = L.deinterleave_cols(dz_pre)
+    for name, out, r, t in zip(("dgate", "dup", "zdz"), (dgate, dup, zdz), ref, tor):
+        check(name, out, r, t)
+
+
+def rope_grads(z: torch.Tensor, dqkv: torch.Tensor, pos: torch.Tensor):
+    """(qkv, dz, zdz) by autograd through the half-split RoPE reference, in z's dtype."""
+    zl = z.clone().requires_grad_()
+    qkv = R.qkv_rope(zl, pos, H, HKV, DH, TINY.rope_theta)
+    qkv.backward(dqkv)
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    return qkv.detach(), zl.grad, (qkv.detach().to(acc) * dqkv.to(acc)).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_bwd(dtype):
+    M, q = TINY.tokens, TINY.qkv_width
+    z, dqkv = rand(M, q, dtype=dtype, seed=6), rand(M, q, dtype=dtype, seed=7)
+    pos = (torch.arange(M) * 797) % 60000  # large positions: angles up to 6e4 rad
+    qkv64, ref_dz, ref_zdz = rope_grads(z.double(), dqkv.double(), pos)
+    qkv_t, tor_dz, tor_zdz = rope_grads(z, dqkv, pos)
+    adj = lambda t: L.qkv_cols_to_adjacent(t, H, HKV, DH)  # noqa: E731
+    with launches() as names:
+        dz, zdz = rope_bwd(adj(dqkv), adj(qkv_t), pos, H, HKV, DH, TINY.rope_theta)
+    assert names == ["rope_bwd_kernel"]
+    check("dz", L.qkv_cols_to_halfsplit(dz, H, HKV, DH), ref_dz, tor_dz)
+    check("zdz", zdz, ref_zdz, tor_zdz)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_dot(dtype):
+    a, b = rand(40, 72, dtype=dtype, seed=8), rand(40, 72, dtype=dtype, seed=9)
+    with launches() as names:
+        out = row_dot(a, b)
+    assert names == ["row_dot_kernel"] and out.dtype == torch.float32
+    check("row_dot", out, (a.double() * b.double()).sum(-1), (a.float() * b.float()).sum(-1))
+
+
+def test_ce_grad_scale_and_scaled_matmul():
+    target = torch.tensor([3, -100, 5, 7, -100, 1, 0, 2])
+    dloss = torch.tensor(3.0)
+    assert ce_grad_scale(dloss, target, reduction="mean").item() == pytest.approx(3.0 / 6, rel=1e-7)
+    assert ce_grad_scale(dloss, target, reduction="sum").item() == 3.0
+    a, b = rand(40, 72, seed=10), rand(40, 56, seed=11)
+    s = torch.tensor([0.37])
+    with launches() as names:
+        c = scaled_matmul(a.T, b, s)  # transposed A (the weight-gradient layout dz^T y)
+    assert names == ["scaled_gemm_kernel"]
+    check("scaled_matmul", c, 0.37 * (a.double().T @ b.double()), 0.37 * (a.T @ b))
+
+
+# ---- autograd Functions ---------------------------------------------------------------------------------
+
+def consumers(model: ModelShape, pos: torch.Tensor, target: torch.Tensor):
+    """(name, consumer, weight rows, reference of the output from the normalized activation and W)."""
+    qkv = (model.heads, model.kv_heads, model.head_dim)
+    rope = lambda n, w: R.qkv_rope(F.linear(n, w), pos, *qkv, model.rope_theta)  # noqa: E731
+    swiglu = lambda n, w: R.swiglu(F.linear(n, w[0::2]), F.linear(n, w[1::2]))  # noqa: E731
+    return {
+        "linear": (Linear(), 2 * model.ffn, F.linear),
+        "swiglu": (SwiGLU(), 2 * model.ffn, swiglu),
+        "rope": (RoPE(pos, *qkv, model.rope_theta), model.qkv_width,  # W and the output in adjacent-pair layout
+                 lambda n, w: L.qkv_cols_to_adjacent(rope(n, L.qkv_rows_to_halfsplit(w, *qkv)), *qkv)),
+        "ce": (CrossEntropy(target, reduction="sum"), model.vocab,
+               lambda n, w: R.cross_entropy(F.linear(n, w), target, "sum")),
+    }
+
+
+def grads_of(fn, inputs: list[torch.Tensor], dout: torch.Tensor):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("composition", ["producer_consumer", "block", "norm_consumer"])
+@pytest.mark.parametrize("consumer_name", ["linear", "swiglu", "rope", "ce"])
+def test_functions_match_autograd(composition, consumer_name):
+    """Output and every input gradient of each composition x consumer, fp32, against fp64 autograd."""
+    model = TINY.with_(tokens=48)
+    m, d, f, eps = model.tokens, model.hidden, model.ffn, model.eps
+    pos = torch.arange(m) % model.seq_len
+    target = torch.randint(0, model.vocab, (m,), generator=torch.Generator().manual_seed(0))
+    target[::5] = R.IGNORE_INDEX
+    consumer, n_out, ref_out = consumers(model, pos, target)[consumer_name]
+    gamma, w = rand(d, seed=20, scale=0.1, mean=1.0), rand(n_out, d, seed=21, scale=d ** -0.5)
+    rms = lambda x, g: R.rmsnorm(x, g, eps)  # noqa: E731
+    if composition == "norm_consumer":
+        inputs = [rand(m, d, seed=22), gamma, w]
+        ours = lambda x, g, w: flat(norm_consumer(x, g, w, consumer, eps)[0])  # noqa: E731
+        ref = lambda x, g, w: flat(ref_out(rms(x, g), w))  # noqa: E731
+    elif composition == "producer_consumer":
+        inputs = [rand(m, 56, seed=22), rand(m, d, seed=23), rand(d, 56, seed=24, scale=56 ** -0.5), gamma, w]
+        ours = lambda *t: flat(*producer_consumer(*t, consumer, eps)[:2])  # noqa: E731
+        ref = lambda *t: flat(*_pc_ref(*t, ref_out, eps))  # noqa: E731
+    else:
+        inputs = [rand(m, 64, seed=22), rand(m, d, seed=23), rand(d, 64, seed=24, scale=64 ** -0.5),
+                  rand(d, seed=25, scale=0.1, mean=1.0), rand(2 * f, d, seed=26, scale=d ** -0.5),
+                  rand(d, f, seed=27, scale=f ** -0.5), gamma, w]
+        ours = lambda *t: flat(*block(*t, consumer, eps)[:2])  # noqa: E731
+        ref = lambda *t: flat(*_block_ref(*t, ref_out, eps))  # noqa: E731
+    n_flat = ref(*[t.double() for t in inputs]).numel()
+    dout = rand(n_flat, seed=30)
+    if consumer_name == "ce":  # a scalar loss gets one upstream gradient: 1.7 (exercises the loss scale)
+        dout[-1] = 1.7
+    out64, g64 = grads_of(ref, [t.double() for t in inputs], dout.double())
+    out32, g32 = grads_of(ref, inputs, dout)
+    out, g = grads_of(ours, inputs, dout)
+    check("out", out, out64, out32)
+    for i, (a, r, t) in enumerate(zip(g, g64, g32)):
+        check(f"grad {i}", a, r, t)
+
+
+def flat(*ts: torch.Tensor) -> torch.Tensor:
+    """The outputs as one vector (x and the consumer's output), so one upstream gradient covers both."""
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _pc_ref(a, residual, w_p, gamma, w, ref_out, eps):
+    x = residual + F.linear(a, w_p)
+    return x, ref_out(R.rmsnorm(x, gamma, eps), w)
+
+
+def _block_ref(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, ref_out, eps):
+    x1 = residual + F.linear(a, w_o)
+    h1 = R.rmsnorm(x1, gamma_mlp, eps)
+    x = x1 + F.linear(R.swiglu(F.linear(h1, w_gu[0::2]), F.linear(h1, w_gu[1::2])), w_down)
+    return x, ref_out(R.rmsnorm(x, gamma, eps), w)
+
+
+def test_block_backward_launches():
+    """Backward of the block: 1 elementwise + 3 fused dgrad GEMMs + 3 small sums + 5 plain GEMMs, nothing else."""
+    model = TINY.with_(tokens=48)
+    m, d, f = model.tokens, model.hidden, model.ffn
+    pos = torch.arange(m) % model.seq_len
+    inputs = [rand(m, 64, seed=1), rand(m, d, seed=2), rand(d, 64, seed=3, scale=0.1), rand(d, seed=4, mean=1.0),
+              rand(2 * f, d, seed=5, scale=0.1), rand(d, f, seed=6, scale=0.1), rand(d, seed=7, mean=1.0),
+              rand(model.qkv_width, d, seed=8, scale=0.1)]
+    leaves = [t.requires_grad_() for t in inputs]
+    rope = RoPE(pos, model.heads, model.kv_heads, model.head_dim, model.rope_theta)
+    with launches() as fwd:
+        x, qkv, *_ = block(*leaves, rope, model.eps)
+    assert fwd == ["gemm_residual_norm_kernel", "rstd_kernel", "gemm_swiglu_kernel", "gemm_residual_norm_kernel",
+                   "rstd_kernel", "gemm_rope_kernel"]
+    with launches() as bwd:
+        torch.autograd.backward([x, qkv], [torch.ones_like(x), torch.ones_like(qkv)])
+    assert bwd == ["rope_bwd_kernel", "dgrad_rmsnorm_kernel", "col_sum_kernel", "gemm_kernel",
+                   "dgrad_swiglu_kernel", "row_sum_kernel", "gemm_kernel", "dgrad_rmsnorm_kernel", "col_sum_kernel",
+                   "gemm_kernel", "gemm_kernel", "gemm_kernel"]
+    assert all(t.grad is not None for t in leaves)
+
+
+def test_no_grad_forward_saves_nothing(monkeypatch):
+    """Without grad the LM head never writes logits (with_grad=False) and no graph is recorded."""
+    from kernels.coda import functions
+
+    calls: list[bool] = []
+    real = functions.gemm_cross_entropy
+    monkeypatch.setattr(functions, "gemm_cross_entropy", lambda *a, **k: calls.append(k["with_grad"]) or real(*a, **k))
+    model = TINY
+    x, g = rand(model.tokens, model.hidden, seed=1), rand(model.hidden, seed=2, mean=1.0)
+    w = rand(model.vocab, model.hidden, seed=3, scale=0.1).requires_grad_()
+    target = torch.randint(0, model.vocab, (model.tokens,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss_ng = norm_consumer(x, g, w, CrossEntropy(target), model.eps)[0]
+    loss = norm_consumer(x, g, w, CrossEntropy(target), model.eps)[0]
+    assert calls == [False, True]
+    assert loss_ng.grad_fn is None and loss.requires_grad
+    torch.testing.assert_close(loss_ng, loss.detach(), rtol=1e-6, atol=1e-6)
+
+
+# ---- the plugin, through the harness's correctness check ------------------------------------------------
+
+AUTOGRAD_OPS = ["rmsnorm_linear", "rmsnorm_swiglu", "rmsnorm_rope", "rmsnorm_ce", "lm_head_ce", "block"]
+
+
+@pytest.mark.parametrize("op_name,mode", [(o, m) for o in AUTOGRAD_OPS for m in ("bwd", "fwd_bwd")]
+                         + [("rmsnorm_dgrad", "bwd"), ("swiglu_dgrad", "bwd")])
+def test_plugin_bwd_passes_the_harness_check(op_name, mode):
+    op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
+    case = Case(op, TINY, mode, "fp32", torch.device("cpu"), op.make_inputs(TINY, torch.float32, "cpu", CHECK_SEED))
+    assert impl.skip_reason(case) is None
+    outcome = check_impl(build_reference(op, case), impl)
+    assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])
+    compared = {c.output for c in outcome.checks}
+    if op.kind == "direct":
+        assert compared == set(op.outputs) | set(op.side_outputs)
+    else:
+        grads = {f"grad_{k}" for k in op.differentiable(case.inputs)}
+        assert grads <= compared and (mode == "bwd" or set(op.outputs) <= compared)

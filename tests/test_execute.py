@@ -1,0 +1,78 @@
+"""Mode semantics: what is timed in fwd, bwd and fwd_bwd, and which tensors get gradients."""
+import torch
+
+from codabench.case import Case
+from codabench.execute import differentiable_keys, run_once, timed_call
+from codabench.registry import Implementation
+from harness_helpers import CPU
+from workloads.models import PRESETS
+from workloads.ops import OPS
+
+OP = OPS["rmsnorm_linear"]
+TINY = PRESETS["tiny"]
+
+
+class Counting(Implementation):
+    """The reference math, counting forward calls; declares ``gamma`` a native const."""
+
+    name, op = "counting", "rmsnorm_linear"
+    native_consts = ("gamma",)
+
+    def __init__(self):
+        self.forwards = 0
+
+    def run(self, native):
+        self.forwards += 1
+        return OP.reference(native, TINY)
+
+
+def _native():
+    return OP.make_inputs(TINY, torch.float32, CPU, 0)
+
+
+def test_differentiable_keys_exclude_consts_and_native_consts():
+    impl, native = Counting(), {**_native(), "scale": 2.0, "idx": torch.arange(3)}
+    assert differentiable_keys(OP, impl, native) == ["a", "residual", "w_o", "w_c"]
+    assert differentiable_keys(OPS["gemm_out"], impl, {"x": torch.ones(2)}) == []  # direct op: no autograd
+
+
+def _grad_outputs(native):
+    with torch.no_grad():
+        out = OP.reference(native, TINY)
+    return OP.grad_outputs(out, 3)
+
+
+def test_bwd_times_the_backward_alone_on_a_fresh_graph():
+    impl, native = Counting(), _native()
+    timed = timed_call(OP, impl, native, "bwd", _grad_outputs(native))
+    states = [timed.setup() for _ in range(2)]
+    assert impl.forwards == 2  # the forward is the untimed setup
+    for s in states:
+        timed.fn(s)  # a second backward through one graph would raise: each sample has its own
+    assert impl.forwards == 2
+    assert all(not v.requires_grad for v in native.values())  # leaves are fresh detached copies
+
+
+def test_fwd_bwd_times_forward_and_backward():
+    impl, native = Counting(), _native()
+    timed = timed_call(OP, impl, native, "fwd_bwd", _grad_outputs(native))
+    leaves = timed.setup()
+    assert impl.forwards == 0
+    timed.fn(leaves)
+    assert impl.forwards == 1
+    assert leaves["a"].grad is not None and leaves["gamma"].grad is None
+
+
+def test_fwd_runs_without_grad():
+    impl, native = Counting(), _native()
+    timed = timed_call(OP, impl, native, "fwd", None)
+    with timed.context:
+        out = timed.fn(timed.setup() if timed.setup else None)
+    assert not out["z"].requires_grad and impl.forwards == 1
+
+
+def test_run_once_returns_canonical_gradients():
+    case = Case(OP, TINY, "fwd_bwd", "fp32", CPU, _native())
+    res = run_once(OP, Counting(), case, _grad_outputs(case.inputs))
+    assert set(res.grads) == {"grad_a", "grad_residual", "grad_w_o", "grad_w_c"}
+    assert set(res.outputs) == {"x", "z", "rstd"} and not res.outputs["z"].requires_grad

@@ -1,0 +1,100 @@
+"""GPU-only paths of the harness: CUDA-event timing, L2 flush, CUDA graphs, ceilings, NVML, poisoning.
+
+Run on a GPU node with ``python -m pytest -q tests/test_gpu.py``; without a GPU every test here is
+reported as skipped (the CPU paths are covered by the other test files).
+"""
+import pytest
+import torch
+
+from codabench.ceilings import GemmTimer, measure_ceilings
+from codabench.env import gpu_info, gpu_state
+from codabench.registry import load_plugin_file
+from codabench.report import finalize, load_run
+from codabench.timing import CUDA_EVENTS, CUDA_GRAPH, TimingConfig, l2_flusher, measure, measure_graph
+from harness_helpers import PLUGINS, isolated_registry, make_runner
+from workloads.op import Gemm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU = torch.device("cuda")
+FAST = TimingConfig(warmup=2, warmup_ms=5, reps=10)
+
+
+def test_event_timing_excludes_setup():
+    a = torch.randn(2048, 2048, device=GPU)
+
+    def slow_setup():
+        torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time, queued before the start event
+
+    t = measure(lambda _: a.mul_(1.0), slow_setup, GPU, FAST)
+    assert t.kind == CUDA_EVENTS and len(t.samples_ms) == 10
+    assert 0 < t.median < 2.0
+
+
+def test_l2_flusher_exceeds_l2():
+    l2 = getattr(torch.cuda.get_device_properties(GPU), "L2_cache_size", 0)
+    assert l2_flusher(GPU).buf.numel() >= 2 * l2 > 0
+
+
+def test_graph_timing_rotates_input_sets():
+    sets = [torch.randn(4096, 4096, device=GPU) for _ in range(3)]
+    t = measure_graph(lambda x: x.mul_(1.0), sets, GPU, FAST)
+    assert t.kind == CUDA_GRAPH and len(t.samples_ms) == 10 and "3 rotating" in t.note
+    assert t.median > 0
+
+
+def test_ceilings_and_gemm_speed_of_light():
+    c = measure_ceilings(GPU, FAST)
+    assert c["copy_gbps"] > 100 and c["bf16_tflops"] > 10
+    assert "fp8_tflops" in c or "fp8_tflops_error" in c
+    timer = GemmTimer(GPU, FAST)
+    g = Gemm(1024, 2048, 512)
+    assert timer.sol_ms([g, g], "bf16") == pytest.approx(2 * timer.cache[(g, "bf16")])
+    assert timer.time(Gemm(1024, 512, 2048, "km", "kn"), "bf16") > 0
+
+
+def test_nvml_state_is_recorded_when_available():
+    info = gpu_info(GPU)
+    assert info["sm_count"] > 0
+    state = gpu_state(GPU)
+    if "nvml" not in info:  # nvidia-ml-py present: clocks and temperature read
+        assert state["sm_clock_mhz"] > 0 and state["temp_c"] > 0
+
+
+def test_faulty_plugins_on_the_gpu(tmp_path):
+    with isolated_registry():
+        load_plugin_file(PLUGINS / "faulty.py")
+        load_plugin_file(PLUGINS / "good.py")
+        make_runner(tmp_path, device=GPU, timing=FAST,
+                    impls=["torch-eager", "test-good", "test-raises", "test-nan", "test-mutates",
+                           "test-unwritten", "test-wrong-shape"]).run()
+    df, _, _ = load_run(tmp_path)
+    rows = {r["impl"]: r for _, r in df.iterrows()}
+    assert rows["test-good"]["status"] == "ok" and rows["test-good"]["correct"] is True
+    assert rows["test-good"]["timing"] == "cuda-events" and rows["test-good"]["n_samples"] == 10
+    for impl in ("test-raises", "test-nan", "test-mutates", "test-unwritten", "test-wrong-shape"):
+        assert rows[impl]["status"] == "error", (impl, rows[impl]["message"])
+    assert "NaN" in rows["test-unwritten"]["message"]  # the poisoned allocator caught the unwritten rows
+
+
+def test_bf16_and_fp8_run_with_cuda_graphs(tmp_path):
+    with isolated_registry():
+        load_plugin_file(PLUGINS / "good.py")
+        r = make_runner(tmp_path, device=GPU, timing=FAST, models=("llama-1b",), tokens=512,
+                        ops=["gemm_out", "rmsnorm_linear"], dtypes=("bf16", "fp8"), cuda_graph=True,
+                        impls=["torch-eager", "torch-compile", "test-fp8-standin"])
+        r.run()
+        finalize(tmp_path)
+    df, err, env = load_run(tmp_path)
+    ok = df[df["status"] == "ok"]
+    assert set(ok["dtype"]) == {"bf16", "fp8"} and (ok["correct"] == True).all()  # noqa: E712
+    assert env["ceilings"]["bf16_tflops"] > 10 and env["gpu"]["name"]
+    fwd = ok[(ok["mode"] == "fwd") & (ok["dtype"] == "bf16")]
+    assert set(fwd["timing"]) == {"cuda-graph"}
+    bwd = ok[ok["mode"] != "fwd"]
+    assert set(bwd["timing"]) == {"cuda-events"}
+    assert (bwd["message"].str.contains("cuda-graph mode covers fwd")).all()
+    bf16 = ok[ok["dtype"] == "bf16"]
+    assert bf16["sol_ms"].notna().all() and bf16["pct_ceiling"].notna().all() and bf16["sm_clock_mhz"].notna().all()
+    fp8 = df[(df["dtype"] == "fp8") & (df["op"] == "gemm_out")].set_index("impl")
+    assert fp8.loc["torch-eager", "status"] == "n/a"
+    assert fp8.loc["test-fp8-standin", "status"] == "ok" and fp8.loc["test-fp8-standin", "sol_ms"] > 0

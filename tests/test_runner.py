@@ -1,0 +1,153 @@
+"""The runner on the CPU: cell isolation (faulty plugins), skip rows, resume, shard + merge, --list."""
+import json
+
+import pandas as pd
+import pytest
+
+from codabench.matrix import Cell, build_cells, groups, shard
+from codabench.registry import load_plugin_file
+from codabench.report import finalize, load_run
+from codabench.report.merge import merge
+from codabench.runner import RunExists, Runner
+from harness_helpers import PLUGINS, isolated_registry, make_runner
+
+
+@pytest.fixture
+def registry():
+    with isolated_registry() as reg:
+        yield reg
+
+
+def rows_by_impl(run_dir):
+    df, err, _ = load_run(run_dir)
+    return {r["impl"]: r for _, r in df.iterrows()}, err
+
+
+def test_faulty_plugins_become_error_rows_and_the_run_goes_on(registry, tmp_path):
+    load_plugin_file(PLUGINS / "faulty.py")
+    load_plugin_file(PLUGINS / "good.py")
+    load_plugin_file(PLUGINS / "broken.py")
+    impls = ["torch-eager", "test-good", "test-raises", "test-oom", "test-wrong-shape", "test-wrong-dtype", "test-nan",
+             "test-mutates", "test-missing", "test-unwritten", "test-inaccurate", "test-unsupported"]
+    make_runner(tmp_path, impls=impls).run()
+    rows, err = rows_by_impl(tmp_path)
+    expect_error = {
+        "test-raises": "RuntimeError: boom from the plugin",
+        "test-oom": "correctness run: out of memory: OutOfMemoryError: CUDA out of memory.",
+        "test-wrong-shape": "out has shape (80, 71), expected (80, 72)",
+        "test-wrong-dtype": "out has dtype torch.float64, expected torch.float32",
+        "test-nan": "out has 1 NaN and 0 Inf values",
+        "test-mutates": "mutated its input(s) x",
+        "test-missing": "missing output 'out'",
+        "test-unwritten": "NaN",
+    }
+    for impl, text in expect_error.items():
+        assert rows[impl]["status"] == "error", impl
+        assert text in rows[impl]["message"], (impl, rows[impl]["message"])
+        assert pd.isna(rows[impl]["median_ms"]), impl  # a broken cell is not timed
+    for impl in ("torch-eager", "test-good"):
+        assert rows[impl]["status"] == "ok" and rows[impl]["correct"] is True, impl
+        assert rows[impl]["median_ms"] > 0 and rows[impl]["timing"] == "cpu-wall"
+    bad = rows["test-inaccurate"]
+    assert bad["status"] == "ok" and bad["correct"] is False and bad["rel_err"] == pytest.approx(0.01, rel=1e-3)
+    assert rows["test-unsupported"]["status"] == "skipped"
+    assert "codabench_no_such_module" in rows["test-unsupported"]["message"]
+    load = rows[str((PLUGINS / "broken.py").resolve())]
+    assert load["status"] == "error" and "broken on purpose" in load["message"]
+    # per-output error rows, with PyTorch's own error alongside
+    e = err[(err["impl"] == "test-inaccurate") & (err["output"] == "out")].iloc[0]
+    assert e["passed"] is False and e["torch_rel_err"] < 1e-5 and e["ratio"] > 100
+
+
+def test_autograd_modes_compare_gradients(registry, tmp_path):
+    load_plugin_file(PLUGINS / "faulty.py")
+    load_plugin_file(PLUGINS / "good.py")
+    make_runner(tmp_path, ops=["rmsnorm_linear"], impls=["test-good-autograd", "test-bad-grad", "test-detached"]).run()
+    df, err, _ = load_run(tmp_path)
+    get = {(r["impl"], r["mode"]): r for _, r in df.iterrows()}
+    for mode in ("fwd", "bwd", "fwd_bwd"):
+        assert get[("test-good-autograd", mode)]["correct"] is True, mode
+    outputs = set(err[(err["impl"] == "test-good-autograd") & (err["mode"] == "bwd")]["output"])
+    assert outputs == {"grad_a", "grad_residual", "grad_w_o", "grad_gamma", "grad_w_c"}  # bwd: gradients only
+    outputs = set(err[(err["impl"] == "test-good-autograd") & (err["mode"] == "fwd_bwd")]["output"])
+    assert outputs == {"x", "z", "rstd", "grad_a", "grad_residual", "grad_w_o", "grad_gamma", "grad_w_c"}
+    bad = err[(err["impl"] == "test-bad-grad") & (err["mode"] == "bwd")].set_index("output")["passed"]
+    assert bad["grad_a"] is False and bad["grad_w_o"] is True
+    assert get[("test-bad-grad", "bwd")]["status"] == "ok" and get[("test-bad-grad", "bwd")]["correct"] is False
+    assert get[("test-bad-grad", "fwd")]["status"] == "n/a"
+    det = get[("test-detached", "fwd_bwd")]
+    assert det["status"] == "error" and "does not require grad" in det["message"]
+
+
+def test_resume_after_an_interrupted_run(registry, tmp_path, monkeypatch):
+    ops = ["gemm_out", "gemm_down", "rmsnorm_linear"]
+    total = len(make_runner(tmp_path, ops=ops).cells)
+    calls = []
+    original = Runner.run_cell
+
+    def interrupted(self, cell, group, planned):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(cell.key)
+        return original(self, cell, group, planned)
+
+    monkeypatch.setattr(Runner, "run_cell", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        make_runner(tmp_path, ops=ops).run()
+    assert len(load_run(tmp_path)[0]) == 3
+    with open(tmp_path / "results.csv", "a") as f:  # a row cut off by the kill
+        f.write("gemm_down,torch-eager,ti")
+    with pytest.raises(RunExists):
+        make_runner(tmp_path, ops=ops).run()
+
+    calls.clear()
+    monkeypatch.setattr(Runner, "run_cell", lambda self, c, g, p: (calls.append(c.key), original(self, c, g, p))[1])
+    make_runner(tmp_path, ops=ops, resume=True).run()
+    df, _, env = load_run(tmp_path)
+    assert len(calls) == total - 3
+    assert len(df) == total and not df.duplicated(["op", "model", "mode", "dtype", "impl"]).any()
+    assert (df["status"] == "ok").all()
+    assert len(env["earlier_sessions"]) == 1
+
+
+def test_shards_partition_groups_and_merge(registry, tmp_path):
+    ops = ["gemm_out", "gemm_down", "rmsnorm_linear"]
+    impls = ["torch-eager", "test-good", "test-good-autograd"]
+    load_plugin_file(PLUGINS / "good.py")
+    cells = make_runner(tmp_path / "all", ops=ops, impls=impls).cells
+    parts = [shard(cells, i, 2) for i in (1, 2)]
+    assert sorted(parts[0] + parts[1], key=str) == sorted(cells, key=str)
+    assert not set(parts[0]) & set(parts[1])
+    for p in parts:  # whole groups only
+        assert {c.group for c in p}.isdisjoint({c.group for c in cells if c not in p})
+    with pytest.raises(ValueError):
+        shard(cells, 3, 2)
+    for i in (1, 2):
+        make_runner(tmp_path / f"s{i}", ops=ops, impls=impls, shard=(i, 2)).run()
+    merge(tmp_path / "merged", [tmp_path / "s1", tmp_path / "s2"])
+    df, err, env = load_run(tmp_path / "merged")
+    assert {tuple(r) for r in df[["op", "model", "mode", "dtype", "impl"]].itertuples(index=False)} == \
+        {c.key for c in cells}
+    assert len(df) == len(cells)
+    assert len(env["shards"]) == 2 and env["shards"][0]["shard"] == [1, 2]
+    assert (tmp_path / "merged" / "report.html").exists()
+    with pytest.raises(FileExistsError):
+        merge(tmp_path / "merged", [tmp_path / "s1"])
+
+
+def test_cells_are_grouped_with_baselines_first(registry, tmp_path):
+    load_plugin_file(PLUGINS / "good.py")
+    runner = make_runner(tmp_path, ops=["gemm_out"], impls=["test-good", "torch-compile", "torch-eager"])
+    assert [c.impl for c in runner.cells] == ["torch-eager", "torch-compile", "test-good"]
+    assert len(groups(runner.cells)) == 1
+    assert all(isinstance(c, Cell) for c in build_cells(runner.cfg.selection, registry))
+
+
+def test_check_tokens_and_env(registry, tmp_path):
+    make_runner(tmp_path, ops=["gemm_out"], check_tokens=16).run()
+    df, _, env = load_run(tmp_path)
+    row = df.iloc[0]
+    assert (row["tokens"], row["check_tokens"], row["correct"]) == (80, 16, True)
+    assert env["device"] == "cpu" and env["torch"] and "torch-eager" in env["providers"]
+    assert json.loads((tmp_path / "env.json").read_text())["check_tokens"] == 16
+    finalize(tmp_path)

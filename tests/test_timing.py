@@ -1,0 +1,36 @@
+"""Timing summaries and the sampling loop (CPU path; the CUDA path is exercised on the GPU node)."""
+import time
+
+import pytest
+import torch
+
+from codabench.timing import CPU_WALL, Timing, TimingConfig, measure
+
+
+def test_summary_statistics():
+    t = Timing([5.0, 1.0, 4.0, 2.0, 3.0], "cuda-events")
+    assert t.median == 3.0
+    assert t.p20 == pytest.approx(1.8)  # linear interpolation between the 1st and 2nd of 5 sorted samples
+    assert t.p80 == pytest.approx(4.2)
+    assert t.cv == pytest.approx(1.5811388 / 3.0)
+    assert t.is_perf
+    assert Timing([2.0], CPU_WALL).cv == 0.0
+    assert not Timing([2.0], CPU_WALL).is_perf
+
+
+def test_setup_runs_before_every_sample_and_is_not_timed():
+    calls = []
+
+    def setup():
+        time.sleep(0.03)
+        calls.append("setup")
+        return len(calls)
+
+    def fn(state):
+        calls.append(("fn", state))
+
+    t = measure(fn, setup, torch.device("cpu"), TimingConfig(cpu_reps=4))
+    assert t.kind == CPU_WALL and len(t.samples_ms) == 4
+    assert max(t.samples_ms) < 20.0  # the 30 ms setup sleeps are outside the clock
+    # one warm-up call, then four samples, each fed the state its own setup returned
+    assert [c for c in calls if c != "setup"] == [("fn", i) for i in (1, 3, 5, 7, 9)]

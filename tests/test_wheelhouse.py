@@ -1,0 +1,125 @@
+"""Wheelhouse for offline nodes: flashinfer trimming on a small fake wheel, split/join, commands. No network."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from codabench import wheelhouse as W
+
+FAKE = "flashinfer_python-0.0.1-py3-none-any.whl"
+DIST = "flashinfer_python-0.0.1.dist-info"
+FILES = {
+    "flashinfer/__init__.py": "x = 1\n",
+    "flashinfer/norm/__init__.py": "",
+    "flashinfer/data/build_utils.py": "",
+    "flashinfer/data/include/flashinfer/norm.cuh": "// header tree\n",
+    "flashinfer/data/cutlass/include/cutlass/cutlass.h": "//\n",
+    "flashinfer/data/cccl/cub/cub.cuh": "//\n",
+    "flashinfer/data/spdlog/include/spdlog.h": "//\n",
+    "flashinfer/data/csrc/norm.cu": "// kept source\n",
+    "flashinfer/data/csrc/flashinfer_norm_binding.cu": "//\n",
+    "flashinfer/data/csrc/rope.cu": "//\n",
+    "flashinfer/data/csrc/flashinfer_rope_binding.cu": "//\n",
+    "flashinfer/data/csrc/tvm_ffi_utils.h": "//\n",
+    "flashinfer/data/csrc/fused_moe/moe_kernels.cuh": "//\n",
+    "flashinfer/data/csrc/batch_prefill.cu": "// dropped\n" * 100,
+    "flashinfer/data/csrc/fused_moe/moe.cu": "// dropped\n",
+    "flashinfer/data/csrc/gemm/kernel.cpp": "// dropped\n",
+    "flashinfer/data/cubins/a.cubin": "dropped",
+    f"{DIST}/METADATA": "Metadata-Version: 2.1\nName: flashinfer-python\nVersion: 0.0.1\n",
+    f"{DIST}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+DROPPED = {"flashinfer/data/csrc/batch_prefill.cu", "flashinfer/data/csrc/fused_moe/moe.cu",
+           "flashinfer/data/csrc/gemm/kernel.cpp", "flashinfer/data/cubins/a.cubin"}
+
+
+def make_fake_wheel(folder: Path) -> Path:
+    path = folder / FAKE
+    record = io.StringIO()
+    rows = [[name, W.record_hash(text.encode()), str(len(text.encode()))] for name, text in FILES.items()]
+    csv.writer(record, lineterminator="\n").writerows(rows + [[f"{DIST}/RECORD", "", ""]])
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name, text in FILES.items():
+            z.writestr(name, text)
+        z.writestr(f"{DIST}/RECORD", record.getvalue())
+    return path
+
+
+def test_keep_rule_matches_what_the_norm_activation_and_rope_modules_compile():
+    keep = W.keep_flashinfer_file
+    assert {n for n in FILES if not keep(n)} == DROPPED
+    assert keep("flashinfer/jit/norm.py") and keep(f"{DIST}/RECORD")
+
+
+def test_trimmed_wheel_has_a_consistent_record_and_pip_installs_it(tmp_path):
+    src = make_fake_wheel(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = W.trim_wheel(src, out / FAKE)
+    assert (stats.kept, stats.dropped) == (len(FILES) + 1 - len(DROPPED), len(DROPPED))
+    with zipfile.ZipFile(out / FAKE) as z:
+        names = set(z.namelist())
+        assert names == (set(FILES) - DROPPED) | {f"{DIST}/RECORD"}
+        rows = {r[0]: r for r in csv.reader(io.StringIO(z.read(f"{DIST}/RECORD").decode()))}
+        assert set(rows) == names
+        for name in names - {f"{DIST}/RECORD"}:
+            assert rows[name][1] == W.record_hash(z.read(name))
+    target = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet",
+                           "--target", str(target), str(out / FAKE)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (target / "flashinfer/data/csrc/norm.cu").exists()
+    assert not (target / "flashinfer/data/csrc/batch_prefill.cu").exists()
+
+
+def test_trim_in_place_keeps_the_name(tmp_path):
+    src = make_fake_wheel(tmp_path)
+    before = src.stat().st_size
+    stats = W.trim_wheel(src, src)
+    assert stats.bytes_before == before and stats.bytes_after == src.stat().st_size < before
+    assert zipfile.ZipFile(src).testzip() is None
+
+
+def test_split_then_join_restores_the_file_and_checks_its_hash(tmp_path):
+    data = bytes(range(256)) * 40
+    wheel = tmp_path / "big-1.0-py3-none-any.whl"
+    wheel.write_bytes(data)
+    entry = {"bytes": len(data), "sha256": W.sha256_file(wheel)}
+    entry["parts"] = [p.name for p in W.split_file(wheel, 4000)]
+    assert entry["parts"] == [f"{wheel.name}.part0{i}" for i in range(3)] and not wheel.exists()
+    (tmp_path / W.MANIFEST).write_text(json.dumps({"files": {wheel.name: entry}}))
+    assert W.join_parts(tmp_path) == [wheel]
+    assert wheel.read_bytes() == data and not list(tmp_path.glob("*.part*"))
+
+    W.split_file(wheel, 4000)
+    (tmp_path / f"{wheel.name}.part01").write_bytes(b"corrupted")
+    with pytest.raises(RuntimeError, match="sha256"):
+        W.join_parts(tmp_path)
+
+
+def test_download_and_install_commands():
+    cmd = W.pip_download_command(W.default_specs(), Path("/w"), "3.12", "manylinux_2_28_x86_64")
+    assert cmd[1:4] == ["-m", "pip", "download"]
+    for flag in ("--no-deps", "--only-binary=:all:"):
+        assert flag in cmd
+    assert cmd[cmd.index("--python-version") + 1] == "3.12"
+    assert cmd[cmd.index("--platform") + 1] == "manylinux_2_28_x86_64"
+    assert {"liger-kernel==0.8.5", "flashinfer-python==0.7.2.post1"} <= set(cmd)
+    assert any(c.startswith("apache-tvm-ffi") for c in cmd)
+
+
+def test_install_offline_dry_run_joins_parts_and_prints_the_command(tmp_path, capsys):
+    wheel = make_fake_wheel(tmp_path)
+    (tmp_path / W.MANIFEST).write_text(json.dumps({"files": {wheel.name: {"sha256": W.sha256_file(wheel)}}}))
+    W.split_file(wheel, 500)
+    assert W.main_install_offline([str(tmp_path), "--dry-run", "--target", str(tmp_path / "t")]) == 0
+    printed = capsys.readouterr().out
+    assert f"joined {FAKE}" in printed and "--no-index --no-deps" in printed and str(wheel) in printed
+    assert wheel.exists() and not (tmp_path / "t").exists()

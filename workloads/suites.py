@@ -1,0 +1,45 @@
+"""Named suites: which slice of the (op x model x mode x dtype x implementation) matrix to run.
+
+``ops``/``impls`` of None mean every op of the catalogue / every registered implementation.
+Command-line flags (``--ops``, ``--models``, ``--tokens``...) narrow or override a suite.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workloads.op import MODES
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    models: tuple[str, ...]
+    modes: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    ops: tuple[str, ...] | None = None
+    impls: tuple[str, ...] | None = None
+    needs_gpu: bool = True
+    impl_modes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per-implementation restriction of the modes of autograd ops (direct ops have one mode);
+    the cells left out become ``skipped`` rows that say why."""
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in [
+    # torch.compile on the CPU costs about 20 s once (inductor's compiler probes) plus 2-5 s per graph
+    # on 2 cores, cold: compiling every (op, mode) alone took ~80 s. fwd_bwd compiles the forward and
+    # backward graphs together, so the smoke suite compiles each autograd op once, in fwd_bwd.
+    Suite("smoke", "model tiny, every op, mode and implementation, fp32; runs on the CPU (Triton interpreter)",
+          models=("tiny",), modes=MODES, dtypes=("fp32",), needs_gpu=False,
+          impl_modes={"torch-compile": ("fwd_bwd",)}),
+    Suite("quick", "llama-7b, bf16, every op, mode and implementation (GPU)",
+          models=("llama-7b",), modes=MODES, dtypes=("bf16",)),
+    Suite("full", "llama-1b/7b/70b x fwd/bwd/fwd_bwd x bf16/fp8 x every implementation (GPU)",
+          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8")),
+]}
+
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        raise KeyError(f"unknown suite {name!r}; known: {', '.join(SUITES)}")
+    return SUITES[name]
