@@ -1,7 +1,7 @@
 """GPU check of the CODA kernels: error vs float64 and time vs the plain cuBLAS GEMM and unfused PyTorch.
 
     python benchmarks/bench_coda.py [--models llama-1b,llama-7b,llama-70b] [--tokens 16384]
-                                    [--kernels producer_out,...] [--no-compile]
+                                    [--kernels producer_out,...] [--no-compile] [--model-check]
 
 For every kernel (``KERNELS``) and model, in bf16:
 - error: every output (fp32 side outputs too) against the same unfused math in float64 on the same bf16
@@ -13,8 +13,9 @@ For every kernel (``KERNELS``) and model, in bf16:
 A failing kernel prints an error row and the table goes on. Each kernel's unfused function is dtype
 generic: on float64 inputs it is the reference. Backward kernels (dgrad GEMM + RMSNorm backward, down-proj
 dgrad + SwiGLU backward, the CE-scaled LM-head dgrad and weight gradient, elementwise RoPE / SwiGLU backward)
-are in the same table. Last, unless ``--no-model-check``: the CODA Llama (kernels/coda/model.py) against the
-standard unfused Llama in bf16, loss and every parameter gradient under the same error rule.
+are in the same table. With ``--model-check`` (about a minute more: new shapes to autotune), last: the CODA
+Llama (kernels/coda/model.py) against the standard unfused Llama in bf16, loss and every parameter gradient
+under the same error rule (also ``TRITON_INTERPRET=0 pytest tests/test_coda_model.py -k gpu``).
 """
 from __future__ import annotations
 
@@ -379,7 +380,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--kernels", default=",".join(k.name for k in KERNELS))
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column (saves compile time)")
-    p.add_argument("--no-model-check", action="store_true", help="skip the CODA Llama vs standard Llama check")
+    p.add_argument("--model-check", action="store_true", help="also check the CODA Llama against the standard Llama")
     args = p.parse_args()
     wanted = args.kernels.split(",")
     unknown = set(wanted) - {k.name for k in KERNELS}
@@ -417,7 +418,7 @@ def main() -> None:
     print(f"\nfused / plain cuBLAS GEMM (target <= 1.03-1.10 forward), {time.time() - start:.0f} s in all:")
     for name, kernel, summary in rows:
         print(f"  {name:10s} {kernel:14s} {summary}")
-    if not args.no_model_check:
+    if args.model_check:
         print("\nCODA Llama vs standard Llama, bf16, loss and every parameter gradient vs float64:", flush=True)
         try:
             lines = model_check()

@@ -23,6 +23,7 @@ from codabench.runner import DeviceLost, RunConfig, Runner, RunExists
 from codabench.timing import TimingConfig
 from workloads.models import PRESETS
 from workloads.op import DTYPES, MODES
+from workloads.ops import OPS
 from workloads.suites import SUITES, get_suite
 
 REPORTS = Path("reports")
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_names(sel: Selection, registry) -> None:
-    for kind, given, known in (("model", sel.models, PRESETS), ("mode", sel.modes, MODES),
+    for kind, given, known in (("op", sel.ops, OPS), ("model", sel.models, PRESETS), ("mode", sel.modes, MODES),
                                ("dtype", sel.dtypes, DTYPES)):
         bad = [g for g in given if g not in known]
         if bad:

@@ -24,7 +24,7 @@ import torch
 from codabench.case import Case
 from codabench.ceilings import GemmTimer, measure_ceilings
 from codabench.correctness import CHECK_SEED, CheckOutcome, GroupReference, build_reference, check_impl
-from codabench.env import collect_env, gpu_state
+from codabench.env import collect_env, gpu_state, provider_metadata
 from codabench.execute import forward_shapes, timed_call, uses_autograd
 from codabench.matrix import PLUGIN_OP, SPEED_BASELINE, Cell, Selection, build_cells, groups, shard
 from codabench.progress import Progress
@@ -186,6 +186,7 @@ class Runner:
                 del state
         finally:
             progress.close()
+            self._refresh_providers(out)
         return out
 
     def _done_keys(self) -> set[tuple]:
@@ -207,6 +208,13 @@ class Runner:
         if self.cfg.resume and env_path.exists():
             old = json.loads(env_path.read_text())
             env["earlier_sessions"] = old.pop("earlier_sessions", []) + [old]
+        tables.write_json(env_path, env)
+
+    def _refresh_providers(self, out: Path) -> None:
+        """Provider metadata again once cells ran: what ``prepare`` learned (JIT warm-up times, resolved backends)."""
+        env_path = out / tables.ENV
+        env = json.loads(env_path.read_text())
+        env["providers"] = provider_metadata([self.impl(c) for c in self.cells])
         tables.write_json(env_path, env)
 
     def _load_error_rows(self) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Run Triton kernels on the CPU interpreter unless a caller chose otherwise (set before triton is imported)."""
-import os
+"""Pick the device before anything imports triton: the GPU when there is one, else the Triton interpreter."""
+from codabench.bootstrap import select_device
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+select_device()

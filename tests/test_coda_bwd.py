@@ -28,7 +28,7 @@ from workloads import reference as R
 from workloads.models import ModelShape, get_model
 from workloads.ops import OPS
 
-TINY = get_model("tiny")  # M 80, d 72, f 88, 4 heads / 2 kv heads of 16, vocab 200
+TINY = get_model("tiny")  # M 48, d 72, f 88, 4 heads / 2 kv heads of 16, vocab 200
 H, HKV, DH = TINY.heads, TINY.kv_heads, TINY.head_dim
 FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4}
 DTYPES = [torch.float32, torch.float16]

@@ -10,6 +10,9 @@ from codabench.report import finalize, load_run
 from codabench.report.merge import merge
 from codabench.runner import RunExists, Runner
 from harness_helpers import PLUGINS, isolated_registry, make_runner
+from workloads.models import get_model
+
+TINY = get_model("tiny")
 
 
 @pytest.fixture
@@ -34,7 +37,7 @@ def test_faulty_plugins_become_error_rows_and_the_run_goes_on(registry, tmp_path
     expect_error = {
         "test-raises": "RuntimeError: boom from the plugin",
         "test-oom": "correctness run: out of memory: OutOfMemoryError: CUDA out of memory.",
-        "test-wrong-shape": "out has shape (80, 71), expected (80, 72)",
+        "test-wrong-shape": f"out has shape ({TINY.tokens}, {TINY.hidden - 1}), expected ({TINY.tokens}, {TINY.hidden})",
         "test-wrong-dtype": "out has dtype torch.float64, expected torch.float32",
         "test-nan": "out has 1 NaN and 0 Inf values",
         "test-mutates": "mutated its input(s) x",
@@ -147,7 +150,7 @@ def test_check_tokens_and_env(registry, tmp_path):
     make_runner(tmp_path, ops=["gemm_out"], check_tokens=16).run()
     df, _, env = load_run(tmp_path)
     row = df.iloc[0]
-    assert (row["tokens"], row["check_tokens"], row["correct"]) == (80, 16, True)
+    assert (row["tokens"], row["check_tokens"], row["correct"]) == (TINY.tokens, 16, True)
     assert env["device"] == "cpu" and env["torch"] and "torch-eager" in env["providers"]
     assert json.loads((tmp_path / "env.json").read_text())["check_tokens"] == 16
     finalize(tmp_path)

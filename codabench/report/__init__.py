@@ -32,8 +32,9 @@ def _bool_or_none(v: Any) -> bool | None:
     return None
 
 
-def load_run(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
     """results and errors (last row per cell kept, sorted), and env.json, of a run directory."""
+    run_dir = Path(run_dir)
     df = tables.read_csv(run_dir / tables.RESULTS, tables.RESULT_COLUMNS)
     err = tables.read_csv(run_dir / tables.ERRORS, tables.ERROR_COLUMNS) if (run_dir / tables.ERRORS).exists() \
         else pd.DataFrame(columns=tables.ERROR_COLUMNS)

@@ -92,7 +92,7 @@ def _headline(df: pd.DataFrame, impls: list[str]) -> str:
                 continue
             cls = _status_class(r)
             if r["status"] == "ok":
-                sp = r.get("speedup")
+                sp = r.get("speedup") if r.get("timing") != "cpu-wall" else None  # CPU times are no figures
                 mark = {True: "&#10003;", False: "&#10007;"}.get(r.get("correct"), "?")
                 text = (f"{_fmt(sp, '.2f')}&times; " if _fmt(sp) else "") + mark
             else:
