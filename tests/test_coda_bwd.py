@@ -7,8 +7,6 @@ math needs.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +18,7 @@ from kernels import layouts as L
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from kernels.coda.cross_entropy_bwd import ce_grad_scale, scaled_matmul
 from kernels.coda.functions import CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer, producer_consumer
-from kernels.coda.reduce import row_dot, rstd_kernel
+from kernels.coda.reduce import row_dot
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.rope_bwd import rope_bwd
 from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
@@ -28,45 +26,10 @@ from workloads import reference as R
 from workloads.models import ModelShape, get_model
 from workloads.ops import OPS
 
+from kernel_helpers import DTYPES, check, launches, rand
+
 TINY = get_model("tiny")  # M 48, d 72, f 88, 4 heads / 2 kv heads of 16, vocab 200
 H, HKV, DH = TINY.heads, TINY.kv_heads, TINY.head_dim
-FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4}
-DTYPES = [torch.float32, torch.float16]
-
-
-def rand(*shape: int, dtype=torch.float32, seed: int = 0, scale: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale + mean).to(dtype)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def check(name: str, out: torch.Tensor, ref: torch.Tensor, torch_out: torch.Tensor) -> None:
-    """``out`` within 2x PyTorch's error (+ floor) of the fp64 ``ref``; same shape and dtype as torch_out."""
-    assert out.shape == ref.shape and out.dtype == torch_out.dtype, (name, out.shape, out.dtype, torch_out.dtype)
-    assert torch.isfinite(out).all(), name
-    ours, theirs = rel_err(out, ref), rel_err(torch_out, ref)
-    assert ours <= 2 * theirs + FLOOR.get(torch_out.dtype, 1e-6), f"{name}: {ours:.2e} vs torch {theirs:.2e}"
-
-
-@contextmanager
-def launches():
-    """Names of the Triton kernels launched inside the block (in the interpreter: real launches, no tuning)."""
-    names: list[str] = []
-    cls = type(rstd_kernel)
-    orig = cls.run
-
-    def run(self, *args, **kwargs):
-        names.append(self.__name__)
-        return orig(self, *args, **kwargs)
-
-    cls.run = run
-    try:
-        yield names
-    finally:
-        cls.run = orig
 
 
 def f64(inp: dict) -> dict:

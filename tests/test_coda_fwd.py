@@ -7,8 +7,6 @@ reductions its math needs.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +22,7 @@ from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.mainloop import tile_desc
 from kernels.coda.producer import gemm_residual_norm, norm_input
-from kernels.coda.reduce import finish_col_sum, finish_row_sum, finish_rstd, rstd_kernel
+from kernels.coda.reduce import finish_col_sum, finish_row_sum, finish_rstd
 from kernels.coda.rope import gemm_rope
 from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.swiglu import gemm_swiglu
@@ -32,46 +30,11 @@ from workloads import reference as R
 from workloads.models import get_model
 from workloads.ops import OPS
 
+from kernel_helpers import DTYPES, check, launches, rand
+
 M, K, D, F2, V = 80, 56, 72, 48, 200  # tokens, producer K, hidden, 2 * ffn, vocab
 H, HKV, DH, THETA = 2, 1, 16, 10000.0
 EPS = 1e-5
-FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4}
-DTYPES = [torch.float32, torch.float16]
-
-
-def rand(*shape: int, dtype=torch.float32, seed: int = 0, scale: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale + mean).to(dtype)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def check(name: str, out: torch.Tensor, ref: torch.Tensor, torch_out: torch.Tensor) -> None:
-    """``out`` within 2x PyTorch's error (+ floor) of the fp64 ``ref``; dtypes of out and torch_out agree."""
-    assert out.shape == ref.shape and out.dtype == torch_out.dtype, name
-    assert torch.isfinite(out).all(), name
-    ours, theirs = rel_err(out, ref), rel_err(torch_out, ref)
-    assert ours <= 2 * theirs + FLOOR.get(torch_out.dtype, 1e-6), f"{name}: {ours:.2e} vs torch {theirs:.2e}"
-
-
-@contextmanager
-def launches():
-    """Names of the Triton kernels launched inside the block (in the interpreter: real launches, no tuning)."""
-    names: list[str] = []
-    cls = type(rstd_kernel)
-    orig = cls.run
-
-    def run(self, *args, **kwargs):
-        names.append(self.__name__)
-        return orig(self, *args, **kwargs)
-
-    cls.run = run
-    try:
-        yield names
-    finally:
-        cls.run = orig
 
 
 def producer_inputs(dtype):

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from workloads.models import ModelShape
