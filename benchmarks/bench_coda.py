@@ -32,7 +32,7 @@ import triton
 
 from kernels import layouts
 from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.cross_entropy_bwd import scaled_matmul
+from kernels.coda.gemm import matmul
 from kernels.coda.model import check_equivalence
 from kernels.coda.producer import gemm_residual_norm, norm_input
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
@@ -307,7 +307,7 @@ BACKWARD_KERNELS: list[KernelSpec] = [
                lambda t, m: dict(zip(("dz", "zdz"), rope_bwd(t["dqkv"], t["qkv"], t["positions"], m.heads,
                                                               m.kv_heads, m.head_dim, m.rope_theta))),
                rope_bwd_unfused, None),
-    KernelSpec("wgrad_lm", wgrad_lm_inputs, lambda t, m: {"dw": scaled_matmul(t["dz"].T, t["y"], t["scale"])},
+    KernelSpec("wgrad_lm", wgrad_lm_inputs, lambda t, m: {"dw": matmul(t["dz"].T, t["y"], scale=t["scale"])},
                lambda t, m: {"dw": (t["dz"].T @ t["y"]) * t["scale"].to(t["dz"].dtype)},
                lambda t: (t["dz"].T, t["y"].T)),
 ]

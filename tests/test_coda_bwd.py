@@ -16,7 +16,8 @@ from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.registry import REGISTRY
 from kernels import layouts as L
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
-from kernels.coda.cross_entropy_bwd import ce_grad_scale, scaled_matmul
+from kernels.coda.cross_entropy_bwd import ce_grad_scale
+from kernels.coda.gemm import matmul
 from kernels.coda.functions import CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer, producer_consumer
 from kernels.coda.reduce import row_dot
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
@@ -129,7 +130,7 @@ def test_row_dot(dtype):
     check("row_dot", out, (a.double() * b.double()).sum(-1), (a.float() * b.float()).sum(-1))
 
 
-def test_ce_grad_scale_and_scaled_matmul():
+def test_ce_grad_scale_and_scaled_matmul_epilogue():
     target = torch.tensor([3, -100, 5, 7, -100, 1, 0, 2])
     dloss = torch.tensor(3.0)
     assert ce_grad_scale(dloss, target, reduction="mean").item() == pytest.approx(3.0 / 6, rel=1e-7)
@@ -137,9 +138,9 @@ def test_ce_grad_scale_and_scaled_matmul():
     a, b = rand(40, 72, seed=10), rand(40, 56, seed=11)
     s = torch.tensor([0.37])
     with launches() as names:
-        c = scaled_matmul(a.T, b, s)  # transposed A (the weight-gradient layout dz^T y)
-    assert names == ["scaled_gemm_kernel"]
-    check("scaled_matmul", c, 0.37 * (a.double().T @ b.double()), 0.37 * (a.T @ b))
+        c = matmul(a.T, b, scale=s)  # transposed A (the weight-gradient layout dz^T y)
+    assert names == ["gemm_kernel"]
+    check("matmul(scale=s)", c, 0.37 * (a.double().T @ b.double()), 0.37 * (a.T @ b))
 
 
 # ---- autograd Functions ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.cross_entropy_bwd import ce_grad_scale, scaled_matmul
+from kernels.coda.cross_entropy_bwd import ce_grad_scale
 from kernels.coda.gemm import matmul
 from kernels.coda.mainloop import set_scratch_allocator
 from kernels.coda.producer import gemm_residual_norm, norm_input
@@ -134,7 +134,7 @@ def _consumer_bwd(consumer: Consumer, grad: torch.Tensor | None, saved: Saved, w
         return dres, None, None
     dz, zdz, scale = consumer.backward(grad.contiguous(), saved)
     dx, y, dgamma = dgrad_rmsnorm(dz, w, x, rstd, gamma, zdz, dres, dz_scale=scale)
-    dw = scaled_matmul(dz.T, y, scale) if isinstance(scale, torch.Tensor) else matmul(dz.T, y)
+    dw = matmul(dz.T, y, scale=scale if isinstance(scale, torch.Tensor) else None)
     return dx, dgamma, dw
 
 
