@@ -1,10 +1,13 @@
 """Plain GEMM through the CODA mainloop vs cuBLAS (torch.mm) on the block's GEMM shapes.
 
     python benchmarks/bench_mainloop.py [--models llama-7b,llama-70b] [--tokens 16384] [--sweep]
+                                        [--dtype bf16|fp8|fp8-row] [--accum fast|promoted]
 
 Prints, per shape and layout (fwd: x W^T, dgrad: dz W, wgrad: dz^T y), cuBLAS and mainloop TFLOP/s and
 their ratio. ``--sweep`` also times every tile config and loop variant (flatten, warp specialization)
-one by one, to choose the autotune space. Timing: triton.testing.do_bench (median, L2 flushed).
+one by one, to choose the autotune space. ``--dtype fp8`` / ``fp8-row``: the forward GEMMs on e4m3
+operands (per-tensor / rowwise scales, bf16 out) against ``torch._scaled_mm`` with the same scales and
+accumulation mode. Timing: triton.testing.do_bench (median, L2 flushed).
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.gemm import matmul
+from kernels.coda.gemm import linear, matmul
 from kernels.coda.mainloop import gemm_configs, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
+from workloads import fp8
 from workloads.models import get_model
 from workloads.op import Gemm
 from workloads.ops import OPS
@@ -54,10 +58,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--layouts", default="fwd,dgrad,wgrad")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", *fp8.FP8_DTYPES))
+    p.add_argument("--accum", default="fast", choices=("fast", "promoted"))
     args = p.parse_args()
     dtype = torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"device {torch.cuda.get_device_name()} triton {triton.__version__} torch {torch.__version__}")
+    if args.dtype != "bf16":
+        return fp8_main(args)
     rows = []
     for name in args.models.split(","):
         model = get_model(name, tokens=args.tokens)
@@ -84,6 +92,34 @@ def main() -> None:
     print("\nsummary (ours/cuBLAS throughput):")
     for name, op, lay, g, tc, to, err, best in rows:
         print(f"  {name:10s} {op:13s} {lay:5s} {tc / to:5.3f}")
+
+
+def fp8_main(args) -> None:
+    """The forward GEMM shapes on fp8 operands: mainloop vs torch._scaled_mm, same recipe and accumulation."""
+    recipe = fp8.recipe(args.dtype, args.accum)
+    print(f"fp8 recipe: {recipe.label}")
+    ratios = []
+    for name in args.models.split(","):
+        model = get_model(name, tokens=args.tokens)
+        for op in ("gemm_qkv", "gemm_out", "gemm_gate_up", "gemm_down", "gemm_lm_head"):
+            g = OPS[op].forward_gemms(model)[0]
+            xq = fp8.quantize_as(torch.randn(g.m, g.k, device="cuda"), "act", recipe)
+            wq = fp8.quantize_as(torch.randn(g.n, g.k, device="cuda") * g.k ** -0.5, "weight", recipe)
+            mm = fp8.ScaledMMGemms(recipe)
+            promote = recipe.accum == "promoted"
+            ref = xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).T
+            ours, theirs = linear(xq, wq, promote), mm.linear(xq, wq)
+            errs = [((o.double() - ref).norm() / ref.norm()).item() for o in (ours, theirs)]
+            t_ref = triton.testing.do_bench(lambda: mm.linear(xq, wq), warmup=50, rep=300)
+            t_ours = triton.testing.do_bench(lambda: linear(xq, wq, promote), warmup=50, rep=300)
+            best = matmul.__globals__["gemm_kernel"].best_config
+            ratios.append((name, op, t_ref / t_ours))
+            print(f"{name:10s} {op:13s} {g.m:6d}x{g.n:6d}x{g.k:6d}  _scaled_mm {tflops(g, t_ref):7.1f}  ours "
+                  f"{tflops(g, t_ours):7.1f} TFLOP/s  ratio {t_ref / t_ours:5.3f}  relerr ours {errs[0]:.1e} "
+                  f"_scaled_mm {errs[1]:.1e}  best {best}", flush=True)
+    print("\nsummary (ours/_scaled_mm throughput):")
+    for name, op, r in ratios:
+        print(f"  {name:10s} {op:13s} {r:5.3f}")
 
 
 def sweep(g: Gemm, a, b, ref, sms: int) -> None:

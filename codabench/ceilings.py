@@ -1,12 +1,16 @@
 """Measured ceilings and the speed-of-light of a cell (benchmarking.md, "Ceilings", "Units").
 
 Ceilings, measured at the start of every GPU run: device-to-device copy bandwidth (bytes read +
-written per second), bf16 ``torch.mm`` and fp8 e4m3 ``torch._scaled_mm`` TFLOP/s at 8192^3.
+written per second), bf16 ``torch.mm`` and fp8 e4m3 ``torch._scaled_mm`` TFLOP/s at 8192^3 (per-tensor
+scales, the run's ``--fp8-accum`` mode).
 
 Speed-of-light of a cell: ``sol_ms = sum of the median times of the plain GEMMs the op must do``
 (``op.gemms(model, mode)``), each timed once per run with ``torch.mm`` in the given operand layouts
-(fp8 cells: ``torch._scaled_mm`` with per-tensor scales, A row-major and B column-major, which is
-the layout it requires). The epilogue overhead of a fused kernel is ``median_ms / sol_ms``.
+(fp8 cells: ``torch._scaled_mm``, A row-major and B column-major, which is the layout it requires,
+with per-tensor scales, or for ``fp8-row`` rowwise scales on its forward GEMMs (B stored (n, k)); the
+dgrad GEMMs of the rowwise recipe are per-tensor, see :mod:`workloads.fp8`; ``use_fast_accum`` as the
+run's ``--fp8-accum``). The epilogue overhead
+of a fused kernel is ``median_ms / sol_ms``.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from codabench.timing import TimingConfig, measure
+from workloads.fp8 import FP8_DTYPES
 from workloads.op import Gemm
 
 CEILING_N = 8192
@@ -32,13 +37,16 @@ def _operands(g: Gemm, dtype: torch.dtype, device: torch.device) -> tuple[torch.
     return a, b
 
 
-def gemm_call(g: Gemm, dtype: str, device: torch.device) -> Callable[[Any], Any]:
+def gemm_call(g: Gemm, dtype: str, device: torch.device, fp8_accum: str = "fast") -> Callable[[Any], Any]:
     """``fn(state)`` (state ignored) that runs the plain GEMM once, on random operands."""
-    if dtype == "fp8":
+    if dtype in FP8_DTYPES:
         a = torch.randn(g.m, g.k, device=device).to(torch.float8_e4m3fn)
         b = torch.randn(g.n, g.k, device=device).to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=device)
-        return lambda _: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+        rowwise = dtype == "fp8-row" and g.b_layout == "nk"
+        sa = torch.ones((g.m, 1) if rowwise else (), device=device)
+        sb = torch.ones((1, g.n) if rowwise else (), device=device)
+        fast = fp8_accum == "fast"
+        return lambda _: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
     tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     a, b = _operands(g, tdt, device)
     return lambda _: torch.mm(a, b)
@@ -50,6 +58,7 @@ class GemmTimer:
 
     device: torch.device
     cfg: TimingConfig
+    fp8_accum: str = "fast"
     cache: dict[tuple[Gemm, str], float] = field(default_factory=dict)
     failures: dict[tuple[Gemm, str], str] = field(default_factory=dict)
 
@@ -57,7 +66,8 @@ class GemmTimer:
         key = (g, dtype)
         if key not in self.cache and key not in self.failures:
             try:
-                self.cache[key] = measure(gemm_call(g, dtype, self.device), None, self.device, self.cfg).median
+                self.cache[key] = measure(gemm_call(g, dtype, self.device, self.fp8_accum), None, self.device,
+                                          self.cfg).median
             except Exception as e:  # e.g. fp8 on a GPU without it, or K not a multiple of 16
                 self.failures[key] = f"{type(e).__name__}: {e}".splitlines()[0]
         return self.cache.get(key)
@@ -75,7 +85,7 @@ def _copy_gbps(device: torch.device, cfg: TimingConfig) -> float:
     return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
 
 
-def measure_ceilings(device: torch.device, cfg: TimingConfig) -> dict[str, float | str]:
+def measure_ceilings(device: torch.device, cfg: TimingConfig, fp8_accum: str = "fast") -> dict[str, float | str]:
     """Copy GB/s and bf16/fp8 GEMM TFLOP/s on this GPU now (failures recorded as strings).
 
     Each measurement warms up for at least CEILING_WARMUP_MS: an idle GPU needs time to raise its
@@ -85,7 +95,7 @@ def measure_ceilings(device: torch.device, cfg: TimingConfig) -> dict[str, float
     g = Gemm(CEILING_N, CEILING_N, CEILING_N)
     for dtype in ("bf16", "fp8"):
         try:
-            ms = measure(gemm_call(g, dtype, device), None, device, cfg).median
+            ms = measure(gemm_call(g, dtype, device, fp8_accum), None, device, cfg).median
             out[f"{dtype}_tflops"] = g.flops / (ms * 1e-3) / 1e12
         except Exception as e:
             out[f"{dtype}_tflops_error"] = f"{type(e).__name__}: {e}".splitlines()[0]

@@ -62,6 +62,9 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=TimingConfig.warmup, help="warm-up calls before sampling")
     p.add_argument("--reps", type=int, help="samples per cell (default: adaptive, 20-200 on the GPU; 1 on the CPU)")
     p.add_argument("--no-l2-flush", action="store_true", help="keep L2 warm between samples (not the default)")
+    p.add_argument("--fp8-accum", choices=("fast", "promoted"), default="fast",
+                   help="fp8 tensor-core accumulation of every provider in fp8 cells: 'fast' (like "
+                   "_scaled_mm's use_fast_accum=True, the default) or 'promoted' (fp32 promotion per K block)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((out.parent / ".cache" / "torchinductor").resolve()))
     cfg = RunConfig(out_dir=out, selection=sel, device=device, suite=suite.name, tokens=args.tokens,
                     vocab=args.vocab, check_tokens=args.check_tokens, cuda_graph=args.cuda_graph,
-                    resume=args.resume, shard=args.shard, show_progress=not args.quiet,
+                    resume=args.resume, shard=args.shard, show_progress=not args.quiet, fp8_accum=args.fp8_accum,
                     timing=TimingConfig(warmup=args.warmup, reps=args.reps, flush_l2=not args.no_l2_flush))
     runner = Runner(cfg, registry)
     if args.list:
@@ -145,7 +148,7 @@ def _list(runner: Runner, resume_dir: Path | None) -> int:
     for cell, status in runner.plan():
         shown = f"done ({done[cell.key]})" if cell.key in done else ("to run" if status == "run" else status)
         counts[shown.split(":")[0]] = counts.get(shown.split(":")[0], 0) + 1
-        print(f"{cell.op:16} {cell.model:10} {cell.mode:8} {cell.dtype:5} {cell.impl:18} {shown}")
+        print(f"{cell.op:16} {cell.model:10} {cell.mode:8} {cell.dtype:7} {cell.impl:18} {shown}")
     for source, err in runner.registry.load_errors:
         print(f"plugin {source} failed to load: {err.strip().splitlines()[-1]}")
     print(f"{len(runner.cells)} cells: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))

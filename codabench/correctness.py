@@ -1,8 +1,13 @@
 """The untimed correctness pass of a cell (benchmarking.md, "Correctness protocol").
 
 Per (op, model, mode, dtype) group, once: fresh inputs from ``CHECK_SEED`` (the timing uses another
-seed); the float64 reference (``op.reference`` on float64 copies, autograd in float64); and the
-error of PyTorch itself (the torch-eager implementation in the cell's dtype; bf16 for fp8 cells).
+seed; fp8 cells: bf16 with the GEMM operands rounded onto the recipe's fp8 grid, :meth:`Op.inputs`);
+the float64 reference (``op.reference`` on float64 copies of those inputs, autograd in float64); and
+the error of PyTorch itself: the torch-eager implementation in the cell's dtype, which for fp8 cells
+is the composition with its GEMMs through ``torch._scaled_mm`` under the cell's recipe
+(:class:`workloads.fp8.ScaledMMGemms`). fp8 groups also keep torch-eager's bf16 outputs on the
+unrounded bf16 inputs of the same seed (the unquantized computation), and each output's relative error
+against them is reported beside the pass rule (``rel_err_vs_bf16``; it does not decide the pass).
 Per implementation: the same inputs regenerated, the allocator poisoned with NaN, one call, then
 checks for input mutation, missing outputs, shapes, dtypes, NaN/Inf, and the pass rule of
 :mod:`codabench.metrics` per output.
@@ -30,7 +35,7 @@ from codabench.execute import CellError, Result, forward_shapes, reference_once,
 from codabench.metrics import ErrorStats, error_ratio, error_stats, passes
 from codabench.registry import Implementation, Tensors
 from kernels.torch_baselines import TorchEager
-from workloads.op import DTYPES, Op
+from workloads.op import Op
 
 CHECK_SEED = 1001
 """Seed of the correctness inputs; the timing inputs use codabench.runner.TIMING_SEED."""
@@ -45,6 +50,8 @@ class OutputCheck:
     torch_rel_err: float | None
     ratio: float | None
     passed: bool
+    rel_err_vs_bf16: float | None = None
+    """fp8 cells: relative error against the unquantized bf16 computation (None otherwise)."""
 
 
 @dataclass
@@ -75,11 +82,13 @@ class GroupReference:
     reference: dict[str, torch.Tensor]
     expected_dtype: dict[str, torch.dtype]
     torch_stats: dict[str, ErrorStats]
+    bf16: dict[str, torch.Tensor] | None = None
+    """fp8 groups: torch-eager's outputs in bf16 on the unrounded inputs (the unquantized computation)."""
 
     def fresh_case(self) -> Case:
         """The correctness inputs, regenerated (deterministic seed) so no cell sees another's."""
         c = self.case
-        return replace(c, inputs=self.op.make_inputs(c.model, DTYPES[c.dtype], c.device, CHECK_SEED))
+        return replace(c, inputs=self.op.inputs(c.model, c.dtype, c.device, CHECK_SEED))
 
 
 def compared(op: Op, mode: str, result: Result) -> dict[str, torch.Tensor]:
@@ -92,17 +101,22 @@ def compared(op: Op, mode: str, result: Result) -> dict[str, torch.Tensor]:
 
 
 def build_reference(op: Op, case: Case) -> GroupReference:
-    """The float64 reference and PyTorch's own error for the group of ``case`` (its inputs: CHECK_SEED)."""
+    """The float64 reference and PyTorch's own error for the group of ``case`` (its inputs: CHECK_SEED), and for
+    fp8 groups the unquantized bf16 outputs."""
     eager = TorchEager(op)
-    eager_case = replace(case, dtype="bf16") if case.dtype == "fp8" else case
     grad_outputs = None
     if uses_autograd(op, case.mode):
-        grad_outputs = op.grad_outputs(forward_shapes(op, eager, eager.prepare(eager_case)), GRAD_SEED)
-    torch_res = compared(op, case.mode, run_once(op, eager, eager_case, grad_outputs))
+        grad_outputs = op.grad_outputs(forward_shapes(op, eager, eager.prepare(case)), GRAD_SEED)
+    torch_res = compared(op, case.mode, run_once(op, eager, case, grad_outputs))
     ref = compared(op, case.mode, reference_once(op, case, grad_outputs))
     stats = {k: error_stats(torch_res[k], ref[k]) for k in ref if k in torch_res}
+    bf16 = None
+    if case.recipe is not None:  # fp8 cells are forward or direct: no upstream gradients
+        unrounded = replace(case, dtype="bf16", inputs=op.make_inputs(case.model, torch.bfloat16, case.device,
+                                                                      CHECK_SEED))
+        bf16 = compared(op, case.mode, run_once(op, eager, unrounded, None))
     return GroupReference(op, replace(case, inputs={}), grad_outputs, ref, {k: v.dtype for k, v in torch_res.items()},
-                          stats)
+                          stats, bf16)
 
 
 def poison_allocator(device: torch.device, sizes: list[int]) -> None:
@@ -163,5 +177,7 @@ def _check_output(group: GroupReference, name: str, out: torch.Tensor | None, re
     stats = error_stats(out, ref)
     torch_stats = group.torch_stats.get(name)
     torch_rel = torch_stats.rel_err if torch_stats is not None else None
+    bf16 = group.bf16.get(name) if group.bf16 is not None else None
+    vs_bf16 = error_stats(out, bf16).rel_err if bf16 is not None else None
     return OutputCheck(name, stats, torch_rel, error_ratio(stats.rel_err, torch_rel),
-                       passes(stats, torch_rel, dtype))
+                       passes(stats, torch_rel, dtype), vs_bf16)

@@ -67,7 +67,8 @@ def _impl_order(name: str) -> tuple[int, str]:
 
 
 def build_cells(sel: Selection, registry: Registry) -> list[Cell]:
-    """Every cell of the selection, grouped; modes an op does not have are not cells at all."""
+    """Every cell of the selection, grouped; (mode, dtype) pairs an op does not have (:meth:`Op.has_cell`) are
+    not cells at all."""
     for name in sel.ops:
         if name not in OPS:
             raise KeyError(f"unknown op {name!r}; known: {', '.join(OPS)}")
@@ -77,8 +78,8 @@ def build_cells(sel: Selection, registry: Registry) -> list[Cell]:
         impls = sorted((i.name for i in registry.for_op(op_name)
                         if sel.impls is None or i.name in sel.impls), key=_impl_order)
         for model in sel.models:
-            for mode in (m for m in sel.modes if m in op.modes):
-                for dtype in sel.dtypes:
+            for mode in sel.modes:
+                for dtype in (d for d in sel.dtypes if op.has_cell(mode, d)):
                     cells += [Cell(op_name, model, mode, dtype, impl) for impl in impls]
     return cells
 

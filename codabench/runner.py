@@ -2,7 +2,10 @@
 
 Per cell: ``skip_reason`` (n/a or skipped row) -> untimed correctness pass on fresh inputs
 (:mod:`codabench.correctness`) -> timing on other inputs (:mod:`codabench.timing`) -> speed-of-light
-(:mod:`codabench.ceilings`). Every failure of an implementation (exception, missing output, wrong
+(:mod:`codabench.ceilings`). fp8 cells carry the run's recipe (``Case.recipe``: the dtype's scaling and
+``--fp8-accum``); once per fp8 group, the cast of the cell's GEMM operands (``fp8.quantize_operands``, the
+untimed step of every implementation's ``prepare``) is timed on the timing inputs as a figure of its own
+(``cast_ms``). Every failure of an implementation (exception, missing output, wrong
 shape or dtype, NaN/Inf, input mutation, out of memory) becomes an error row with a clear message
 and the run goes on. A broken CUDA context (e.g. an illegal memory access) cannot be recovered in
 the same process: the run stops after writing that cell's row, and ``--resume`` goes on from there.
@@ -32,13 +35,15 @@ from codabench.registry import Implementation, Registry, Tensors
 from codabench.report import tables
 from codabench.timing import Timing, TimingConfig, measure, measure_graph
 from kernels.torch_baselines import TorchEager
+from workloads import fp8
 from workloads.models import ModelShape, get_model
-from workloads.op import DTYPES
 from workloads.ops import OPS
 
 TIMING_SEED = 0
 TIMING_GRAD_SEED = 7
 MAX_GRAPH_SETS = 8
+CAST_REPS = 5
+"""Samples of an fp8 group's cast time (a cheap side figure, not a cell's timing)."""
 
 
 class RunExists(Exception):
@@ -66,6 +71,8 @@ class RunConfig:
     cooldown_s: float = 0.05
     """Pause between cells on the GPU."""
     show_progress: bool = True
+    fp8_accum: str = "fast"
+    """fp8 tensor-core accumulation of every fp8 cell (``--fp8-accum``): ``fast`` or ``promoted``."""
 
 
 def describe_exception(e: BaseException) -> str:
@@ -81,9 +88,16 @@ def status_of_reason(reason: str) -> str:
     return "n/a" if reason.startswith("n/a") else "skipped"
 
 
+def cast_time(case: Case, cfg: TimingConfig) -> float:
+    """Median ms of quantizing an fp8 case's GEMM operands (``fp8.quantize_operands`` on its canonical inputs)."""
+    op, rec = case.op, case.recipe
+    cfg = replace(cfg, warmup=1, warmup_ms=0.0, reps=CAST_REPS)
+    return measure(lambda _: fp8.quantize_operands(case.inputs, op.fp8_operands, rec), None, case.device, cfg).median
+
+
 class _Group:
     """The shared state of one (op, model, mode, dtype) group: reference and timing gradients (both
-    lazy), and the medians measured so far."""
+    lazy), the medians measured so far, and (fp8) the cast time."""
 
     def __init__(self, make_case: Callable[[], Case]):
         self.make_case = make_case
@@ -92,6 +106,18 @@ class _Group:
         self._error: str | None = None
         self._timing_grads: Tensors | None = None
         self.medians: dict[str, float] = {}
+        self.cast_ms: float | None = None
+        self.cast_note = ""
+        """Why the cast time is missing, when measuring it failed."""
+
+    def measure_cast(self, timing_case: Case, cfg: TimingConfig) -> None:
+        """The group's fp8 cast time, on the timing inputs; measured by the first timed cell (errors become a note)."""
+        if timing_case.recipe is None or self.cast_ms is not None or self.cast_note:
+            return
+        try:
+            self.cast_ms = cast_time(timing_case, cfg)
+        except Exception as e:
+            self.cast_note = f"no cast time: {describe_exception(e)}"
 
     def timing_grad_outputs(self, timing_case: Case) -> Tensors:
         """Canonical upstream gradients of the timing pass, shaped by PyTorch's own forward (so the
@@ -121,7 +147,8 @@ class Runner:
         self.cells = build_cells(cfg.selection, registry)
         if cfg.shard:
             self.cells = shard(self.cells, *cfg.shard)
-        self.gemm_timer = GemmTimer(self.device, cfg.timing)
+        fp8.recipe(fp8.FP8_DTYPES[0], cfg.fp8_accum)  # an unknown accumulation mode fails here, not per cell
+        self.gemm_timer = GemmTimer(self.device, cfg.timing, cfg.fp8_accum)
         self.ceilings: dict[str, Any] = {}
 
     # ---- the matrix --------------------------------------------------------------------------
@@ -138,7 +165,7 @@ class Runner:
         if allowed is not None and OPS[cell.op].kind == "autograd" and cell.mode not in allowed:
             return (f"skipped: the {self.cfg.suite} suite runs {cell.impl} only in "
                     f"{'/'.join(allowed)} mode (give --modes or --impls to run every mode)")
-        stub = Case(OPS[cell.op], self.model(cell.model), cell.mode, cell.dtype, self.device, {})
+        stub = self._case(cell, self.model(cell.model), {})
         return self.impl(cell).skip_reason(stub)
 
     def plan(self) -> list[tuple[Cell, str]]:
@@ -199,10 +226,12 @@ class Runner:
         env = collect_env(self.device, impls)
         env.update(suite=self.cfg.suite, run=out.name, shard=list(self.cfg.shard) if self.cfg.shard else None,
                    tokens=self.cfg.tokens, vocab=self.cfg.vocab, check_tokens=self.cfg.check_tokens,
-                   cuda_graph=self.cfg.cuda_graph, timing=vars(self.cfg.timing),
+                   cuda_graph=self.cfg.cuda_graph, timing=vars(self.cfg.timing), fp8_accum=self.cfg.fp8_accum,
+                   fp8_recipes={d: fp8.recipe(d, self.cfg.fp8_accum).label for d in fp8.FP8_DTYPES
+                                if d in self.cfg.selection.dtypes},
                    load_errors=[{"source": s, "error": e} for s, e in self.registry.load_errors])
         if self.device.type == "cuda":
-            self.ceilings = measure_ceilings(self.device, self.cfg.timing)
+            self.ceilings = measure_ceilings(self.device, self.cfg.timing, self.cfg.fp8_accum)
             env["ceilings"] = self.ceilings
         env_path = out / tables.ENV
         if self.cfg.resume and env_path.exists():
@@ -222,10 +251,12 @@ class Runner:
                  "message": f"plugin failed to load: {err.strip().splitlines()[-1]}", "finished_at": _now()}
                 for source, err in self.registry.load_errors]
 
+    def _case(self, cell: Cell, model: ModelShape, inputs: dict) -> Case:
+        return Case(OPS[cell.op], model, cell.mode, cell.dtype, self.device, inputs, self.cfg.fp8_accum)
+
     def _check_case(self, cell: Cell) -> Case:
         op, model = OPS[cell.op], self.model(cell.model, check=self.cfg.check_tokens is not None)
-        return Case(op, model, cell.mode, cell.dtype, self.device,
-                    op.make_inputs(model, DTYPES[cell.dtype], self.device, CHECK_SEED))
+        return self._case(cell, model, op.inputs(model, cell.dtype, self.device, CHECK_SEED))
 
     def _after_error(self, cell: Cell) -> None:
         gc.collect()
@@ -265,25 +296,27 @@ class Runner:
         except Exception as e:
             row.update(status="error", message=f"timing run: {describe_exception(e)}")
             return row, err_rows, None
-        notes = [timing.note] if timing.note else []
+        notes = [n for n in (timing.note, group.cast_note) if n]
         group.medians[cell.impl] = timing.median
         sol = self.gemm_timer.sol_ms(op.gemms(model, cell.mode), cell.dtype)
         if sol is None and self.gemm_timer.failures:
             notes.append("no speed-of-light: " + next(iter(self.gemm_timer.failures.values())))
         tflops = op.flops(model, cell.mode) / (timing.median * 1e-3) / 1e12
-        ceiling = self.ceilings.get("fp8_tflops" if cell.dtype == "fp8" else "bf16_tflops")
+        ceiling = self.ceilings.get("fp8_tflops" if cell.dtype in fp8.FP8_DTYPES else "bf16_tflops")
         base = group.medians.get(SPEED_BASELINE)
         row.update(status="ok", message="; ".join(notes), median_ms=timing.median, p20_ms=timing.p20,
                    p80_ms=timing.p80, cv=timing.cv, n_samples=len(timing.samples_ms), timing=timing.kind,
                    tflops=tflops, speedup=base / timing.median if base else None, sol_ms=sol,
                    sol_ratio=timing.median / sol if sol else None,
                    pct_ceiling=100 * tflops / ceiling if isinstance(ceiling, float) and cell.dtype != "fp32" else None,
-                   **gpu_state(self.device))
+                   cast_ms=group.cast_ms, **gpu_state(self.device))
         return row, err_rows, {"timing": timing.kind, "samples_ms": timing.samples_ms}
 
     def time_cell(self, cell: Cell, model: ModelShape, group: _Group) -> Timing:
+        """The cell's timing on the TIMING_SEED inputs (and, first timed cell of an fp8 group: the cast time)."""
         op, impl, dev = OPS[cell.op], self.impl(cell), self.device
-        case = Case(op, model, cell.mode, cell.dtype, dev, op.make_inputs(model, DTYPES[cell.dtype], dev, TIMING_SEED))
+        case = self._case(cell, model, op.inputs(model, cell.dtype, dev, TIMING_SEED))
+        group.measure_cast(case, self.cfg.timing)
         grad_outputs = group.timing_grad_outputs(case) if uses_autograd(op, cell.mode) else None
         native = impl.prepare(case)
         if grad_outputs is not None:
@@ -312,31 +345,33 @@ class Runner:
         k = min(MAX_GRAPH_SETS, max(2, math.ceil(3 * l2 / max(nbytes, 1))))
         sets = [native]
         for i in range(1, k):
-            inputs = case.op.make_inputs(case.model, DTYPES[case.dtype], self.device, TIMING_SEED + i)
+            inputs = case.op.inputs(case.model, case.dtype, self.device, TIMING_SEED + i)
             sets.append(impl.prepare(replace(case, inputs=inputs)))
         return sets
 
     # ---- rows --------------------------------------------------------------------------------
 
     def _base_row(self, cell: Cell) -> dict[str, Any]:
-        impl = self.impl(cell)
+        impl, recipe = self.impl(cell), fp8.recipe(cell.dtype, self.cfg.fp8_accum)
         return {"op": cell.op, "impl": cell.impl, "model": cell.model, "mode": cell.mode, "dtype": cell.dtype,
                 "label": impl.label, "tokens": self.model(cell.model).tokens,
                 "check_tokens": self.model(cell.model, check=self.cfg.check_tokens is not None).tokens,
-                "finished_at": _now()}
+                "fp8_recipe": recipe.label if recipe is not None else None, "finished_at": _now()}
 
     @staticmethod
     def _fill_errors(row: dict[str, Any], outcome: CheckOutcome) -> None:
         row.update(rel_err=outcome.worst(lambda c: c.stats.rel_err),
                    max_abs_err=outcome.worst(lambda c: c.stats.max_abs),
                    err_ratio=outcome.worst(lambda c: c.ratio),
+                   rel_err_vs_bf16=outcome.worst(lambda c: c.rel_err_vs_bf16),
                    correct=outcome.correct if outcome.checks else None)
 
     @staticmethod
     def _error_row(cell: Cell, c) -> dict[str, Any]:
         return {"op": cell.op, "impl": cell.impl, "model": cell.model, "mode": cell.mode, "dtype": cell.dtype,
                 "output": c.output, "rel_err": c.stats.rel_err, "max_abs": c.stats.max_abs,
-                "cosine": c.stats.cosine, "torch_rel_err": c.torch_rel_err, "ratio": c.ratio, "passed": c.passed}
+                "cosine": c.stats.cosine, "torch_rel_err": c.torch_rel_err, "ratio": c.ratio,
+                "rel_err_vs_bf16": c.rel_err_vs_bf16, "passed": c.passed}
 
 
 def _key(row: dict[str, Any]) -> tuple:

@@ -15,6 +15,13 @@ FlashInfer's kernels have no autograd: ``bwd`` and ``fwd_bwd`` cells are n/a row
 It has no cross-entropy for H100/H200 (0.7.2.post1's ``chunked_lm_head_loss`` is SM100/SM103 only),
 so the CE ops and the dgrad ops are not registered. Its kernels take fp16/bf16 only.
 
+fp8 cells (``fp8``, ``fp8-row``): "``_scaled_mm`` + FlashInfer's kernels", as an fp8 inference engine
+runs them. Every GEMM is a ``torch._scaled_mm`` under the cell's recipe with bf16 output
+(:class:`workloads.fp8.ScaledMMGemms`): the weights and the op's input activation are quantized in
+``prepare``, the intermediate activations inside the timed region; FlashInfer's kernels then run on the
+bf16 GEMM outputs as in a bf16 cell. The concatenated gate/up weight is quantized as one tensor
+(per-tensor: one scale, the larger of the two weights'; see kernels/liger.py).
+
 Fairness decisions:
   - ``fused_add_rmsnorm`` mutates both arguments. The GEMM output ``p`` is produced inside ``run``
     and may be overwritten. The residual is a canonical input that must stay intact, so ``run``
@@ -44,11 +51,12 @@ from functools import lru_cache
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from codabench.case import Case
 from codabench.registry import REGISTRY, Implementation, Tensors
 from kernels import layouts
+from kernels.torch_baselines import fp8_skip_reason, gemms, quantize_native
+from workloads import fp8
 from workloads import reference as R
 from workloads.models import ModelShape
 
@@ -108,36 +116,37 @@ def _rope_qkv_(qkv: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, 
 
 def _producer(n: Tensors, w: str, gamma: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, x)``: the projection, residual add and RMSNorm (residual cloned: see the module docstring)."""
-    h, x = F.linear(n["a"], n[w]), n["residual"].clone()
+    h, x = n["mm"].linear(n["a"], n[w]), n["residual"].clone()
     _add_rmsnorm_(h, x, n[gamma], n["model"].eps)
     return h, x
 
 
-# ---- the ops ----------------------------------------------------------------------------------
+# ---- the ops (``n["mm"]``: the GEMMs, ``F.linear`` or (fp8) ``torch._scaled_mm``) ----------------
 
 def _rmsnorm_linear(n: Tensors) -> Tensors:
     h, x = _producer(n, "w_o", "gamma")
-    return {"x": x, "z": F.linear(h, n["w_c"])}
+    return {"x": x, "z": n["mm"].linear(h, n["w_c"])}
 
 
 def _rmsnorm_swiglu(n: Tensors) -> Tensors:
     h, x = _producer(n, "w_o", "gamma")
-    return {"x": x, "y": _fi().activation.silu_and_mul(F.linear(h, n["w_gate_up"]))}
+    return {"x": x, "y": _fi().activation.silu_and_mul(n["mm"].linear(h, n["w_gate_up"]))}
 
 
 def _rmsnorm_rope(n: Tensors) -> Tensors:
     h, x = _producer(n, "w_down", "gamma")
-    qkv = F.linear(h, n["w_qkv"])
+    qkv = n["mm"].linear(h, n["w_qkv"])
     _rope_qkv_(qkv, n["positions"], n["cos_sin_cache"], n["model"])
     return {"x": x, "qkv": qkv}
 
 
 def _block(n: Tensors) -> Tensors:
+    mm = n["mm"]
     h, x = _producer(n, "w_o", "gamma_mlp")
-    y = _fi().activation.silu_and_mul(F.linear(h, n["w_gate_up"]))
-    h2 = F.linear(y, n["w_down"])
+    y = _fi().activation.silu_and_mul(mm.linear(h, n["w_gate_up"]))
+    h2 = mm.linear(y, n["w_down"])
     _add_rmsnorm_(h2, x, n["gamma_attn"], n["model"].eps)
-    qkv = F.linear(h2, n["w_qkv"])
+    qkv = mm.linear(h2, n["w_qkv"])
     _rope_qkv_(qkv, n["positions"], n["cos_sin_cache"], n["model"])
     return {"x": x, "qkv": qkv}
 
@@ -179,7 +188,7 @@ class FlashInfer(Implementation):
     name = "flashinfer"
     label = "baseline"
     modes = ("fwd",)
-    dtypes = ("fp16", "bf16")
+    dtypes = ("fp16", "bf16", *fp8.FP8_DTYPES)
     requires = ("cuda", "pkg:flashinfer")
     native_consts = ("cos_sin_cache",)
 
@@ -190,7 +199,7 @@ class FlashInfer(Implementation):
     def skip_reason(self, case: Case) -> str | None:
         if case.mode != "fwd":
             return f"n/a: FlashInfer's kernels are inference-only (no autograd), so no {case.mode}"
-        return super().skip_reason(case)
+        return super().skip_reason(case) or fp8_skip_reason(case)
 
     def prepare(self, case: Case) -> Tensors:
         warm_up(self._kernels, case)
@@ -201,7 +210,8 @@ class FlashInfer(Implementation):
             max_pos = int(case.inputs["positions"].max()) + 1
             native["cos_sin_cache"] = cos_sin_cache(max_pos, case.model.head_dim, case.model.rope_theta,
                                                     case.device)
-        native["model"] = case.model
+        native = quantize_native(native, case, {"w_gate": "w_gate_up", "w_up": "w_gate_up"})
+        native["model"], native["mm"] = case.model, gemms(case)
         return native
 
     def run(self, native: Tensors) -> Tensors:

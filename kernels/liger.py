@@ -40,7 +40,17 @@ Not provided, and why:
   - ``rmsnorm_dgrad`` / ``swiglu_dgrad``: Liger has no dgrad-GEMM-plus-epilogue piece; its backward
     kernels run inside its autograd Functions, which the forward ops above exercise.
   - side outputs (rstd, LSE): Liger's Functions keep them internal.
-  - fp8: Liger's kernels are not fp8 GEMM epilogues; those cells are n/a.
+
+fp8 cells (``fp8``, ``fp8-row``; forward only): "``_scaled_mm`` + Liger's elementwise kernels". Every GEMM
+is a ``torch._scaled_mm`` under the cell's recipe (:class:`workloads.fp8.ScaledMMGemms`): the weights and
+the op's input activation are quantized in ``prepare``, the intermediate activations (``h``, the SwiGLU
+output) inside the timed region. The concatenated gate/up weight is quantized as one tensor: per-tensor,
+its scale is the larger of the two weights' scales (an fp8 model with a fused gate/up weight has one
+scale too), so the values of the other weight that fall below e4m3's normal range after the rescale
+lose bits; rowwise scales are per output channel and concatenate exactly. Fused linear cross-entropy
+runs its own bf16 GEMM, so the CE ops compose ``logits = _scaled_mm(h, Wlm)`` with Liger's plain
+cross-entropy kernel (``LigerCrossEntropyFunction``) on the logits upcast to fp32, as the reference's
+``F.cross_entropy`` does (in bf16 Liger would also accumulate the loss in bf16).
 """
 from __future__ import annotations
 
@@ -51,22 +61,24 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from codabench.case import Case
 from codabench.registry import REGISTRY, Implementation, Tensors
 from kernels import layouts
+from kernels.torch_baselines import fp8_skip_reason, gemms, quantize_native
+from workloads import fp8
 from workloads import reference as R
 from workloads.models import ModelShape
 
 PINNED_IMPL = "nvidia-triton"
 # dispatcher op names of the pieces used here (for the resolved-implementation record)
-DISPATCH_OPS = ("fused_add_rms_norm", "rms_norm", "swiglu", "rope", "fused_linear_cross_entropy")
+DISPATCH_OPS = ("fused_add_rms_norm", "rms_norm", "swiglu", "rope", "fused_linear_cross_entropy", "cross_entropy")
 
 
 @lru_cache(maxsize=None)
 def _ops() -> SimpleNamespace:
     """Liger's Triton autograd Functions (imported on first use; the module imports without Liger)."""
+    from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -75,7 +87,7 @@ def _ops() -> SimpleNamespace:
 
     return SimpleNamespace(add_rms_norm=LigerFusedAddRMSNormFunction, rms_norm=LigerRMSNormFunction,
                            gate_up_swiglu=LigerFusedGateUpSiLUMulFunction, rope=LigerRopeFunction,
-                           linear_ce=LigerFusedLinearCrossEntropyFunction)
+                           linear_ce=LigerFusedLinearCrossEntropyFunction, cross_entropy=LigerCrossEntropyFunction)
 
 
 @lru_cache(maxsize=None)
@@ -129,6 +141,14 @@ def _linear_ce(h: torch.Tensor, w_lm: torch.Tensor, target: torch.Tensor) -> tor
     return out[0] if isinstance(out, tuple) else out
 
 
+def _lm_head_loss(n: Tensors, h: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``h Wlm^T``: fused linear CE, or (fp8) ``_scaled_mm`` logits + Liger's CE kernel."""
+    if not isinstance(n["w_lm"], fp8.Fp8):
+        return _linear_ce(h, n["w_lm"], n["target"])
+    logits = n["mm"].linear(h, n["w_lm"]).float()
+    return _apply(_ops().cross_entropy, logits, n["target"], None, ignore_index=R.IGNORE_INDEX, reduction="mean")[0]
+
+
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin of shape (1, M, dh) in Hugging Face layout (each half repeated), one row per token."""
     ang = R.rope_angles(positions, head_dim, theta, torch.float64)
@@ -151,37 +171,42 @@ def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model: Mo
 
 # ---- the ops ----------------------------------------------------------------------------------
 
+# ``mm = n["mm"]``: the GEMMs, ``F.linear`` or (fp8) ``torch._scaled_mm`` (kernels.torch_baselines.gemms)
+
 def _rmsnorm_linear(n: Tensors) -> Tensors:
-    h, x = _add_rmsnorm(F.linear(n["a"], n["w_o"]), n["residual"], n["gamma"], n["model"].eps)
-    return {"x": x, "z": F.linear(h, n["w_c"])}
+    mm = n["mm"]
+    h, x = _add_rmsnorm(mm.linear(n["a"], n["w_o"]), n["residual"], n["gamma"], n["model"].eps)
+    return {"x": x, "z": mm.linear(h, n["w_c"])}
 
 
 def _rmsnorm_swiglu(n: Tensors) -> Tensors:
-    h, x = _add_rmsnorm(F.linear(n["a"], n["w_o"]), n["residual"], n["gamma"], n["model"].eps)
-    return {"x": x, "y": _ops().gate_up_swiglu.apply(F.linear(h, n["w_gate_up"]))}
+    mm = n["mm"]
+    h, x = _add_rmsnorm(mm.linear(n["a"], n["w_o"]), n["residual"], n["gamma"], n["model"].eps)
+    return {"x": x, "y": _ops().gate_up_swiglu.apply(mm.linear(h, n["w_gate_up"]))}
 
 
 def _rmsnorm_rope(n: Tensors) -> Tensors:
-    h, x = _add_rmsnorm(F.linear(n["a"], n["w_down"]), n["residual"], n["gamma"], n["model"].eps)
-    return {"x": x, "qkv": _rope_qkv(F.linear(h, n["w_qkv"]), n["cos"], n["sin"], n["model"])}
+    mm = n["mm"]
+    h, x = _add_rmsnorm(mm.linear(n["a"], n["w_down"]), n["residual"], n["gamma"], n["model"].eps)
+    return {"x": x, "qkv": _rope_qkv(mm.linear(h, n["w_qkv"]), n["cos"], n["sin"], n["model"])}
 
 
 def _rmsnorm_ce(n: Tensors) -> Tensors:
-    h, x = _add_rmsnorm(F.linear(n["a"], n["w_down"]), n["residual"], n["gamma"], n["model"].eps)
-    return {"x": x, "loss": _linear_ce(h, n["w_lm"], n["target"])}
+    h, x = _add_rmsnorm(n["mm"].linear(n["a"], n["w_down"]), n["residual"], n["gamma"], n["model"].eps)
+    return {"x": x, "loss": _lm_head_loss(n, h)}
 
 
 def _lm_head_ce(n: Tensors) -> Tensors:
     h = _apply(_ops().rms_norm, n["x"], n["gamma"], n["model"].eps, casting_mode="llama", in_place=False)
-    return {"loss": _linear_ce(h, n["w_lm"], n["target"])}
+    return {"loss": _lm_head_loss(n, h)}
 
 
 def _block(n: Tensors) -> Tensors:
-    eps = n["model"].eps
-    h1, x1 = _add_rmsnorm(F.linear(n["a"], n["w_o"]), n["residual"], n["gamma_mlp"], eps)
-    y = _ops().gate_up_swiglu.apply(F.linear(h1, n["w_gate_up"]))
-    h2, x = _add_rmsnorm(F.linear(y, n["w_down"]), x1, n["gamma_attn"], eps)
-    return {"x": x, "qkv": _rope_qkv(F.linear(h2, n["w_qkv"]), n["cos"], n["sin"], n["model"])}
+    eps, mm = n["model"].eps, n["mm"]
+    h1, x1 = _add_rmsnorm(mm.linear(n["a"], n["w_o"]), n["residual"], n["gamma_mlp"], eps)
+    y = _ops().gate_up_swiglu.apply(mm.linear(h1, n["w_gate_up"]))
+    h2, x = _add_rmsnorm(mm.linear(y, n["w_down"]), x1, n["gamma_attn"], eps)
+    return {"x": x, "qkv": _rope_qkv(mm.linear(h2, n["w_qkv"]), n["cos"], n["sin"], n["model"])}
 
 
 CE_BWD_NA = ("n/a: Liger's fused linear cross-entropy computes its gradients inside the forward; "
@@ -193,7 +218,7 @@ class Liger(Implementation):
 
     name = "liger"
     label = "baseline"
-    dtypes = ("fp32", "fp16", "bf16")
+    dtypes = ("fp32", "fp16", "bf16", *fp8.FP8_DTYPES)
     requires = ("cuda", "pkg:liger_kernel")
     native_consts = ("cos", "sin")
 
@@ -205,7 +230,7 @@ class Liger(Implementation):
     def skip_reason(self, case: Case) -> str | None:
         if case.mode == "bwd" and self._bwd_na:
             return self._bwd_na
-        return super().skip_reason(case)
+        return super().skip_reason(case) or fp8_skip_reason(case)
 
     def prepare(self, case: Case) -> Tensors:
         pin_triton()
@@ -216,7 +241,8 @@ class Liger(Implementation):
         if "positions" in case.inputs:
             native["cos"], native["sin"] = rope_tables(case.inputs["positions"], case.model.head_dim,
                                                        case.model.rope_theta)
-        native["model"] = case.model
+        native = quantize_native(native, case, {"w_gate": "w_gate_up", "w_up": "w_gate_up"})
+        native["model"], native["mm"] = case.model, gemms(case)
         return native
 
     def run(self, native: Tensors) -> Tensors:

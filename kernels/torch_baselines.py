@@ -4,6 +4,13 @@
 RoPE, F.cross_entropy) run in the cell's dtype; its error is the "PyTorch error" of the pass rule.
 ``torch-compile`` is the same function under ``torch.compile(fullgraph=True, dynamic=False)``,
 compiled during warm-up (outside the timed region), after ``torch._dynamo.reset()``.
+
+fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` quantizes the op's GEMM operands
+(``op.fp8_operands``) under the cell's recipe (untimed); ``run`` is the same composition with every
+GEMM a ``torch._scaled_mm`` (:class:`workloads.fp8.ScaledMMGemms`), which quantizes the intermediate
+activations (the normalized ``h``, the SwiGLU output ...) inside the timed region, as an fp8 pipeline
+must. Inductor compiles ``_scaled_mm`` and the bit arithmetic of the pow2 scales on the CPU as well
+(torch 2.13), so torch-compile runs fp8 cells everywhere that ``_scaled_mm`` runs.
 """
 from __future__ import annotations
 
@@ -13,26 +20,58 @@ import torch
 
 from codabench.case import Case
 from codabench.registry import REGISTRY, Implementation, Tensors
+from workloads import fp8
 from workloads.ops import OPS, Op
 
 COMPILE_MODE = "default"
+FP8_MIN_CAPABILITY = (8, 9)
+"""fp8 tensor cores (``torch._scaled_mm`` on CUDA): Ada / Hopper and newer."""
+
+
+def gemms(case: Case) -> fp8.TorchGemms:
+    """The GEMMs of the reference composition for a cell: plain torch, or ``_scaled_mm`` under its fp8 recipe."""
+    return fp8.ScaledMMGemms(case.recipe) if case.recipe is not None else fp8.TORCH_GEMMS
+
+
+def quantize_native(native: Tensors, case: Case, renamed: dict[str, str] | None = None) -> Tensors:
+    """fp8 cells: ``native`` with the op's GEMM operands quantized under the cell's recipe; other dtypes: unchanged.
+
+    ``renamed`` maps a canonical operand to the native tensor built from it (``w_gate``, ``w_up`` ->
+    ``w_gate_up``), which is quantized as one tensor in the operand's role.
+    """
+    if case.recipe is None:
+        return native
+    roles = {(renamed or {}).get(k, k): role for k, role in case.op.fp8_operands.items()}
+    return fp8.quantize_operands(native, roles, case.recipe)
+
+
+def fp8_skip_reason(case: Case) -> str | None:
+    """Why ``torch._scaled_mm`` cannot run an fp8 cell here (None when it can, or for other dtypes)."""
+    if case.recipe is None or case.device.type != "cuda":
+        return None
+    if torch.cuda.get_device_capability(case.device) < FP8_MIN_CAPABILITY:
+        return "skipped: fp8 (torch._scaled_mm) needs an sm89+ GPU"
+    return None
 
 
 class TorchEager(Implementation):
     name = "torch-eager"
     label = "baseline"
-    dtypes = ("fp32", "fp16", "bf16")
-    description = "unfused PyTorch composition, cuBLAS GEMMs, eager"
+    dtypes = ("fp32", "fp16", "bf16", *fp8.FP8_DTYPES)
+    description = "unfused PyTorch composition, cuBLAS GEMMs (fp8: torch._scaled_mm), eager"
 
     def __init__(self, op: Op):
         self.op, self.op_def, self.modes = op.name, op, op.modes
         self.source = __name__
 
+    def skip_reason(self, case: Case) -> str | None:
+        return super().skip_reason(case) or fp8_skip_reason(case)
+
     def prepare(self, case: Case) -> Tensors:
-        return {**case.inputs, "model": case.model}
+        return {**quantize_native(dict(case.inputs), case), "model": case.model, "mm": gemms(case)}
 
     def run(self, native: Tensors) -> Tensors:
-        return self.op_def.reference(native, native["model"])
+        return self.op_def.reference(native, native["model"], native["mm"])
 
     def metadata(self):
         return {"torch": torch.__version__}
@@ -42,21 +81,21 @@ class TorchCompile(TorchEager):
     name = "torch-compile"
     description = f"unfused PyTorch composition under torch.compile (mode={COMPILE_MODE}, fullgraph)"
 
-    _key: tuple | None = None  # the (op, model, dtype) compiled last, by any instance
+    _key: tuple | None = None  # the (op, model, dtype, recipe) compiled last, by any instance
 
     def prepare(self, case: Case) -> Tensors:
-        """Compile once per (op, model, dtype): the correctness and timing passes and the modes of one
-        configuration share the compiled function (new shapes or grad modes add graphs to it); a new
+        """Compile once per (op, model, dtype, fp8 recipe): the correctness and timing passes and the modes of
+        one configuration share the compiled function (new shapes or grad modes add graphs to it); a new
         configuration starts from ``torch._dynamo.reset()``."""
-        key = (self.op, dataclasses.replace(case.model, tokens=0), case.dtype)
+        key = (self.op, dataclasses.replace(case.model, tokens=0), case.dtype, case.recipe)
         if TorchCompile._key != key:
             torch._dynamo.reset()
             torch._functorch.config.donated_buffer = False
-            op, model = self.op_def, case.model
-            self._compiled = torch.compile(lambda inp: op.reference(inp, model), fullgraph=True, dynamic=False,
+            op, model, mm = self.op_def, case.model, gemms(case)
+            self._compiled = torch.compile(lambda inp: op.reference(inp, model, mm), fullgraph=True, dynamic=False,
                                            mode=None if COMPILE_MODE == "default" else COMPILE_MODE)
             TorchCompile._key = key
-        return dict(case.inputs)
+        return quantize_native(dict(case.inputs), case)
 
     def run(self, native: Tensors) -> Tensors:
         return self._compiled(native)

@@ -4,7 +4,9 @@ No GPU here, so the compositions are checked on CPU in fp32 against the float64 
 the harness's own calls (``codabench.execute``):
 - Liger: its RoPE, fused gate-up SwiGLU and fused linear cross-entropy kernels run for real in the
   Triton interpreter (a subprocess with TRITON_INTERPRET=1); its two RMSNorm kernels do not run
-  there (their ``eps.to(...)`` needs a compiled scalar) and are replaced by torch stand-ins.
+  there (their ``eps.to(...)`` needs a compiled scalar) and are replaced by torch stand-ins. Its fp8
+  cells (``_scaled_mm`` + Liger) run there too, with its plain cross-entropy kernel for real; the fused
+  gate-up SwiGLU is a stand-in in them (in bf16 the interpreter computes it wrong: NaN/garbage).
 - FlashInfer and quack run CUDA/CuTe-DSL code only: their calls are replaced by torch stand-ins that
   follow the documented semantics (FlashInfer's in-place mutation of its arguments included), so
   the tests check the plumbing: weight layouts, tables, which tensor is mutated, output names.
@@ -28,8 +30,10 @@ import kernels.flashinfer as KF
 import kernels.liger as KL
 import kernels.quack as KQ
 from codabench.case import Case
+from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.execute import reference_once, run_once
 from codabench.registry import REGISTRY
+from workloads import fp8
 from workloads.models import PRESETS
 from workloads.ops import OPS
 
@@ -101,7 +105,10 @@ def test_not_applicable_cells_say_why():
     assert fi.skip_reason(make_case("block", "fwd", "fp32")).startswith("n/a:")
     ce = REGISTRY.get("rmsnorm_ce", "liger")
     assert ce.skip_reason(make_case("rmsnorm_ce", "bwd", "bf16")) == KL.CE_BWD_NA
-    assert REGISTRY.get("block", "liger").skip_reason(make_case("block", "fwd", "fp8")).startswith("n/a:")
+    for dtype in ("fp8", "fp8-row"):  # fp8 cells exist (_scaled_mm + Liger/FlashInfer): only the GPU is missing
+        for name in ("liger", "flashinfer"):
+            reason = REGISTRY.get("block", name).skip_reason(make_case("block", "fwd", dtype))
+            assert reason == "skipped: needs a CUDA GPU", (name, dtype, reason)
     assert REGISTRY.get("rmsnorm_linear", "quack").skip_reason(make_case("rmsnorm_linear", "bwd", "bf16")).startswith("n/a:")
 
 
@@ -124,7 +131,7 @@ import torch, torch.nn.functional as F
 sys.path.insert(0, "tests")
 import kernels.liger as KL
 from codabench.registry import REGISTRY
-from test_baselines import check_against_reference, make_case
+from test_baselines import TINY, OPS, check_against_reference, make_case
 
 class AddRMSNorm:  # torch stand-in with LigerFusedAddRMSNormFunction's signature
     @staticmethod
@@ -147,7 +154,35 @@ out = {}
 for op, mode in [("rmsnorm_linear", "fwd_bwd"), ("rmsnorm_swiglu", "fwd_bwd"), ("rmsnorm_rope", "fwd_bwd"),
                  ("rmsnorm_ce", "fwd"), ("rmsnorm_ce", "fwd_bwd"), ("lm_head_ce", "fwd_bwd"), ("block", "fwd_bwd")]:
     out[f"{op}/{mode}"] = check_against_reference(REGISTRY.get(op, "liger"), make_case(op, mode))
-print(json.dumps(out))
+
+from codabench.case import Case
+from codabench.correctness import CHECK_SEED, build_reference, check_impl
+
+class GateUpSwiGLU:  # torch stand-in: the interpreter gets Liger's bf16 fused gate-up kernel wrong
+    @staticmethod
+    def apply(y):
+        g, u = y.chunk(2, -1)
+        return F.silu(g) * u
+
+ce_calls = []
+class CountingCE:  # Liger's real cross-entropy kernel, counted
+    forward = real.cross_entropy.forward
+    @staticmethod
+    def apply(*args):
+        ce_calls.append(args[0].dtype)
+        return real.cross_entropy.apply(*args)
+
+KL._ops = lambda: SimpleNamespace(**{**vars(real), "add_rms_norm": AddRMSNorm, "rms_norm": RMSNorm,
+                                     "gate_up_swiglu": GateUpSwiGLU, "cross_entropy": CountingCE})
+fp8_out = {}
+for op, dtype in [("rmsnorm_swiglu", "fp8"), ("rmsnorm_rope", "fp8-row"), ("rmsnorm_ce", "fp8"),
+                  ("lm_head_ce", "fp8-row"), ("block", "fp8")]:
+    o = OPS[op]
+    case = Case(o, TINY, "fwd", dtype, torch.device("cpu"), o.inputs(TINY, dtype, "cpu", CHECK_SEED))
+    res = check_impl(build_reference(o, case), REGISTRY.get(op, "liger"))
+    fp8_out[f"{op}/{dtype}"] = {"correct": res.correct, "errors": res.errors,
+                                "vs_bf16": {c.output: c.rel_err_vs_bf16 for c in res.checks}}
+print(json.dumps({"fp32": out, "fp8": fp8_out, "ce_calls": [str(d) for d in ce_calls]}))
 """
 
 
@@ -157,12 +192,17 @@ def test_liger_compositions_in_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", LIGER_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = result["fp32"]
     assert set(errors) == {"rmsnorm_linear/fwd_bwd", "rmsnorm_swiglu/fwd_bwd", "rmsnorm_rope/fwd_bwd",
                            "rmsnorm_ce/fwd", "rmsnorm_ce/fwd_bwd", "lm_head_ce/fwd_bwd", "block/fwd_bwd"}
     assert "grad_w_gate" in errors["block/fwd_bwd"] and "grad_w_lm" in errors["rmsnorm_ce/fwd_bwd"]
     bad = {cell: {k: e for k, e in errs.items() if not e < 1e-5} for cell, errs in errors.items()}
     assert not any(bad.values()), bad
+    fp8_cells = result["fp8"]
+    assert len(fp8_cells) == 5 and all(c["correct"] for c in fp8_cells.values()), fp8_cells
+    assert all(c["vs_bf16"] and all(v > 0 for v in c["vs_bf16"].values()) for c in fp8_cells.values())
+    assert result["ce_calls"] == ["torch.float32"] * 2  # the CE ops' fp8 cells: _scaled_mm logits + Liger's CE
 
 
 # ---- FlashInfer: documented semantics as torch stand-ins -----------------------------------------
@@ -200,6 +240,24 @@ def test_flashinfer_compositions_with_standins(monkeypatch, op):
         | ({"rope/float32"} if "rope" in op or op == "block" else set())
     assert set(KF.JIT_WARMUP_S) == kernels
     assert REGISTRY.get(op, "flashinfer").metadata()["jit_warmup_s"].keys() == kernels
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8-row"])
+@pytest.mark.parametrize("op", ["rmsnorm_swiglu", "block"])
+def test_flashinfer_fp8_cells_with_standins(monkeypatch, op, dtype):
+    """_scaled_mm GEMMs + FlashInfer's kernels (stand-ins) pass the harness's fp8 error rule."""
+    monkeypatch.setattr(KF, "_fi", _fake_flashinfer)
+    monkeypatch.setattr(KF, "JIT_WARMUP_S", {})
+    o = OPS[op]
+    case = Case(o, TINY, "fwd", dtype, CPU, o.inputs(TINY, dtype, CPU, CHECK_SEED))
+    impl = REGISTRY.get(op, "flashinfer")
+    native = impl.prepare(case)
+    assert isinstance(native["w_gate_up"], fp8.Fp8) and isinstance(native["a"], fp8.Fp8)
+    assert native["w_gate_up"].scale.shape == ((2 * TINY.ffn, 1) if dtype == "fp8-row" else ())
+    outcome = check_impl(build_reference(o, case), impl)
+    assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])
+    assert all(c.rel_err_vs_bf16 > 0 for c in outcome.checks)
+    assert "fused_add_rmsnorm/bfloat16" in KF.JIT_WARMUP_S
 
 
 # ---- quack: documented semantics (its *_ref functions) as torch stand-ins -----------------------

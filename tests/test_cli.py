@@ -33,7 +33,7 @@ def test_list_prints_cells_and_statuses(capsys, monkeypatch, tmp_path):
                      "--list", "--no-entry-points", "--out", str(tmp_path / "runs" / "x")]) == 0
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "runs" / ".cache" / "torchinductor")
     out = capsys.readouterr().out
-    assert "gemm_out         tiny       fwd      fp32  torch-eager        to run" in out
+    assert "gemm_out         tiny       fwd      fp32    torch-eager        to run" in out
     assert "skipped: the smoke suite runs torch-compile only in fwd_bwd mode" in out
     assert "broken.py failed to load" in out
     n_cells = sum(1 for line in out.splitlines() if line.startswith(("gemm_out ", "rmsnorm_linear ")))

@@ -41,9 +41,9 @@ def _paper(d: int, heads: int) -> ModelShape:
 
 
 PRESETS: dict[str, ModelShape] = {
-    # Tiny shapes for the CPU interpreter. Every dim is a multiple of 8 (16-byte rows for TMA) but
-    # not of the tile sizes, so masking is exercised everywhere.
-    "tiny": ModelShape("tiny", hidden=72, ffn=88, heads=4, kv_heads=2, head_dim=16, vocab=200,
+    # Tiny shapes for the CPU interpreter. Every dim is a multiple of 16 (16-byte rows for TMA down to
+    # fp8; K and N of fp8 GEMMs) but not of the tile sizes, so masking is exercised everywhere.
+    "tiny": ModelShape("tiny", hidden=80, ffn=112, heads=4, kv_heads=2, head_dim=16, vocab=208,
                        tokens=48, seq_len=40),
     "llama-1b": ModelShape("llama-1b", 2048, 8192, 32, 8, 64, rope_theta=500000.0),
     "llama-7b": ModelShape("llama-7b", 4096, 11008, 32, 32, 128),

@@ -11,6 +11,11 @@ Two kinds of op:
   gradients (1 for a scalar loss).
 - ``direct``: ``reference`` computes the op's outputs directly (e.g. a backward kernel as one
   op); it has exactly one mode, which names what it is (``fwd`` or ``bwd``).
+
+``reference`` does its GEMMs through ``mm`` (:mod:`workloads.fp8`): plain torch by default, or
+``torch._scaled_mm`` under an fp8 recipe (the fp8 PyTorch baselines). fp8 cells exist for the
+``fwd`` mode and for direct ops; their inputs are those of bf16 with the GEMM operands named in
+``fp8_operands`` rounded onto the recipe's fp8 grid (:meth:`Op.inputs`).
 """
 from __future__ import annotations
 
@@ -19,12 +24,14 @@ from typing import ClassVar, Literal
 
 import torch
 
+from workloads import fp8
 from workloads.models import ModelShape
 
 MODES = ("fwd", "bwd", "fwd_bwd")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
-"""Dtype name -> dtype of the canonical inputs. fp8 cells get bf16 canonical inputs; quantizing
-them (e4m3, dynamic scaling) is an implementation's untimed ``prepare`` step."""
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16,
+          "fp8-row": torch.bfloat16}
+"""Dtype name -> dtype of the canonical inputs. fp8 cells (per-tensor ``fp8``, rowwise ``fp8-row``) get
+bf16 inputs on the fp8 grid; quantizing them is an implementation's untimed ``prepare`` step."""
 
 
 @dataclass(frozen=True)
@@ -59,13 +66,34 @@ class Op:
     """fp32 side outputs (rstd, LSE, ...) the reference also returns; compared when an implementation returns them."""
     consts: ClassVar[tuple[str, ...]] = ()
     """Inputs that get no gradient (targets, positions, saved statistics)."""
+    fp8_operands: ClassVar[dict[str, fp8.Role]] = {}
+    """Inputs that are GEMM operands, with their role in an fp8 recipe (no entry: the op has no fp8 cells)."""
 
     def make_inputs(self, model: ModelShape, dtype: torch.dtype, device: torch.device | str,
                     seed: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def reference(self, inputs: dict[str, torch.Tensor], model: ModelShape) -> dict[str, torch.Tensor]:
+    def reference(self, inputs: dict[str, torch.Tensor], model: ModelShape,
+                  mm: fp8.TorchGemms = fp8.TORCH_GEMMS) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def inputs(self, model: ModelShape, dtype: str, device: torch.device | str, seed: int) -> dict[str, torch.Tensor]:
+        """The canonical inputs of a cell of dtype name ``dtype`` (fp8: bf16 with the operands on the fp8 grid)."""
+        inp = self.make_inputs(model, DTYPES[dtype], device, seed)
+        rec = fp8.recipe(dtype)
+        return self.derived_inputs(fp8.round_inputs(inp, self.fp8_operands, rec), model) if rec is not None else inp
+
+    def derived_inputs(self, inputs: dict[str, torch.Tensor], model: ModelShape) -> dict[str, torch.Tensor]:
+        """Inputs computed from other inputs (saved statistics), recomputed after fp8 rounding; default: none."""
+        return inputs
+
+    def has_cell(self, mode: str, dtype: str) -> bool:
+        """Whether the matrix has this (mode, dtype): fp8 covers forward and direct ops with fp8 operands."""
+        if mode not in self.modes:
+            return False
+        if dtype in fp8.FP8_DTYPES:
+            return bool(self.fp8_operands) and (self.kind == "direct" or mode == "fwd")
+        return True
 
     def forward_gemms(self, model: ModelShape) -> list[Gemm]:
         raise NotImplementedError

@@ -39,12 +39,12 @@ def format_compare(m: pd.DataFrame) -> str:
     def f(v, spec):
         return "" if pd.isna(v) else format(v, spec)
 
-    lines = [f"{'op':16} {'impl':16} {'model':10} {'mode':8} {'dtype':5} {'A ms':>9} {'B ms':>9} {'delta':>8} "
+    lines = [f"{'op':16} {'impl':16} {'model':10} {'mode':8} {'dtype':7} {'A ms':>9} {'B ms':>9} {'delta':>8} "
              f"{'':5} {'A err':>9} {'B err':>9} {'err x':>7}  A -> B"]
     for _, r in m.iterrows():
         delta = f(r["delta_pct"], "+.1f") + ("%" if not pd.isna(r["delta_pct"]) else "")
         status = f"{_verdict(r['status_a'], r['correct_a'])} -> {_verdict(r['status_b'], r['correct_b'])}"
-        lines.append(f"{r['op']:16} {r['impl']:16} {r['model']:10} {r['mode']:8} {r['dtype']:5} "
+        lines.append(f"{r['op']:16} {r['impl']:16} {r['model']:10} {r['mode']:8} {r['dtype']:7} "
                      f"{f(r['median_ms_a'], '.4g'):>9} {f(r['median_ms_b'], '.4g'):>9} {delta:>8} "
                      f"{'noise' if r['noise'] else '':5} {f(r['rel_err_a'], '.2e'):>9} {f(r['rel_err_b'], '.2e'):>9} "
                      f"{f(r['err_x'], '.2f'):>7}  {status}")

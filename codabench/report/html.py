@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from codabench.matrix import PLUGIN_OP, SPEED_BASELINE
+from workloads.fp8 import FP8_DTYPES
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1600px}
@@ -37,7 +38,12 @@ same dtype + a small floor, against a float64 reference; NaN/Inf never passes. <
 impl has no such mode/dtype; <code>skipped</code>: it cannot run here (reason in the tooltip and the
 per-op tables); <code>error</code>: it raised, returned a wrong shape/dtype, NaN/Inf, or mutated its
 inputs. Timings: median of many samples with p20/p80, cold L2, CUDA events; <i>sol_ratio</i> is the
-time over the plain cuBLAS GEMMs the op must do (ideal 1.00).</p>"""
+time over the plain cuBLAS GEMMs the op must do (ideal 1.00).</p>
+<p>fp8 cells (<code>fp8</code>: per-tensor scales, <code>fp8-row</code>: rowwise; forward and the dgrad ops)
+take bf16 inputs whose GEMM operands lie on the fp8 grid; quantizing them is untimed, and its time is the
+separate <i>cast ms</i> column. Their float64 reference is computed on those inputs, and PyTorch's error is
+that of its <code>torch._scaled_mm</code> composition under the same recipe. <i>err vs bf16</i> is the
+error against the unquantized bf16 computation (reported, not judged).</p>"""
 
 
 def _fmt(v: Any, spec: str = ".3g") -> str:
@@ -108,13 +114,22 @@ PER_OP_COLUMNS = [("impl", "impl", "l"), ("model", "model", "l"), ("mode", "mode
                   ("status", "status", "l"), ("median_ms", "median ms", ".4g"), ("p20_ms", "p20", ".4g"),
                   ("p80_ms", "p80", ".4g"), ("cv", "CV", ".2f"), ("tflops", "TFLOP/s", ".4g"),
                   ("speedup", f"speedup vs {SPEED_BASELINE}", ".3f"), ("sol_ratio", "time / GEMMs", ".3f"),
-                  ("pct_ceiling", "% ceiling", ".1f"), ("rel_err", "rel err", ".3g"),
-                  ("err_ratio", "err / torch err", ".3g"), ("correct", "correct", "l"), ("message", "message", "msg")]
+                  ("pct_ceiling", "% ceiling", ".1f"), ("cast_ms", "cast ms", ".4g"), ("rel_err", "rel err", ".3g"),
+                  ("err_ratio", "err / torch err", ".3g"), ("rel_err_vs_bf16", "err vs bf16", ".3g"),
+                  ("correct", "correct", "l"), ("message", "message", "msg")]
 ERROR_TABLE_COLUMNS = [("impl", "impl", "l"), ("model", "model", "l"), ("mode", "mode", "l"),
                        ("dtype", "dtype", "l"), ("output", "output", "l"), ("rel_err", "rel err", ".3g"),
                        ("max_abs", "max abs", ".3g"), ("cosine", "cosine", ".9f"),
                        ("torch_rel_err", "torch rel err", ".3g"), ("ratio", "ratio", ".3g"),
-                       ("passed", "passed", "l")]
+                       ("rel_err_vs_bf16", "err vs bf16", ".3g"), ("passed", "passed", "l")]
+FP8_ONLY = ("cast_ms", "rel_err_vs_bf16")
+"""Columns shown only in tables that hold an fp8 cell."""
+
+
+def _columns(df: pd.DataFrame, columns: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """``columns`` without the fp8-only ones when no row of ``df`` is an fp8 cell."""
+    has_fp8 = df["dtype"].isin(FP8_DTYPES).any()
+    return [c for c in columns if has_fp8 or c[0] not in FP8_ONLY]
 
 
 def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: list[tuple[str, Path]],
@@ -141,11 +156,11 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
                                                   ("message", "message", "msg")], lambda r: "err")]
     parts.append("<h2>Per-op results</h2>")
     for op, g in df[df["op"] != PLUGIN_OP].groupby("op", sort=False):
-        parts += [f"<h3 id='op-{_esc(op)}'>{_esc(op)}</h3>", _table(g, PER_OP_COLUMNS, _status_class)]
+        parts += [f"<h3 id='op-{_esc(op)}'>{_esc(op)}</h3>", _table(g, _columns(g, PER_OP_COLUMNS), _status_class)]
         e = errors[errors["op"] == op]
         if not e.empty:
             parts += [f"<details><summary>per-output errors of {_esc(op)} ({len(e)} rows)</summary>",
-                      _table(e, ERROR_TABLE_COLUMNS, lambda r: "pass" if r["passed"] is True else "fail"),
+                      _table(e, _columns(e, ERROR_TABLE_COLUMNS), lambda r: "pass" if r["passed"] is True else "fail"),
                       "</details>"]
     parts.append("<h2>Plots</h2>")
     for title, path in plots:
@@ -167,6 +182,8 @@ def _facts(env: dict[str, Any], counts: dict[str, int], n_pass: int, n_ok: int) 
              ("correct", f"{n_pass} of {n_ok} timed cells pass")]
     if ceil:
         facts.append(("ceilings", ", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in ceil.items())))
+    for dtype, label in (env.get("fp8_recipes") or {}).items():
+        facts.append((f"{dtype} recipe", label))
     rows = "".join(f'<tr><th class="l">{_esc(k)}</th><td class="l">{_esc(_fmt(v))}</td></tr>'
                    for k, v in facts if v not in (None, ""))
     return f"<table>{rows}</table>"

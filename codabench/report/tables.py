@@ -21,17 +21,21 @@ RESULTS, ERRORS, SAMPLES, ENV = "results.csv", "errors.csv", "samples.jsonl", "e
 KEY = ["op", "model", "mode", "dtype", "impl"]
 
 RESULT_COLUMNS = [
-    "op", "impl", "model", "mode", "dtype", "status", "message", "label", "tokens", "check_tokens",
+    "op", "impl", "model", "mode", "dtype", "status", "message", "label", "tokens", "check_tokens", "fp8_recipe",
     "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "tflops", "speedup", "sol_ms", "sol_ratio",
-    "pct_ceiling", "rel_err", "max_abs_err", "err_ratio", "correct", "sm_clock_mhz", "temp_c", "finished_at"]
+    "pct_ceiling", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct", "sm_clock_mhz",
+    "temp_c", "finished_at"]
 """``timing`` is ``cuda-events``, ``cuda-graph`` or ``cpu-wall`` (cpu-wall is not a performance figure).
 ``speedup`` = torch-compile median / this median on the same cell; ``sol_ms`` = sum of the cell's
 plain cuBLAS GEMM times; ``sol_ratio`` = median_ms / sol_ms; ``pct_ceiling`` = tflops as % of the
 measured GEMM ceiling of the dtype. ``rel_err``, ``max_abs_err`` and ``err_ratio`` are the worst over
-the compared outputs; ``correct`` is True when every compared output passes."""
+the compared outputs; ``correct`` is True when every compared output passes. fp8 cells only (empty
+otherwise): ``fp8_recipe`` (scaling and accumulation), ``cast_ms`` (median time of quantizing the
+cell's GEMM operands, not part of ``median_ms``; one value per op/model/mode/dtype, on its timed rows) and
+``rel_err_vs_bf16`` (worst error against the unquantized bf16 computation)."""
 
 ERROR_COLUMNS = ["op", "impl", "model", "mode", "dtype", "output", "rel_err", "max_abs", "cosine",
-                 "torch_rel_err", "ratio", "passed"]
+                 "torch_rel_err", "ratio", "rel_err_vs_bf16", "passed"]
 
 
 class AppendWriter:

@@ -13,16 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import gather_cols, scale_rows, store_row_partial, store_tile, tile_lse
+from kernels.coda.epilogue import dequant_scale, gather_cols, load_rows, store_row_partial, store_tile, tile_lse
+from kernels.coda.fp8 import dequant_args, result_dtype
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
                                    persistent_grid, tile_coords, tile_desc)
 from kernels.coda.reduce import finish_cross_entropy, launched_tiles, row_partials
+from workloads.fp8 import Fp8
 
 
 @coda_autotune(key=("M", "N", "K", "WITH_GRAD"))
 @triton.jit
-def gemm_cross_entropy_kernel(h_ptr, w_ptr, rstd_ptr, target_ptr, logits_ptr, lse_part_ptr, tgt_logit_ptr,
-                              M, N, K, stride_h, stride_w, stride_l, stride_p, WITH_GRAD: tl.constexpr,
+def gemm_cross_entropy_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, target_ptr, logits_ptr, lse_part_ptr,
+                              tgt_logit_ptr, M, N, K, stride_h, stride_w, stride_l, stride_p, WITH_GRAD: tl.constexpr,
+                              SCALING: tl.constexpr, PROMOTE: tl.constexpr,
                               A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                               BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
@@ -30,8 +33,8 @@ def gemm_cross_entropy_kernel(h_ptr, w_ptr, rstd_ptr, target_ptr, logits_ptr, ls
         logits_desc = tile_desc(logits_ptr, M, N, stride_l, BM, BN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
-        logits = scale_rows(acc, rstd_ptr, off_m, M, BM)
+        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
+        logits = dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         if WITH_GRAD:
             store_tile(logits_desc, off_m, off_n, logits)
         store_row_partial(lse_part_ptr, tile_lse(logits, off_n, N, BN), off_m, off_n, M, stride_p, BM, BN)
@@ -41,8 +44,9 @@ def gemm_cross_entropy_kernel(h_ptr, w_ptr, rstd_ptr, target_ptr, logits_ptr, ls
         tl.store(tgt_logit_ptr + rows, tgt_logit, mask=hit & (rows < M))
 
 
-def gemm_cross_entropy(h: torch.Tensor, w_lm: torch.Tensor, rstd: torch.Tensor, target: torch.Tensor,
-                       ignore_index: int = -100, reduction: str = "mean", with_grad: bool = False
+def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: torch.Tensor, target: torch.Tensor,
+                       ignore_index: int = -100, reduction: str = "mean", with_grad: bool = False,
+                       promote: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(loss, lse, dlogits, zdz)`` of ``CE(rstd[:, None] * (h @ w_lm.T), target)``.
 
@@ -51,18 +55,19 @@ def gemm_cross_entropy(h: torch.Tensor, w_lm: torch.Tensor, rstd: torch.Tensor, 
     loss scale), and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the logits are never written
     and both are None.
     """
+    M, K = (h.data if isinstance(h, Fp8) else h).shape
+    V = (w_lm.data if isinstance(w_lm, Fp8) else w_lm).shape[0]
+    h, w_lm, sa, sb, scaling = dequant_args(h, w_lm, M, V)
     (a_s, a_t), (w_s, w_t) = operand(h), operand(w_lm.T)
-    M, K = h.shape
-    V = w_lm.shape[0]
     target = target.contiguous()
     kernel = gemm_cross_entropy_kernel
     lse_part = row_partials(kernel, M, V, h.device)
     tgt_logit = torch.zeros(M, device=h.device, dtype=torch.float32)
-    logits = torch.empty(M, V, device=h.device, dtype=h.dtype) if with_grad else None
+    logits = torch.empty(M, V, device=h.device, dtype=result_dtype(h)) if with_grad else None
     kernel[persistent_grid(M, V, h.device)](
-        a_s, w_s, rstd, target, logits if with_grad else tgt_logit, lse_part, tgt_logit, M, V, K,
+        a_s, w_s, sa, sb, rstd, target, logits if with_grad else tgt_logit, lse_part, tgt_logit, M, V, K,
         a_s.stride(0), w_s.stride(0), logits.stride(0) if with_grad else 0, lse_part.stride(0),
-        WITH_GRAD=with_grad, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
+        WITH_GRAD=with_grad, SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
     loss, lse, zdz = finish_cross_entropy(lse_part, launched_tiles(kernel, M, V)[1], tgt_logit, target,
                                           ignore_index, reduction, logits)
     return loss, lse, logits, zdz

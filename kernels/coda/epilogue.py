@@ -6,14 +6,16 @@ tiles read through a descriptor (out-of-bounds reads are zero), which the reduct
 only the log-sum-exp masks explicitly (exp(0) is not 0). All math is fp32; values are cast to the
 destination dtype only when stored. The five kinds (coda-spec.md):
 
-1. elementwise / scale: :func:`scale_scalar`, :func:`scale_rows`, :func:`scale_cols`, :func:`add_tile`,
-   :func:`rmsnorm_dx` (RMSNorm backward)
+1. elementwise / scale: :func:`scale_scalar`, :func:`scale_rows`, :func:`scale_cols`, :func:`dequant_scale`
+   (fp8 scales composed with a row scale), :func:`add_tile`, :func:`rmsnorm_dx` (RMSNorm backward)
 2. vector loads broadcast along M or N: :func:`load_rows`, :func:`load_cols`
-3. tile load / store: :func:`load_tile`, :func:`store_tile`
-4. block reductions: :func:`store_row_partial` (+ :func:`row_sumsq_partial`, :func:`row_dot_partial`)
+3. tile load / store: :func:`load_tile`, :func:`store_tile` (+ :func:`cast`)
+4. block reductions: :func:`store_row_partial` (+ :func:`row_sumsq_partial`, :func:`row_dot_partial`,
+   :func:`row_absmax_partial`)
    into ``part[M, T]`` (T = number of N tiles) and :func:`col_sum_partial` into ``part[Tm, N]``;
    finished by the kernels of ``kernels/coda/reduce.py`` (deterministic: no atomics)
-5. stateful / pairwise: :func:`tile_lse`, :func:`gather_cols`, :func:`split_cols`, :func:`split_pairs` /
+5. stateful / pairwise: :func:`tile_lse`, :func:`gather_cols`, :func:`split_cols` / :func:`col_subtile`,
+   :func:`split_pairs` /
    :func:`join_pairs`, :func:`silu_mul_pairs`, :func:`silu_mul_pairs_bwd`, :func:`rotate_pairs`,
    :func:`rope_cos_sin` (+ :func:`cos_sin_reduced`)
 """
@@ -26,6 +28,8 @@ from kernels.coda.mainloop import INTERPRET
 
 FAST_TRIG = tl.constexpr(not INTERPRET)
 """cos/sin of reduced angles with the GPU's approximate instructions (libdevice's are ~4x slower in an epilogue)."""
+EMULATE_CASTS = tl.constexpr(INTERPRET)
+"""Round onto the bf16 / fp8 grid in fp32 before a store: the interpreter's own conversions truncate."""
 
 # 2*pi as A + B + C with A = 201/32 (8 significant bits: k * A is exact for |k| < 2^16), for the
 # Cody-Waite reduction of RoPE angles.
@@ -69,6 +73,29 @@ def scale_cols(acc, vec_ptr, off_n, N, BN: tl.constexpr):
     return acc * load_cols(vec_ptr, off_n, N, BN)[None, :]
 
 
+@triton.jit
+def dequant_scale(acc, row, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr,
+                  SCALING: tl.constexpr):
+    """``acc * (row sa)[:, None] * sb[None, :]``: a per-row factor ``row`` (BM,) (RMSNorm's rstd, or ones)
+    composed with the fp8 dequantization scales of the two GEMM operands (:mod:`kernels.coda.fp8`).
+
+    SCALING 0: no scales; 1 (per tensor): scalars ``*sa_ptr``, ``*sb_ptr``, folded into the row factor (one
+    multiply per element); 2 (rowwise): ``sa[M]`` per token and ``sb[N]`` per output channel.
+    """
+    if SCALING == 1:
+        row = row * (tl.load(sa_ptr) * tl.load(sb_ptr))
+    if SCALING == 2:
+        row = row * load_rows(sa_ptr, off_m, M, BM)
+        acc = acc * load_cols(sb_ptr, off_n, N, BN)[None, :]
+    return acc * row[:, None]
+
+
+@triton.jit
+def ones_rows(BM: tl.constexpr):
+    """The row factor 1 of :func:`dequant_scale` for a GEMM without a row scale."""
+    return tl.full((BM,), 1.0, tl.float32)
+
+
 # ---- 3. tile loads and stores -----------------------------------------------------------------
 
 @triton.jit
@@ -86,7 +113,41 @@ def add_tile(acc, desc, off_m, off_n):
 @triton.jit
 def store_tile(desc, off_m, off_n, val):
     """Write ``val`` cast to the descriptor's dtype at (off_m, off_n) (rows/cols past the end are dropped)."""
-    desc.store([off_m, off_n], val.to(desc.dtype))
+    desc.store([off_m, off_n], cast(val, desc.dtype))
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr):
+    """x converted to ``dtype``, rounding to nearest-even (under the interpreter too)."""
+    if EMULATE_CASTS:
+        x = round_like_gpu(x.to(tl.float32), dtype)
+    return x.to(dtype)
+
+
+@triton.jit
+def round_like_gpu(x, dtype: tl.constexpr):
+    """fp32 x rounded to nearest-even onto the grid of bf16 / fp8 ``dtype`` (other dtypes: x), in fp32.
+
+    The interpreter converts fp32 to those formats inexactly (truncating); rounding first makes its casts
+    exact, as the GPU's are. Not used on the GPU.
+    """
+    if dtype == tl.bfloat16:
+        x = round_to_grid(x, 7, -126)
+    elif dtype == tl.float8e4nv:
+        x = round_to_grid(x, 3, -6)
+    elif dtype == tl.float8e5:
+        x = round_to_grid(x, 2, -14)
+    return x
+
+
+@triton.jit
+def round_to_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """x rounded to nearest-even on the grid of a format with MANT mantissa bits and smallest normal exponent
+    EMIN (fp32 arithmetic: scaling by the unit in the last place is exact)."""
+    bits = x.to(tl.int32, bitcast=True)
+    ulp = ((tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN) - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2^23: rounds to an integer, ties to even
+    return tl.where(x < 0, -r, r)  # keeps the sign of values that round to zero
 
 
 # ---- 4. block reductions ----------------------------------------------------------------------
@@ -108,6 +169,12 @@ def row_sumsq_partial(part_ptr, x, off_m, off_n, M, stride_p, BM: tl.constexpr, 
 def row_dot_partial(part_ptr, a, b, off_m, off_n, M, stride_p, BM: tl.constexpr, BN: tl.constexpr):
     """Row partials of a dot product: ``part[m, t] = sum_{j in tile t} a_mj b_mj`` (ZdZ)."""
     store_row_partial(part_ptr, tl.sum(a * b, axis=1), off_m, off_n, M, stride_p, BM, BN)
+
+
+@triton.jit
+def row_absmax_partial(part_ptr, x, off_m, off_n, M, stride_p, BM: tl.constexpr, BN: tl.constexpr):
+    """Row partials of the absolute maximum: ``part[m, t] = max_{j in tile t} |x_mj|`` (an fp8 scale's amax)."""
+    store_row_partial(part_ptr, tl.max(tl.abs(x), axis=1), off_m, off_n, M, stride_p, BM, BN)
 
 
 @triton.jit
@@ -213,6 +280,25 @@ def split_cols(x, BM: tl.constexpr, BN: tl.constexpr):
     :func:`kernels.coda.mainloop.subtiled_configs`).
     """
     return x.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
+
+
+@triton.jit
+def col_subtile(x, I: tl.constexpr, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Sub-tile I of S (S in 1, 2, 4): columns [I BN / S, (I + 1) BN / S) of the (BM, BN) tile x.
+
+    An epilogue loops over them with ``for i in tl.static_range(S)``, at column offset ``off_n + i * BN // S``.
+    """
+    if S == 1:
+        sub = x
+    else:
+        left, right = split_cols(x, BM, BN)
+        half = right if I >= S // 2 else left
+        if S == 2:
+            sub = half
+        else:
+            quarter_l, quarter_r = split_cols(half, BM, BN // 2)
+            sub = quarter_r if I % 2 == 1 else quarter_l
+    return sub
 
 
 # ---- backward primitives ----------------------------------------------------------------------

@@ -18,6 +18,10 @@ statistic ``<z, dz>`` and a scalar multiplier ``s`` of dz (the loss scale; 1 oth
 and the block's down-proj dgrad carries the SwiGLU backward (:func:`dgrad_swiglu`). Backward of the
 block: 1 elementwise kernel (RoPE) + 3 fused dgrad GEMMs + small sums + 5 plain GEMMs.
 
+fp8 (:mod:`workloads.fp8` recipes) is forward-only: :func:`fp8_forward` runs the same compositions on
+fp8 weights and inputs, each epilogue handing the next GEMM its input already quantized (absmax partials
++ one quantizing pass), with the dequantization folded into every epilogue.
+
 Saved for backward (coda-spec "The block"): the residual streams x (x1), the rstd vectors, the SwiGLU
 pre-activation, the rotated qkv; the linear consumer keeps its output z and cross-entropy the dlogits and
 zdz its forward already computed (plus the GEMM inputs a and the weights). h, y and the pre-RoPE values
@@ -42,6 +46,7 @@ from kernels.coda.rope_bwd import rope_bwd
 from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.swiglu import gemm_swiglu
 from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
+from workloads.fp8 import Fp8, Recipe
 
 Saved = tuple[torch.Tensor, ...]
 
@@ -51,9 +56,10 @@ Saved = tuple[torch.Tensor, ...]
 class Consumer:
     """The GEMM ``z = rstd * (h @ W^T)`` on ``h = x * gamma`` and the epilogue op applied to z."""
 
-    def forward(self, h: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, save: bool
-                ) -> tuple[torch.Tensor, Saved, Saved]:
-        """``(output, non-differentiable side outputs, tensors saved for backward)``."""
+    def forward(self, h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, save: bool,
+                promote: bool = False) -> tuple[torch.Tensor, Saved, Saved]:
+        """``(output, non-differentiable side outputs, tensors saved for backward)``; fp8 h and w are dequantized
+        in the epilogue (``promote``: accumulation mode)."""
         raise NotImplementedError
 
     def backward(self, grad: torch.Tensor, saved: Saved) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]:
@@ -64,8 +70,8 @@ class Consumer:
 class Linear(Consumer):
     """``z`` itself (pattern (a), plain row scale); keeps z, ZdZ by a row dot product."""
 
-    def forward(self, h, w, rstd, save):
-        z = scaled_linear(h, w, rstd)
+    def forward(self, h, w, rstd, save, promote=False):
+        z = scaled_linear(h, w, rstd, promote)
         return z, (), (z,) if save else ()
 
     def backward(self, dz, saved):
@@ -76,8 +82,8 @@ class Linear(Consumer):
 class SwiGLU(Consumer):
     """``y_i = silu(z_2i) z_2i+1`` on interleaved gate/up rows of W; keeps the pre-activation z."""
 
-    def forward(self, h, w_gu, rstd, save):
-        y, z_pre = gemm_swiglu(h, w_gu, rstd, save_preact=save)
+    def forward(self, h, w_gu, rstd, save, promote=False):
+        y, z_pre = gemm_swiglu(h, w_gu, rstd, save_preact=save, promote=promote)
         return y, (), (z_pre,) if save else ()
 
     def backward(self, dy, saved):
@@ -95,8 +101,9 @@ class RoPE(Consumer):
     head_dim: int
     theta: float
 
-    def forward(self, h, w_qkv, rstd, save):
-        qkv = gemm_rope(h, w_qkv, rstd, self.positions, self.heads, self.kv_heads, self.head_dim, self.theta)
+    def forward(self, h, w_qkv, rstd, save, promote=False):
+        qkv = gemm_rope(h, w_qkv, rstd, self.positions, self.heads, self.kv_heads, self.head_dim, self.theta,
+                        promote)
         return qkv, (), (qkv,) if save else ()
 
     def backward(self, dqkv, saved):
@@ -112,9 +119,9 @@ class CrossEntropy(Consumer):
     ignore_index: int = -100
     reduction: str = "mean"
 
-    def forward(self, h, w_lm, rstd, save):
+    def forward(self, h, w_lm, rstd, save, promote=False):
         loss, lse, dlogits, zdz = gemm_cross_entropy(h, w_lm, rstd, self.target, self.ignore_index,
-                                                     self.reduction, with_grad=save)
+                                                     self.reduction, with_grad=save, promote=promote)
         return loss, (lse,), (dlogits, zdz) if save else ()
 
     def backward(self, dloss, saved):
@@ -249,3 +256,34 @@ def norm_consumer(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consume
     """``(out, rstd, *side)``: out = consumer(rmsnorm(x; gamma) w^T)."""
     save = _needs_grad(x, gamma, w)
     return NormConsumerFn.apply(x, gamma, w, consumer, eps, save)
+
+
+# ---- fp8 forward -------------------------------------------------------------------------------------
+
+def fp8_forward(composition: str, recipe: Recipe, *args) -> tuple[torch.Tensor, ...]:
+    """The forward of ``producer_consumer``, ``block`` or ``norm_consumer`` (same arguments and results) on fp8
+    weights and GEMM inputs (:class:`workloads.fp8.Fp8`, quantized under ``recipe``); no autograd.
+
+    Every GEMM dequantizes in its epilogue; an epilogue whose output feeds another GEMM (h, SwiGLU's y) also
+    writes its absmax partials, and one pass quantizes it (e4m3, per tensor or per row) for that GEMM.
+    """
+    q = "row" if recipe.rowwise else "tensor"
+    promote = recipe.accum == "promoted"
+    if composition == "producer_consumer":
+        a, residual, w_p, gamma, w, consumer, eps = args
+        x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps, promote, h_fp8=q)
+        out, side, _ = consumer.forward(h, w, rstd, False, promote)
+        return x, out, rstd, *side
+    if composition == "block":
+        a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, eps = args
+        x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps, promote, h_fp8=q)
+        y, _ = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=False, promote=promote, y_fp8=q)
+        x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps, promote, h_fp8=q)
+        out, side, _ = consumer.forward(h2, w, rstd, False, promote)
+        return x, out, rstd_mlp, rstd, *side
+    if composition == "norm_consumer":
+        x, gamma, w, consumer, eps = args
+        h, rstd = norm_input(x, gamma, eps, h_fp8=q)
+        out, side, _ = consumer.forward(h, w, rstd, False, promote)
+        return out, rstd, *side
+    raise ValueError(f"unknown composition {composition!r}")

@@ -68,8 +68,12 @@ def operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM: tl.constexpr, B
 
 @triton.jit
 def mainloop(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             A_KM: tl.constexpr, B_KN: tl.constexpr):
-    """fp32 accumulator of the (BM, BN) tile at (off_m, off_n): ``sum_k A[m, k] B[k, n]``."""
+             A_KM: tl.constexpr, B_KN: tl.constexpr, PROMOTE: tl.constexpr = False):
+    """fp32 accumulator of the (BM, BN) tile at (off_m, off_n): ``sum_k A[m, k] B[k, n]``.
+
+    fp8 operands (both K-major: A (M, K), B (N, K)) accumulate in Hopper's reduced-precision adder over all
+    of K ("fast"), or with ``PROMOTE`` are added into the fp32 accumulator every BK ("promoted").
+    """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BK)):
         if A_KM:
@@ -80,7 +84,10 @@ def mainloop(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr
             b = b_desc.load([k * BK, off_n])
         else:
             b = b_desc.load([off_n, k * BK]).T
-        acc = tl.dot(a, b, acc)
+        if PROMOTE:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+        else:
+            acc = tl.dot(a, b, acc)
     return acc
 
 
@@ -105,30 +112,49 @@ def gemm_configs(min_bn: int = 16) -> list[triton.Config]:
     # memory, 64x256 crashes Triton 3.6's wgmma lowering, warp specialization gave wrong results.
     # 128x256x32 with 4 stages: for epilogues that store extra tiles (128x256x64 s3 then runs out of shared
     # memory); measured 1.05-1.13x cuBLAS on the 7B/70B producer, SwiGLU+z_pre and CE shapes (H100, F's notes).
+    # BK = 128 with 128 x 256 tiles: the fp8 configs (128-byte K rows, like bf16's BK = 64); too large for
+    # bf16's shared memory, which _prune drops. 64 x 64: only for small problems (GPU tests), see _prune.
     cfgs = [_config(128, 256, 64, 3, 8), _config(256, 128, 64, 3, 8), _config(128, 128, 64, 4, 8),
             _config(128, 128, 64, 5, 4), _config(128, 128, 128, 3, 8), _config(128, 64, 64, 5, 4),
-            _config(128, 256, 32, 4, 8)]
+            _config(128, 256, 32, 4, 8), _config(128, 256, 128, 3, 8), _config(256, 128, 128, 3, 8),
+            _config(128, 256, 128, 4, 8), _config(64, 64, 64, 3, 4)]
     return [c for c in cfgs if c.kwargs["BN"] >= min_bn]
 
 
 def subtiled_configs(subtiles: Sequence[int] = (2, 4), min_cols: int = 16) -> list[triton.Config]:
     """:func:`gemm_configs` crossed with ``EPI_SUB``, the number of column sub-tiles the epilogue works on.
 
-    An epilogue that loads and stores several extra tiles (the dgrad kernels) handles the (BM, BN) tile as
-    EPI_SUB sub-tiles of BN / EPI_SUB columns (:func:`kernels.coda.epilogue.split_cols`): fewer live registers
-    and smaller TMA staging buffers, so the large 128x256x64 tile still fits in shared memory (H100, Triton 3.6:
-    the whole-tile RMSNorm-backward epilogue needs 280 KB there). Sub-tiles under ``min_cols`` are skipped.
+    An epilogue that loads and stores several extra tiles handles the (BM, BN) tile as EPI_SUB sub-tiles of
+    BN / EPI_SUB columns (:func:`kernels.coda.epilogue.col_subtile`): fewer live registers and smaller TMA
+    staging buffers, so the large 128x256x64 tile still fits in shared memory (H100, Triton 3.6: the whole-tile
+    RMSNorm-backward epilogue needs 280 KB there). Sub-tiles under ``min_cols`` are skipped. The interpreter
+    gets the first config only: list a value > 1 first so that CPU tests take the sub-tiled path.
     """
-    return [triton.Config({**c.kwargs, "EPI_SUB": s}, num_stages=c.num_stages, num_warps=c.num_warps)
+    cfgs = [triton.Config({**c.kwargs, "EPI_SUB": s}, num_stages=c.num_stages, num_warps=c.num_warps)
             for c in gemm_configs() for s in subtiles if c.kwargs["BN"] // s >= min_cols]
+    return cfgs[:1] if INTERPRET else cfgs
 
 
-def _prune_small(configs, named_args, **kwargs):
-    """Drop configs whose tile is much larger than the problem (small smoke/test shapes)."""
+MAINLOOP_SMEM = 200 * 1024
+"""Shared memory the mainloop's operand stages may take (of Hopper's 227 KB), the rest is the epilogue's."""
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop configs whose operand stages overflow shared memory for the operands' element size, tiles much
+    larger than the problem, and the small 64 x 64 tile unless the problem is small too; if nothing is left
+    (tiny test shapes), the smallest tile that fits."""
     m, n = named_args["M"], named_args["N"]
-    keep = [c for c in configs if c.kwargs["BM"] <= max(64, triton.next_power_of_2(m))
-            and c.kwargs["BN"] <= max(64, triton.next_power_of_2(n))]
-    return keep or configs[:1]
+    elt = next(v for v in named_args.values() if isinstance(v, torch.Tensor)).element_size()
+
+    def fits(c):
+        return INTERPRET or c.num_stages * (c.kwargs["BM"] + c.kwargs["BN"]) * c.kwargs["BK"] * elt <= MAINLOOP_SMEM
+
+    def area(c):
+        return c.kwargs["BM"] * c.kwargs["BN"]
+
+    keep = [c for c in configs if fits(c) and c.kwargs["BM"] <= max(64, triton.next_power_of_2(m))
+            and c.kwargs["BN"] <= max(64, triton.next_power_of_2(n)) and (area(c) > 64 * 64 or min(m, n) < 128)]
+    return keep or [min((c for c in configs if fits(c)), key=area, default=configs[0])]
 
 
 _AUTOTUNE_HAS_CACHE = "cache_results" in inspect.signature(triton.autotune).parameters
@@ -142,7 +168,7 @@ def coda_autotune(key: Sequence[str] = ("M", "N", "K"), configs: list[triton.Con
     """
     kwargs = {"cache_results": True} if _AUTOTUNE_HAS_CACHE else {}
     return triton.autotune(configs=configs or gemm_configs(), key=list(key),
-                           prune_configs_by={"early_config_prune": _prune_small},
+                           prune_configs_by={"early_config_prune": _prune},
                            restore_value=list(restore_value), **kwargs)
 
 

@@ -17,6 +17,10 @@ Each op is composed from the CODA kernels of this package, through the autograd 
 ``prepare`` (untimed) interleaves the gate/up weights and permutes the q/k rows of W_qkv; outputs and
 gradients are converted back to the canonical layouts (half-split qkv, separate gate/up weights).
 Side outputs: rstd (rstd_mlp / rstd_attn for the block) and lse.
+
+fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` also quantizes the op's GEMM operands
+(after the layout changes) under the cell's recipe; the compositions run through
+:func:`kernels.coda.functions.fp8_forward`, the dgrad ops and plain GEMMs on the fp8 operands directly.
 """
 from __future__ import annotations
 
@@ -28,10 +32,12 @@ import triton
 from codabench.case import Case
 from codabench.registry import REGISTRY, Implementation, Tensors
 from kernels import layouts
-from kernels.coda.functions import CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer, producer_consumer
+from kernels.coda.functions import (CrossEntropy, Linear, RoPE, SwiGLU, block, fp8_forward, norm_consumer,
+                                    producer_consumer)
 from kernels.coda.gemm import linear
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.swiglu_bwd import dgrad_swiglu
+from workloads import fp8
 from workloads.models import ModelShape
 from workloads.ops.gemm import GEMM_SHAPES
 
@@ -47,47 +53,71 @@ def _rope(n: Tensors) -> RoPE:
 
 # ---- compositions (native layouts) ------------------------------------------------------------
 
+def _compose(n: Tensors, composition: Callable, *args) -> tuple[torch.Tensor, ...]:
+    """``composition(*args)``, or its fp8 forward under the cell's recipe."""
+    if n["recipe"] is not None:
+        return fp8_forward(composition.__name__, n["recipe"], *args)
+    return composition(*args)
+
+
+def _producer_consumer(n: Tensors, w_p: str, w: str, consumer) -> tuple[torch.Tensor, ...]:
+    return _compose(n, producer_consumer, n["a"], n["residual"], n[w_p], n["gamma"], n[w], consumer, n["model"].eps)
+
+
 def rmsnorm_linear_run(n: Tensors) -> Tensors:
-    x, z, rstd = producer_consumer(n["a"], n["residual"], n["w_o"], n["gamma"], n["w_c"], Linear(), n["model"].eps)
+    x, z, rstd = _producer_consumer(n, "w_o", "w_c", Linear())
     return {"x": x, "z": z, "rstd": rstd}
 
 
 def rmsnorm_swiglu_run(n: Tensors) -> Tensors:
-    x, y, rstd = producer_consumer(n["a"], n["residual"], n["w_o"], n["gamma"], n["w_gu"], SwiGLU(), n["model"].eps)
+    x, y, rstd = _producer_consumer(n, "w_o", "w_gu", SwiGLU())
     return {"x": x, "y": y, "rstd": rstd}
 
 
 def rmsnorm_rope_run(n: Tensors) -> Tensors:
-    x, qkv, rstd = producer_consumer(n["a"], n["residual"], n["w_down"], n["gamma"], n["w_qkv"], _rope(n),
-                                     n["model"].eps)
+    x, qkv, rstd = _producer_consumer(n, "w_down", "w_qkv", _rope(n))
     return {"x": x, "qkv": qkv, "rstd": rstd}
 
 
 def rmsnorm_ce_run(n: Tensors) -> Tensors:
-    x, loss, rstd, lse = producer_consumer(n["a"], n["residual"], n["w_down"], n["gamma"], n["w_lm"],
-                                           CrossEntropy(n["target"]), n["model"].eps)
+    x, loss, rstd, lse = _producer_consumer(n, "w_down", "w_lm", CrossEntropy(n["target"]))
     return {"x": x, "loss": loss, "rstd": rstd, "lse": lse}
 
 
 def lm_head_ce_run(n: Tensors) -> Tensors:
-    loss, rstd, lse = norm_consumer(n["x"], n["gamma"], n["w_lm"], CrossEntropy(n["target"]), n["model"].eps)
+    loss, rstd, lse = _compose(n, norm_consumer, n["x"], n["gamma"], n["w_lm"], CrossEntropy(n["target"]),
+                               n["model"].eps)
     return {"loss": loss, "rstd": rstd, "lse": lse}
 
 
 def block_run(n: Tensors) -> Tensors:
-    x, qkv, rstd_mlp, rstd_attn = block(n["a"], n["residual"], n["w_o"], n["gamma_mlp"], n["w_gu"], n["w_down"],
-                                        n["gamma_attn"], n["w_qkv"], _rope(n), n["model"].eps)
+    x, qkv, rstd_mlp, rstd_attn = _compose(n, block, n["a"], n["residual"], n["w_o"], n["gamma_mlp"], n["w_gu"],
+                                           n["w_down"], n["gamma_attn"], n["w_qkv"], _rope(n), n["model"].eps)
     return {"x": x, "qkv": qkv, "rstd_mlp": rstd_mlp, "rstd_attn": rstd_attn}
 
 
+def _dgrad_weight(w: torch.Tensor | fp8.Fp8) -> torch.Tensor | fp8.Fp8:
+    """The dgrad's weight in nn.Linear layout: an fp8 one is stored transposed (K-major), so view it back."""
+    return fp8.Fp8(w.data.T, w.scale) if isinstance(w, fp8.Fp8) else w
+
+
+def _promote(n: Tensors) -> bool:
+    return n["recipe"] is not None and n["recipe"].accum == "promoted"
+
+
 def rmsnorm_dgrad_run(n: Tensors) -> Tensors:
-    dx, y, dgamma = dgrad_rmsnorm(n["dz"], n["w"], n["x"], n["rstd"], n["gamma"], n["zdz"], n["dres"])
+    dx, y, dgamma = dgrad_rmsnorm(n["dz"], _dgrad_weight(n["w"]), n["x"], n["rstd"], n["gamma"], n["zdz"], n["dres"],
+                                  promote=_promote(n))
     return {"dx": dx, "dgamma": dgamma, "y": y}
 
 
 def swiglu_dgrad_run(n: Tensors) -> Tensors:
-    dz_pre, a, zdz = dgrad_swiglu(n["dx"], n["w_down"], n["z_pre"])
+    dz_pre, a, zdz = dgrad_swiglu(n["dx"], _dgrad_weight(n["w_down"]), n["z_pre"], promote=_promote(n))
     return {"dz_pre": dz_pre, "a": a, "zdz": zdz}
+
+
+def gemm_run(n: Tensors) -> Tensors:
+    return {"out": linear(n["x"], n["w"], promote=_promote(n))}
 
 
 # ---- the implementation -----------------------------------------------------------------------
@@ -97,7 +127,7 @@ class CodaTriton(Implementation):
 
     name = "coda-triton"
     label = "fused"
-    dtypes = ("fp32", "fp16", "bf16")
+    dtypes = ("fp32", "fp16", "bf16", *fp8.FP8_DTYPES)
     requires = ("triton",)
 
     def __init__(self, op: str, forward: Callable[[Tensors], Tensors], modes: tuple[str, ...], description: str):
@@ -105,15 +135,20 @@ class CodaTriton(Implementation):
         self.source = __name__
 
     def prepare(self, case: Case) -> Tensors:
-        """Canonical -> native, untimed: interleaved gate/up rows, q/k rows in adjacent-pair order."""
+        """Canonical -> native, untimed: interleaved gate/up rows, q/k rows in adjacent-pair order; fp8 cells:
+        then the GEMM operands quantized under the cell's recipe."""
         native: Tensors = {k: v for k, v in case.inputs.items() if k not in ("w_gate", "w_up")}
+        roles = dict(case.op.fp8_operands)
         if "w_gate" in case.inputs:
             native["w_gu"] = layouts.interleave_rows(case.inputs["w_gate"], case.inputs["w_up"])
+            roles["w_gu"] = roles.get("w_gate", "weight")
         if "w_qkv" in case.inputs:
             native["w_qkv"] = layouts.qkv_rows_to_adjacent(case.inputs["w_qkv"], *_qkv_args(case.model))
         if "gate" in case.inputs:  # swiglu_dgrad: the saved pre-activation, interleaved as the forward keeps it
             native["z_pre"] = layouts.interleave_cols(native.pop("gate"), native.pop("up"))
-        native["model"] = case.model
+        if case.recipe is not None:
+            native = fp8.quantize_operands(native, roles, case.recipe)
+        native["model"], native["recipe"] = case.model, case.recipe
         return native
 
     def run(self, native: Tensors) -> Tensors:
@@ -145,16 +180,6 @@ class CodaTriton(Implementation):
         return {"triton": triton.__version__, "torch": torch.__version__}
 
 
-class CodaGemm(CodaTriton):
-    """A plain GEMM op through the CODA mainloop (the speed-of-light of the fused kernels)."""
-
-    def __init__(self, op: str):
-        super().__init__(op, lambda n: {"out": linear(n["x"], n["w"])}, ("fwd",), "plain GEMM, CODA mainloop")
-
-    def prepare(self, case: Case) -> Tensors:
-        return dict(case.inputs)
-
-
 ALL_MODES = ("fwd", "bwd", "fwd_bwd")
 for _op, _fn, _modes, _desc in [
     ("rmsnorm_linear", rmsnorm_linear_run, ALL_MODES, "producer GEMM + residual + norm partials; row-scaled GEMM"),
@@ -168,5 +193,5 @@ for _op, _fn, _modes, _desc in [
     ("swiglu_dgrad", swiglu_dgrad_run, ("bwd",), "down-proj dgrad GEMM + SwiGLU backward + ZdZ partials"),
 ]:
     REGISTRY.add(CodaTriton(_op, _fn, _modes, _desc))
-for _op in GEMM_SHAPES:
-    REGISTRY.add(CodaGemm(_op))
+for _op in GEMM_SHAPES:  # the speed-of-light of the fused kernels
+    REGISTRY.add(CodaTriton(_op, gemm_run, ("fwd",), "plain GEMM, CODA mainloop"))

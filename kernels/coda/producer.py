@@ -5,81 +5,121 @@
     rstd_m = (sum_j x_mj^2 / d + eps)^(-1/2)
 
 One fused GEMM writes x, h and per-N-tile partial sums of squares of the fp32 x (before rounding);
-:func:`kernels.coda.reduce.finish_rstd` turns them into rstd. :func:`norm_input` does the same for an x
+:func:`kernels.coda.reduce.finish_rstd` turns them into rstd. On fp8 operands the epilogue first
+dequantizes, and can write absmax partials of h so that h is quantized for the next fp8 GEMM. :func:`norm_input` does the same for an x
 that no GEMM produces (the first layer's input, the LM head's input).
 """
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import add_tile, load_tile, row_sumsq_partial, scale_cols, store_tile
+from kernels.coda.epilogue import (add_tile, cast, col_subtile, dequant_scale, load_tile, ones_rows, scale_cols,
+                                   store_row_partial, store_tile)
+from kernels.coda.fp8 import dequant_args, quantize_from_partials
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
-                                   persistent_grid, tile_coords, tile_desc)
+                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
 from kernels.coda.reduce import finish_rstd, launched_tiles, row_partials
+from workloads.fp8 import Fp8
 
 
-@coda_autotune()
+@coda_autotune(configs=subtiled_configs((2, 1, 4)))
 @triton.jit
-def gemm_residual_norm_kernel(a_ptr, w_ptr, res_ptr, gamma_ptr, x_ptr, h_ptr, ss_ptr, M, N, K,
-                              stride_a, stride_w, stride_res, stride_x, stride_h, stride_ss,
-                              A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+def gemm_residual_norm_kernel(a_ptr, w_ptr, sa_ptr, sb_ptr, res_ptr, gamma_ptr, x_ptr, h_ptr, ss_ptr, amax_ptr, M, N, K,
+                              stride_a, stride_w, stride_res, stride_x, stride_h, stride_ss, SCALING: tl.constexpr,
+                              PROMOTE: tl.constexpr, AMAX: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
+                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                              NUM_SMS: tl.constexpr, EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(a_ptr, w_ptr, M, N, K, stride_a, stride_w, BM, BN, BK, A_KM, B_KN)
-    res_desc = tile_desc(res_ptr, M, N, stride_res, BM, BN)
-    x_desc = tile_desc(x_ptr, M, N, stride_x, BM, BN)
-    h_desc = tile_desc(h_ptr, M, N, stride_h, BM, BN)
+    SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
+    res_desc = tile_desc(res_ptr, M, N, stride_res, BM, SN)
+    x_desc = tile_desc(x_ptr, M, N, stride_x, BM, SN)
+    h_desc = tile_desc(h_ptr, M, N, stride_h, BM, SN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
-        x = add_tile(acc, res_desc, off_m, off_n)
-        store_tile(x_desc, off_m, off_n, x)
-        row_sumsq_partial(ss_ptr, x, off_m, off_n, M, stride_ss, BM, BN)
-        store_tile(h_desc, off_m, off_n, scale_cols(x, gamma_ptr, off_n, N, BN))
+        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
+        if SCALING != 0:
+            acc = dequant_scale(acc, ones_rows(BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        sumsq = tl.zeros((BM,), dtype=tl.float32)
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for i in tl.static_range(EPI_SUB):
+            off_s = off_n + i * SN
+            x = add_tile(col_subtile(acc, i, EPI_SUB, BM, BN), res_desc, off_m, off_s)
+            store_tile(x_desc, off_m, off_s, x)
+            sumsq += tl.sum(x * x, axis=1)
+            h = cast(scale_cols(x, gamma_ptr, off_s, N, SN), h_desc.dtype)
+            store_tile(h_desc, off_m, off_s, h)
+            if AMAX:
+                amax = tl.maximum(amax, tl.max(tl.abs(h.to(tl.float32)), axis=1))
+        store_row_partial(ss_ptr, sumsq, off_m, off_n, M, stride_ss, BM, BN)
+        if AMAX:
+            store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_ss, BM, BN)
 
 
-def gemm_residual_norm(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(x, h, rstd)``: ``x = residual + a @ w.T`` (residual's dtype), ``h = x * gamma`` (a's dtype),
-    ``rstd`` fp32 [M] of x; w in nn.Linear layout (N, K)."""
+def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor, gamma: torch.Tensor,
+                       eps: float, promote: bool = False, h_fp8: Literal["tensor", "row"] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | Fp8, torch.Tensor]:
+    """``(x, h, rstd)``: ``x = residual + a @ w.T`` and ``h = x * gamma`` (residual's dtype), ``rstd`` fp32 [M]
+    of x; w in nn.Linear layout (N, K). fp8 a and w (:class:`workloads.fp8.Fp8`) are dequantized in the
+    epilogue (``promote``: accumulation mode). ``h_fp8`` returns h quantized to e4m3 (scale per tensor or
+    per row) from absmax partials the epilogue writes next to the sums of squares."""
+    M, K = (a.data if isinstance(a, Fp8) else a).shape
+    N = (w.data if isinstance(w, Fp8) else w).shape[0]
+    a, w, sa, sb, scaling = dequant_args(a, w, M, N)
     (a_s, a_t), (w_s, w_t) = operand(a), operand(w.T)
-    M, K = a.shape
-    N = w.shape[0]
     residual, gamma = residual.contiguous(), gamma.contiguous()
     x = torch.empty(M, N, device=a.device, dtype=residual.dtype)
-    h = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    h = torch.empty(M, N, device=a.device, dtype=residual.dtype)
     kernel = gemm_residual_norm_kernel
     ss = row_partials(kernel, M, N, a.device)
+    amax = torch.empty_like(ss) if h_fp8 else ss
     kernel[persistent_grid(M, N, a.device)](
-        a_s, w_s, residual, gamma, x, h, ss, M, N, K, a_s.stride(0), w_s.stride(0), residual.stride(0),
-        x.stride(0), h.stride(0), ss.stride(0), A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(a.device))
-    return x, h, finish_rstd(ss, launched_tiles(kernel, M, N)[1], N, eps)
+        a_s, w_s, sa, sb, residual, gamma, x, h, ss, amax, M, N, K, a_s.stride(0), w_s.stride(0), residual.stride(0),
+        x.stride(0), h.stride(0), ss.stride(0), SCALING=scaling, PROMOTE=promote, AMAX=h_fp8 is not None,
+        A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(a.device))
+    n_tiles = launched_tiles(kernel, M, N)[1]
+    if h_fp8:
+        h = quantize_from_partials(h, amax, n_tiles, rowwise=h_fp8 == "row")
+    return x, h, finish_rstd(ss, n_tiles, N, eps)
 
 
 @triton.jit
-def norm_input_kernel(x_ptr, gamma_ptr, h_ptr, rstd_ptr, M, N, stride_x, stride_h, eps,
-                      BM: tl.constexpr, BN: tl.constexpr):
-    """Rows [pid BM, pid BM + BM): ``h = x * gamma`` and ``rstd = (mean_j x_j^2 + eps)^(-1/2)``."""
+def norm_input_kernel(x_ptr, gamma_ptr, h_ptr, rstd_ptr, amax_ptr, M, N, stride_x, stride_h, eps,
+                      AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Rows [pid BM, pid BM + BM): ``h = x * gamma``, ``rstd = (mean_j x_j^2 + eps)^(-1/2)`` (and ``max_j |h_j|``)."""
     off_m = tl.program_id(0) * BM
     x_desc = tile_desc(x_ptr, M, N, stride_x, BM, BN)
     h_desc = tile_desc(h_ptr, M, N, stride_h, BM, BN)
     ss = tl.zeros((BM,), dtype=tl.float32)
+    amax = tl.zeros((BM,), dtype=tl.float32)
     for off_n in range(0, N, BN):
         x = load_tile(x_desc, off_m, off_n)
         ss += tl.sum(x * x, axis=1)
-        store_tile(h_desc, off_m, off_n, scale_cols(x, gamma_ptr, off_n, N, BN))
+        h = cast(scale_cols(x, gamma_ptr, off_n, N, BN), h_desc.dtype)
+        store_tile(h_desc, off_m, off_n, h)
+        if AMAX:
+            amax = tl.maximum(amax, tl.max(tl.abs(h.to(tl.float32)), axis=1))
     rows = off_m + tl.arange(0, BM)
     tl.store(rstd_ptr + rows, tl.rsqrt(ss / N + eps), mask=rows < M)
+    if AMAX:
+        tl.store(amax_ptr + rows, amax, mask=rows < M)
 
 
-def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h, rstd)`` of an x no GEMM produced: ``h = x * gamma`` (x's dtype), rstd fp32 [M]; one pass over x."""
+def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Literal["tensor", "row"] | None = None
+               ) -> tuple[torch.Tensor | Fp8, torch.Tensor]:
+    """``(h, rstd)`` of an x no GEMM produced: ``h = x * gamma`` (x's dtype), rstd fp32 [M]; one pass over x.
+    ``h_fp8``: h quantized to e4m3 (per tensor or per row) by a second pass, from row maxima of the first."""
     x, gamma = x.contiguous(), gamma.contiguous()
     M, N = x.shape
     h = torch.empty_like(x)
     rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+    amax = torch.empty(M, 1, device=x.device, dtype=torch.float32) if h_fp8 else rstd
     bm, bn = 16, min(256, triton.next_power_of_2(N))
-    norm_input_kernel[(triton.cdiv(M, bm),)](x, gamma, h, rstd, M, N, x.stride(0), h.stride(0), eps,
-                                             BM=bm, BN=bn)
+    norm_input_kernel[(triton.cdiv(M, bm),)](x, gamma, h, rstd, amax, M, N, x.stride(0), h.stride(0), eps,
+                                             AMAX=h_fp8 is not None, BM=bm, BN=bn)
+    if h_fp8:
+        h = quantize_from_partials(h, amax, 1, rowwise=h_fp8 == "row")
     return h, rstd

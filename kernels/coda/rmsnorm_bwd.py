@@ -19,11 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (col_sum_partial, load_cols, load_rows, load_tile, rmsnorm_dx, split_cols,
-                                   store_tile)
+from kernels.coda.epilogue import (col_sum_partial, dequant_scale, load_cols, load_rows, load_tile, ones_rows,
+                                   rmsnorm_dx, split_cols, store_tile)
+from kernels.coda.fp8 import dequant_args, result_dtype
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
 from kernels.coda.reduce import col_partials, finish_col_sum, launched_tiles
+from workloads.fp8 import Fp8
 
 
 @triton.jit
@@ -42,9 +44,10 @@ def _rmsnorm_bwd_subtile(gy, off_m, off_n, rstd, c, gamma_ptr, x_desc, dres_desc
 
 @coda_autotune(key=("M", "N", "K", "HAS_RES", "HAS_SCALE"), configs=subtiled_configs(), restore_value=("dx_ptr",))
 @triton.jit
-def dgrad_rmsnorm_kernel(dz_ptr, w_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_ptr, dx_ptr, y_ptr,
-                         dg_ptr, M, N, K, stride_dz, stride_w, stride_x, stride_dres, stride_dx, stride_y,
-                         stride_dg, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, A_KM: tl.constexpr,
+def dgrad_rmsnorm_kernel(dz_ptr, w_ptr, sa_ptr, sb_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_ptr, dx_ptr,
+                         y_ptr, dg_ptr, M, N, K, stride_dz, stride_w, stride_x, stride_dres, stride_dx, stride_y,
+                         stride_dg, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, SCALING: tl.constexpr,
+                         PROMOTE: tl.constexpr, A_KM: tl.constexpr,
                          B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(dz_ptr, w_ptr, M, N, K, stride_dz, stride_w, BM, BN, BK, A_KM, B_KN)
@@ -59,7 +62,9 @@ def dgrad_rmsnorm_kernel(dz_ptr, w_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, sca
         c_scale = c_scale * scale
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        gy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
+        gy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
+        if SCALING != 0:
+            gy = dequant_scale(gy, ones_rows(BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         if HAS_SCALE:
             gy = gy * scale
         rstd = load_rows(rstd_ptr, off_m, M, BM)
@@ -92,9 +97,10 @@ def scale_arg(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor
     return torch.full((1,), scale, device=device, dtype=torch.float32)
 
 
-def dgrad_rmsnorm(dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor,
-                  zdz: torch.Tensor, dres: torch.Tensor | None = None, dz_scale: float | torch.Tensor = 1.0,
-                  inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
+                  gamma: torch.Tensor, zdz: torch.Tensor, dres: torch.Tensor | None = None,
+                  dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, promote: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, y, dgamma)`` of RMSNorm followed by ``z = y @ w.T``, given ``dz`` (see the module docstring).
 
     dz [M, N'] and w [N', d] (nn.Linear layout of the consumer GEMM); x [M, d] the saved residual stream,
@@ -102,10 +108,14 @@ def dgrad_rmsnorm(dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torc
     ``inplace`` writes dx into it. ``dz_scale`` (float, or a one-element tensor read on the device) multiplies
     dz, and with it gy, dx, dgamma and c; y is not scaled. dx has dres's dtype (x's without dres), y dz's,
     dgamma gamma's.
+
+    fp8 (:class:`workloads.fp8.Fp8`): dz e5m2 and w (its data a transposed view of the K-major (d, N') copy)
+    with per-tensor scales, dequantized in the epilogue (``promote``: accumulation mode); y is then bf16.
     """
+    M, K = (dz.data if isinstance(dz, Fp8) else dz).shape
+    N = (w.data if isinstance(w, Fp8) else w).shape[1]
+    dz, w, sa, sb, scaling = dequant_args(dz, w, M, N)
     (a_s, a_t), (w_s, w_t) = operand(dz), operand(w)
-    M, K = dz.shape
-    N = w.shape[1]
     if w.shape[0] != K or x.shape != (M, N):
         raise ValueError(f"shape mismatch: dz {tuple(dz.shape)}, w {tuple(w.shape)}, x {tuple(x.shape)}")
     if inplace and dres is None:
@@ -113,14 +123,15 @@ def dgrad_rmsnorm(dz: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torc
     x, gamma = x.contiguous(), gamma.contiguous()
     dres = dres.contiguous() if dres is not None else None
     dx = dres if inplace else torch.empty(M, N, device=x.device, dtype=(dres if dres is not None else x).dtype)
-    y = torch.empty(M, N, device=x.device, dtype=dz.dtype)
+    y = torch.empty(M, N, device=x.device, dtype=result_dtype(dz))
     kernel = dgrad_rmsnorm_kernel
     dg = col_partials(kernel, M, N, x.device)
     scale = scale_arg(dz_scale, x.device)
     res = dres if dres is not None else dx
     kernel[persistent_grid(M, N, x.device)](
-        a_s, w_s, x, rstd, gamma, zdz, scale if scale is not None else rstd, res, dx, y, dg,
+        a_s, w_s, sa, sb, x, rstd, gamma, zdz, scale if scale is not None else rstd, res, dx, y, dg,
         M, N, K, a_s.stride(0), w_s.stride(0), x.stride(0), res.stride(0), dx.stride(0), y.stride(0),
-        dg.stride(0), HAS_RES=dres is not None, HAS_SCALE=scale is not None, A_KM=a_t, B_KN=not w_t,
+        dg.stride(0), HAS_RES=dres is not None, HAS_SCALE=scale is not None, SCALING=scaling, PROMOTE=promote,
+        A_KM=a_t, B_KN=not w_t,
         NUM_SMS=num_sms(x.device))
     return dx, y, finish_col_sum(dg, launched_tiles(kernel, M, N)[0], gamma.dtype)

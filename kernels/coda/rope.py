@@ -17,9 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import rope_cos_sin, rotate_pairs, scale_rows, store_tile
+from kernels.coda.epilogue import col_subtile, dequant_scale, load_rows, rope_cos_sin, rotate_pairs, store_tile
+from kernels.coda.fp8 import dequant_args, result_dtype
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
-                                   persistent_grid, tile_coords, tile_desc)
+                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
+from workloads.fp8 import Fp8
 
 
 @functools.lru_cache(maxsize=32)
@@ -37,35 +39,40 @@ def rope_freq_table(heads: int, kv_heads: int, head_dim: int, theta: float, devi
     return torch.stack([hi, per_pair - hi]).to(device=device, dtype=torch.float32)
 
 
-@coda_autotune()
+@coda_autotune(configs=subtiled_configs((2, 1, 4)))
 @triton.jit
-def gemm_rope_kernel(h_ptr, w_ptr, rstd_ptr, pos_ptr, freq_ptr, out_ptr, M, N, K, stride_h, stride_w, stride_o,
-                     A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+def gemm_rope_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, pos_ptr, freq_ptr, out_ptr, M, N, K, stride_h, stride_w,
+                     stride_o, SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
-    out_desc = tile_desc(out_ptr, M, N, stride_o, BM, BN)
+    SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
+    out_desc = tile_desc(out_ptr, M, N, stride_o, BM, SN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
-        z = scale_rows(acc, rstd_ptr, off_m, M, BM)
-        cos, sin = rope_cos_sin(pos_ptr, freq_ptr, off_m, off_n, M, N, BM, BN)
-        store_tile(out_desc, off_m, off_n, rotate_pairs(z, cos, sin, BM, BN))
+        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
+        z = dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        for i in tl.static_range(EPI_SUB):
+            off_s = off_n + i * SN
+            cos, sin = rope_cos_sin(pos_ptr, freq_ptr, off_m, off_s, M, N, BM, SN)
+            store_tile(out_desc, off_m, off_s, rotate_pairs(col_subtile(z, i, EPI_SUB, BM, BN), cos, sin, BM, SN))
 
 
-def gemm_rope(h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor, heads: int,
-              kv_heads: int, head_dim: int, theta: float) -> torch.Tensor:
-    """Packed qkv [M, (H + 2 Hkv) dh] in h's dtype, RoPE'd q and k in the adjacent-pair layout.
+def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tensor, positions: torch.Tensor,
+              heads: int, kv_heads: int, head_dim: int, theta: float, promote: bool = False) -> torch.Tensor:
+    """Packed qkv [M, (H + 2 Hkv) dh] in h's dtype (bf16 for fp8 h, w_qkv), RoPE'd q and k in the adjacent-pair
+    layout.
 
     w_qkv: nn.Linear layout with q/k rows in the adjacent-pair order; rstd fp32 [M]; positions [M] (integer).
     """
+    M, K = (h.data if isinstance(h, Fp8) else h).shape
+    N = (w_qkv.data if isinstance(w_qkv, Fp8) else w_qkv).shape[0]
+    h, w_qkv, sa, sb, scaling = dequant_args(h, w_qkv, M, N)
     (a_s, a_t), (w_s, w_t) = operand(h), operand(w_qkv.T)
-    M, K = h.shape
-    N = w_qkv.shape[0]
     if N != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
         raise ValueError(f"w_qkv has {N} rows; expected (heads + 2 kv_heads) * head_dim with an even head_dim")
     freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), h.device)
-    out = torch.empty(M, N, device=h.device, dtype=h.dtype)
+    out = torch.empty(M, N, device=h.device, dtype=result_dtype(h))
     gemm_rope_kernel[persistent_grid(M, N, h.device)](
-        a_s, w_s, rstd, positions.contiguous(), freq, out, M, N, K, a_s.stride(0), w_s.stride(0), out.stride(0),
-        A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
+        a_s, w_s, sa, sb, rstd, positions.contiguous(), freq, out, M, N, K, a_s.stride(0), w_s.stride(0),
+        out.stride(0), SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
     return out

@@ -5,51 +5,80 @@ every (gate, up) pair sits in adjacent columns of one tile::
 
     z = rstd[:, None] * (h @ w_gu^T)            [M, 2f], interleaved (kept for backward when asked)
     y_i = silu(z_2i) * z_2i+1                   [M, f]
+
+On fp8 h and w_gu the dequantization scales join rstd in one multiply; y can be handed on quantized.
 """
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import scale_rows, silu_mul_pairs, store_tile
+from kernels.coda.epilogue import (cast, col_subtile, dequant_scale, load_rows, silu_mul_pairs, store_row_partial,
+                                   store_tile)
+from kernels.coda.fp8 import dequant_args, quantize_from_partials, result_dtype
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
-                                   persistent_grid, tile_coords, tile_desc)
+                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
+from kernels.coda.reduce import launched_tiles, row_partials
+from workloads.fp8 import Fp8
 
 
-@coda_autotune(key=("M", "N", "K", "SAVE_PREACT"))
+@coda_autotune(key=("M", "N", "K", "SAVE_PREACT"), configs=subtiled_configs((2, 1, 4)))
 @triton.jit
-def gemm_swiglu_kernel(h_ptr, w_ptr, rstd_ptr, y_ptr, z_ptr, M, N, K, stride_h, stride_w, stride_y, stride_z,
-                       SAVE_PREACT: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+def gemm_swiglu_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, y_ptr, z_ptr, amax_ptr, M, N, K, stride_h, stride_w,
+                       stride_y, stride_z, stride_amax, SAVE_PREACT: tl.constexpr, SCALING: tl.constexpr,
+                       PROMOTE: tl.constexpr, AMAX: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       NUM_SMS: tl.constexpr, EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
-    y_desc = tile_desc(y_ptr, M, N // 2, stride_y, BM, BN // 2)
+    SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
+    y_desc = tile_desc(y_ptr, M, N // 2, stride_y, BM, SN // 2)
     if SAVE_PREACT:
-        z_desc = tile_desc(z_ptr, M, N, stride_z, BM, BN)
+        z_desc = tile_desc(z_ptr, M, N, stride_z, BM, SN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
-        z = scale_rows(acc, rstd_ptr, off_m, M, BM)
-        if SAVE_PREACT:
-            store_tile(z_desc, off_m, off_n, z)
-        store_tile(y_desc, off_m, off_n // 2, silu_mul_pairs(z, BM, BN))
+        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
+        z = dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for i in tl.static_range(EPI_SUB):
+            off_s = off_n + i * SN
+            z_sub = col_subtile(z, i, EPI_SUB, BM, BN)
+            if SAVE_PREACT:
+                store_tile(z_desc, off_m, off_s, z_sub)
+            y = cast(silu_mul_pairs(z_sub, BM, SN), y_desc.dtype)
+            store_tile(y_desc, off_m, off_s // 2, y)
+            if AMAX:
+                amax = tl.maximum(amax, tl.max(tl.abs(y.to(tl.float32)), axis=1))
+        if AMAX:
+            store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_amax, BM, BN)
 
 
-def gemm_swiglu(h: torch.Tensor, w_gu: torch.Tensor, rstd: torch.Tensor, save_preact: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(y, z_pre)``: y [M, f] in h's dtype; z_pre the interleaved [M, 2f] pre-activation, only if save_preact.
+def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Tensor, save_preact: bool,
+                promote: bool = False, y_fp8: Literal["tensor", "row"] | None = None
+                ) -> tuple[torch.Tensor | Fp8, torch.Tensor | None]:
+    """``(y, z_pre)``: y [M, f] in h's dtype (bf16 for fp8 h, w_gu); z_pre the interleaved [M, 2f]
+    pre-activation, only if save_preact.
 
-    w_gu: (2f, K) with interleaved gate/up rows; rstd fp32 [M].
+    w_gu: (2f, K) with interleaved gate/up rows; rstd fp32 [M]. ``y_fp8`` returns y quantized to e4m3 (scale
+    per tensor or per row) from absmax partials of the epilogue (the down-projection's fp8 input).
     """
-    (a_s, a_t), (w_s, w_t) = operand(h), operand(w_gu.T)
-    M, K = h.shape
-    N = w_gu.shape[0]
+    M, K = (h.data if isinstance(h, Fp8) else h).shape
+    N = (w_gu.data if isinstance(w_gu, Fp8) else w_gu).shape[0]
     if N % 2:
         raise ValueError(f"w_gu must have an even number of rows (interleaved gate/up), got {N}")
-    y = torch.empty(M, N // 2, device=h.device, dtype=h.dtype)
-    z = torch.empty(M, N, device=h.device, dtype=h.dtype) if save_preact else None
-    gemm_swiglu_kernel[persistent_grid(M, N, h.device)](
-        a_s, w_s, rstd, y, z if save_preact else y, M, N, K, a_s.stride(0), w_s.stride(0), y.stride(0),
-        z.stride(0) if save_preact else 0, SAVE_PREACT=save_preact, A_KM=a_t, B_KN=not w_t,
-        NUM_SMS=num_sms(h.device))
+    h, w_gu, sa, sb, scaling = dequant_args(h, w_gu, M, N)
+    (a_s, a_t), (w_s, w_t) = operand(h), operand(w_gu.T)
+    dtype = result_dtype(h)
+    y = torch.empty(M, N // 2, device=h.device, dtype=dtype)
+    z = torch.empty(M, N, device=h.device, dtype=dtype) if save_preact else None
+    kernel = gemm_swiglu_kernel
+    amax = row_partials(kernel, M, N, h.device) if y_fp8 else rstd
+    kernel[persistent_grid(M, N, h.device)](
+        a_s, w_s, sa, sb, rstd, y, z if save_preact else y, amax, M, N, K, a_s.stride(0), w_s.stride(0), y.stride(0),
+        z.stride(0) if save_preact else 0, amax.stride(0), SAVE_PREACT=save_preact, SCALING=scaling,
+        PROMOTE=promote, AMAX=y_fp8 is not None, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
+    if y_fp8:
+        y = quantize_from_partials(y, amax, launched_tiles(kernel, M, N)[1], rowwise=y_fp8 == "row")
     return y, z

@@ -18,11 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (join_pairs, load_tile, silu_mul_pairs_bwd, split_cols, split_pairs,
-                                   store_row_partial, store_tile)
+from kernels.coda.epilogue import (dequant_scale, join_pairs, load_tile, ones_rows, silu_mul_pairs_bwd, split_cols,
+                                   split_pairs, store_row_partial, store_tile)
+from kernels.coda.fp8 import dequant_args
 from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
 from kernels.coda.reduce import finish_row_sum, launched_tiles, row_partials
+from workloads.fp8 import Fp8
 
 
 @triton.jit
@@ -38,8 +40,9 @@ def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.cons
 
 @coda_autotune(configs=subtiled_configs())
 @triton.jit
-def dgrad_swiglu_kernel(dx_ptr, w_ptr, zp_ptr, dzp_ptr, y_ptr, part_ptr, M, N, K, stride_dx, stride_w, stride_zp,
-                        stride_dzp, stride_y, stride_p, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+def dgrad_swiglu_kernel(dx_ptr, w_ptr, sa_ptr, sb_ptr, zp_ptr, dzp_ptr, y_ptr, part_ptr, M, N, K, stride_dx, stride_w,
+                        stride_zp, stride_dzp, stride_y, stride_p, SCALING: tl.constexpr, PROMOTE: tl.constexpr,
+                        A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
                         EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(dx_ptr, w_ptr, M, N, K, stride_dx, stride_w, BM, BN, BK, A_KM, B_KN)
@@ -49,7 +52,9 @@ def dgrad_swiglu_kernel(dx_ptr, w_ptr, zp_ptr, dzp_ptr, y_ptr, part_ptr, M, N, K
     y_desc = tile_desc(y_ptr, M, N, stride_y, BM, SN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        dy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
+        dy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
+        if SCALING != 0:
+            dy = dequant_scale(dy, ones_rows(BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         d0, d1 = split_cols(dy, BM, BN)
         if EPI_SUB == 2:
             zdz = _swiglu_bwd_subtile(d0, off_m, off_n, zp_desc, dzp_desc, y_desc, BM, SN)
@@ -70,17 +75,19 @@ def _check_preact(z_pre: torch.Tensor, M: int, f: int) -> None:
                          f"got {tuple(z_pre.shape)}")
 
 
-def dgrad_swiglu(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor
+def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor, promote: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dz_pre, y, zdz)``: SwiGLU backward of ``dy = dx @ w_down`` fused into that dgrad GEMM.
 
     dx [M, d] is the gradient of the down-proj output, w_down [d, f] (nn.Linear layout), z_pre [M, 2f] the
     saved interleaved pre-activation. dz_pre [M, 2f] (interleaved dgate/dup) and y = silu(gate) up [M, f]
-    are in z_pre's dtype; zdz is fp32 [M].
+    are in z_pre's dtype; zdz is fp32 [M]. fp8 dx (e5m2) and w_down (its data a transposed view of the K-major
+    (f, d) copy) with per-tensor scales are dequantized in the epilogue (``promote``: accumulation mode).
     """
+    M, K = (dx.data if isinstance(dx, Fp8) else dx).shape
+    N = (w_down.data if isinstance(w_down, Fp8) else w_down).shape[1]
+    dx, w_down, sa, sb, scaling = dequant_args(dx, w_down, M, N)
     (a_s, a_t), (w_s, w_t) = operand(dx), operand(w_down)
-    M, K = dx.shape
-    N = w_down.shape[1]
     if w_down.shape[0] != K:
         raise ValueError(f"shape mismatch: dx {tuple(dx.shape)}, w_down {tuple(w_down.shape)}")
     _check_preact(z_pre, M, N)
@@ -90,8 +97,8 @@ def dgrad_swiglu(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor
     kernel = dgrad_swiglu_kernel
     part = row_partials(kernel, M, N, dx.device)
     kernel[persistent_grid(M, N, dx.device)](
-        a_s, w_s, z_pre, dz_pre, y, part, M, N, K, a_s.stride(0), w_s.stride(0), z_pre.stride(0),
-        dz_pre.stride(0), y.stride(0), part.stride(0), A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(dx.device))
+        a_s, w_s, sa, sb, z_pre, dz_pre, y, part, M, N, K, a_s.stride(0), w_s.stride(0), z_pre.stride(0),
+        dz_pre.stride(0), y.stride(0), part.stride(0), SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(dx.device))
     return dz_pre, y, finish_row_sum(part, launched_tiles(kernel, M, N)[1])
 
 

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from workloads import reference as R
+from workloads.fp8 import TORCH_GEMMS, TorchGemms
 from workloads.op import InputMaker
 
 
@@ -12,7 +12,8 @@ def producer_inputs(mk: InputMaker, m: int, d: int, k: int, w_name: str) -> dict
     return {"a": mk.normal(m, k), "residual": mk.normal(m, d), w_name: mk.weight(d, k), "gamma": mk.gamma(d)}
 
 
-def producer(inp: dict[str, torch.Tensor], w_name: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def producer(inp: dict[str, torch.Tensor], w_name: str, eps: float, mm: TorchGemms = TORCH_GEMMS
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the new residual stream x, the normalized h = rmsnorm(x; gamma) and rstd(x)."""
-    x = inp["residual"] + F.linear(inp["a"], inp[w_name])
+    x = inp["residual"] + mm.linear(inp["a"], inp[w_name])
     return x, R.rmsnorm(x, inp["gamma"], eps), R.rstd(x, eps)

@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from workloads import reference as R
+from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
 
@@ -20,6 +19,8 @@ class Block(Op):
     outputs = ("x", "qkv")
     side_outputs = ("rstd_mlp", "rstd_attn")
     consts = ("positions",)
+    fp8_operands = {"a": "act", "w_o": "weight", "w_gate": "weight", "w_up": "weight", "w_down": "weight",
+                    "w_qkv": "weight"}
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)
@@ -30,14 +31,14 @@ class Block(Op):
                 "gamma_attn": mk.gamma(d), "w_qkv": mk.weight(model.qkv_width, d),
                 "positions": mk.positions(m, model.seq_len)}
 
-    def reference(self, inp, model):
+    def reference(self, inp, model, mm=TORCH_GEMMS):
         eps = model.eps
-        x1 = inp["residual"] + F.linear(inp["a"], inp["w_o"])
+        x1 = inp["residual"] + mm.linear(inp["a"], inp["w_o"])
         h1 = R.rmsnorm(x1, inp["gamma_mlp"], eps)
-        y = R.swiglu(F.linear(h1, inp["w_gate"]), F.linear(h1, inp["w_up"]))
-        x = x1 + F.linear(y, inp["w_down"])
+        y = R.swiglu(mm.linear(h1, inp["w_gate"]), mm.linear(h1, inp["w_up"]))
+        x = x1 + mm.linear(y, inp["w_down"])
         h2 = R.rmsnorm(x, inp["gamma_attn"], eps)
-        qkv = R.qkv_rope(F.linear(h2, inp["w_qkv"]), inp["positions"], model.heads, model.kv_heads,
+        qkv = R.qkv_rope(mm.linear(h2, inp["w_qkv"]), inp["positions"], model.heads, model.kv_heads,
                          model.head_dim, model.rope_theta)
         return {"x": x, "qkv": qkv, "rstd_mlp": R.rstd(x1, eps), "rstd_attn": R.rstd(x, eps)}
 

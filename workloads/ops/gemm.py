@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch.nn.functional as F
-
+from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
 
@@ -24,6 +23,7 @@ class PlainGemm(Op):
     kind = "direct"
     modes = ("fwd",)
     outputs = ("out",)
+    fp8_operands = {"x": "act", "w": "weight"}
     shape: Callable[[ModelShape], tuple[int, int]]
 
     def make_inputs(self, model, dtype, device, seed):
@@ -31,8 +31,8 @@ class PlainGemm(Op):
         mk = InputMaker(dtype, device, seed)
         return {"x": mk.normal(model.tokens, k), "w": mk.weight(n, k)}
 
-    def reference(self, inp, model):
-        return {"out": F.linear(inp["x"], inp["w"])}
+    def reference(self, inp, model, mm=TORCH_GEMMS):
+        return {"out": mm.linear(inp["x"], inp["w"])}
 
     def forward_gemms(self, model):
         n, k = self.shape(model)

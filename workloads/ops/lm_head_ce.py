@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from workloads import reference as R
+from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
 
@@ -15,14 +14,15 @@ class LMHeadCrossEntropy(Op):
     outputs = ("loss",)
     side_outputs = ("rstd", "lse")
     consts = ("target",)
+    fp8_operands = {"w_lm": "weight"}
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)
         return {"x": mk.normal(model.tokens, model.hidden), "gamma": mk.gamma(model.hidden),
                 "w_lm": mk.weight(model.vocab, model.hidden), "target": mk.targets(model.tokens, model.vocab)}
 
-    def reference(self, inp, model):
-        logits = F.linear(R.rmsnorm(inp["x"], inp["gamma"], model.eps), inp["w_lm"])
+    def reference(self, inp, model, mm=TORCH_GEMMS):
+        logits = mm.linear(R.rmsnorm(inp["x"], inp["gamma"], model.eps), inp["w_lm"])
         return {"loss": R.cross_entropy(logits, inp["target"]), "rstd": R.rstd(inp["x"], model.eps),
                 "lse": R.logsumexp(logits)}
 

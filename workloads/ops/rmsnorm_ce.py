@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from workloads import reference as R
+from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
 from workloads.ops._producer import producer, producer_inputs
@@ -16,6 +15,7 @@ class RMSNormCrossEntropy(Op):
     outputs = ("x", "loss")
     side_outputs = ("rstd", "lse")
     consts = ("target",)
+    fp8_operands = {"a": "act", "w_down": "weight", "w_lm": "weight"}
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)
@@ -24,9 +24,9 @@ class RMSNormCrossEntropy(Op):
         inp["target"] = mk.targets(model.tokens, model.vocab)
         return inp
 
-    def reference(self, inp, model):
-        x, h, r = producer(inp, "w_down", model.eps)
-        logits = F.linear(h, inp["w_lm"])
+    def reference(self, inp, model, mm=TORCH_GEMMS):
+        x, h, r = producer(inp, "w_down", model.eps, mm)
+        logits = mm.linear(h, inp["w_lm"])
         return {"x": x, "loss": R.cross_entropy(logits, inp["target"]), "rstd": r, "lse": R.logsumexp(logits)}
 
     def forward_gemms(self, model):

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from workloads import reference as R
+from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
 
@@ -31,21 +32,24 @@ class RMSNormDgrad(Op):
     outputs = ("dx", "dgamma")
     side_outputs = ("y",)
     consts = ("rstd", "zdz")
+    fp8_operands = {"dz": "grad", "w": "weight_bwd"}
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)
         m, d, n = model.tokens, model.hidden, 2 * model.ffn
         inp = {"dz": mk.normal(m, n), "w": mk.weight(n, d), "x": mk.normal(m, d), "gamma": mk.gamma(d),
                "dres": mk.normal(m, d)}
+        return self.derived_inputs(inp, model)
+
+    def derived_inputs(self, inp, model):
+        """The saved statistics ``rstd`` and ``zdz`` of the given x, gamma, W and dz, in float64 then fp32."""
         x64 = inp["x"].double()
         r = R.rstd(x64, model.eps)
         z = F.linear(x64 * r[:, None] * inp["gamma"].double(), inp["w"].double())
-        inp["rstd"] = r.float()
-        inp["zdz"] = (z * inp["dz"].double()).sum(-1).float()
-        return inp
+        return {**inp, "rstd": r.float(), "zdz": (z * inp["dz"].double()).sum(-1).float()}
 
-    def reference(self, inp, model):
-        gy = _up(inp["dz"] @ inp["w"])
+    def reference(self, inp, model, mm=TORCH_GEMMS):
+        gy = _up(mm.dgrad(inp["dz"], inp["w"]))
         x, g = _up(inp["x"]), _up(inp["gamma"])
         r = R.rstd(x, model.eps)[:, None]
         xhat = x * r

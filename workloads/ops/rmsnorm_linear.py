@@ -1,7 +1,6 @@
 from __future__ import annotations
 
-import torch.nn.functional as F
-
+from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
 from workloads.ops._producer import producer, producer_inputs
@@ -14,6 +13,7 @@ class RMSNormLinear(Op):
     description = "out-proj + residual + RMSNorm + gate/up GEMM (plain row scale)"
     outputs = ("x", "z")
     side_outputs = ("rstd",)
+    fp8_operands = {"a": "act", "w_o": "weight", "w_c": "weight"}
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)
@@ -21,9 +21,9 @@ class RMSNormLinear(Op):
         inp["w_c"] = mk.weight(2 * model.ffn, model.hidden)
         return inp
 
-    def reference(self, inp, model):
-        x, h, r = producer(inp, "w_o", model.eps)
-        return {"x": x, "z": F.linear(h, inp["w_c"]), "rstd": r}
+    def reference(self, inp, model, mm=TORCH_GEMMS):
+        x, h, r = producer(inp, "w_o", model.eps, mm)
+        return {"x": x, "z": mm.linear(h, inp["w_c"]), "rstd": r}
 
     def forward_gemms(self, model):
         m = model.tokens

@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from workloads import reference as R
+from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
 from workloads.ops._producer import producer, producer_inputs
@@ -16,6 +15,7 @@ class RMSNormRoPE(Op):
     outputs = ("x", "qkv")
     side_outputs = ("rstd",)
     consts = ("positions",)
+    fp8_operands = {"a": "act", "w_down": "weight", "w_qkv": "weight"}
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)
@@ -24,9 +24,9 @@ class RMSNormRoPE(Op):
         inp["positions"] = mk.positions(model.tokens, model.seq_len)
         return inp
 
-    def reference(self, inp, model):
-        x, h, r = producer(inp, "w_down", model.eps)
-        qkv = R.qkv_rope(F.linear(h, inp["w_qkv"]), inp["positions"], model.heads, model.kv_heads,
+    def reference(self, inp, model, mm=TORCH_GEMMS):
+        x, h, r = producer(inp, "w_down", model.eps, mm)
+        qkv = R.qkv_rope(mm.linear(h, inp["w_qkv"]), inp["positions"], model.heads, model.kv_heads,
                          model.head_dim, model.rope_theta)
         return {"x": x, "qkv": qkv, "rstd": r}
 

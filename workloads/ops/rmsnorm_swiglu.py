@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from workloads import reference as R
+from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
 from workloads.ops._producer import producer, producer_inputs
@@ -15,6 +14,7 @@ class RMSNormSwiGLU(Op):
     description = "out-proj + residual + RMSNorm + gate/up GEMM + SwiGLU"
     outputs = ("x", "y")
     side_outputs = ("rstd",)
+    fp8_operands = {"a": "act", "w_o": "weight", "w_gate": "weight", "w_up": "weight"}
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)
@@ -23,9 +23,9 @@ class RMSNormSwiGLU(Op):
         inp["w_up"] = mk.weight(model.ffn, model.hidden)
         return inp
 
-    def reference(self, inp, model):
-        x, h, r = producer(inp, "w_o", model.eps)
-        return {"x": x, "y": R.swiglu(F.linear(h, inp["w_gate"]), F.linear(h, inp["w_up"])), "rstd": r}
+    def reference(self, inp, model, mm=TORCH_GEMMS):
+        x, h, r = producer(inp, "w_o", model.eps, mm)
+        return {"x": x, "y": R.swiglu(mm.linear(h, inp["w_gate"]), mm.linear(h, inp["w_up"])), "rstd": r}
 
     def forward_gemms(self, model):
         m = model.tokens

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import torch
 
+from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
 
@@ -21,16 +22,17 @@ class SwiGLUDgrad(Op):
     description = "down-proj dgrad GEMM + SwiGLU backward + ZdZ"
     outputs = ("dgate", "dup")
     side_outputs = ("a", "zdz")
+    fp8_operands = {"dx": "grad", "w_down": "weight_bwd"}
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)
         m, d, f = model.tokens, model.hidden, model.ffn
         return {"dx": mk.normal(m, d), "w_down": mk.weight(d, f), "gate": mk.normal(m, f), "up": mk.normal(m, f)}
 
-    def reference(self, inp, model):
+    def reference(self, inp, model, mm=TORCH_GEMMS):
         dt = inp["gate"].dtype
         up32 = (lambda t: t if t.dtype == torch.float64 else t.float())
-        da = up32(inp["dx"] @ inp["w_down"])
+        da = up32(mm.dgrad(inp["dx"], inp["w_down"]))
         g, u = up32(inp["gate"]), up32(inp["up"])
         s = torch.sigmoid(g)
         silu = g * s

@@ -1,0 +1,140 @@
+"""FP8 in the CODA kernels: operand scales for the epilogue, and quantizing an epilogue's output.
+
+The recipe is :mod:`workloads.fp8` (per-tensor or rowwise, power-of-two dynamic scales). A GEMM on fp8
+operands ``A ~ qa sa`` and ``B ~ qb sb`` computes ``acc = qa @ qb^T`` in the mainloop and dequantizes in the
+epilogue, composed with any per-row scale r (RMSNorm's rstd) in the same multiply
+(:func:`kernels.coda.epilogue.dequant_scale`)::
+
+    out = acc * (r * sa)[:, None] * sb[None, :]      sa: scalar or [M] (per token), sb: scalar or [N] (per channel)
+
+An activation that an epilogue produces (the normalized input h of the next GEMM, SwiGLU's y) is
+quantized from per-(row, N-tile) absmax partials that the same epilogue wrote, so no pass re-reads it
+to find its range::
+
+    amax_m = max_t part[m, t]   (rowwise)   or   amax = max_m amax_m   (per tensor)
+    s = pow2_scale(amax);   q = fp8(x / s)                     (:func:`quantize_from_partials`)
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.coda.epilogue import load_tile, store_tile
+from kernels.coda.mainloop import INTERPRET, tile_desc
+from workloads.fp8 import FP8_EXPONENT, Fp8
+
+NO_SCALING, PER_TENSOR, ROWWISE = 0, 1, 2
+"""Values of the SCALING constexpr of the fp8-capable kernels."""
+
+
+# ---- host: the dequantization arguments of a GEMM ------------------------------------------------
+
+def split_operand(t: torch.Tensor | Fp8) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(data, scale or None)`` of a plain or quantized operand."""
+    return (t.data, t.scale) if isinstance(t, Fp8) else (t, None)
+
+
+def dequant_args(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, M: int, N: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``(a, b, sa, sb, SCALING)`` for the launch of an (M, N) GEMM: both operands fp8 or neither.
+
+    Rowwise when either scale has more than one element (sa then has M, sb N entries, each broadcast from
+    a scalar if need be); the scale arguments are placeholders (never read) without fp8.
+    """
+    (a, sa), (b, sb) = split_operand(a), split_operand(b)
+    if (sa is None) != (sb is None):
+        raise ValueError("a GEMM takes two fp8 operands (with scales) or none")
+    if sa is None:
+        return a, b, _ones(a.device), _ones(a.device), NO_SCALING
+    if sa.numel() == 1 and sb.numel() == 1:
+        return a, b, sa, sb, PER_TENSOR
+    return a, b, sa.reshape(-1).expand(M).contiguous(), sb.reshape(-1).expand(N).contiguous(), ROWWISE
+
+
+def scalar_args(scale: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(sa, sb, SCALING)`` for one fp32 scalar multiplier (a loss scale) on a GEMM of plain operands."""
+    if scale is None:
+        return _ones(device), _ones(device), NO_SCALING
+    return scale, _ones(device), PER_TENSOR
+
+
+@functools.lru_cache(maxsize=8)
+def _ones(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, device=device, dtype=torch.float32)
+
+
+def result_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype of a GEMM's outputs: the operand's, bf16 for fp8 operands."""
+    return torch.bfloat16 if t.element_size() == 1 else t.dtype
+
+
+# ---- device: scales and quantization ---------------------------------------------------------------
+
+@triton.jit
+def pow2_scale(amax, FP8_EXP: tl.constexpr):
+    """``2^k``, the smallest power of two with ``amax <= 1.75 2^(FP8_EXP + k)`` (fmax), 1 where amax is 0;
+    bit-exact twin of :func:`workloads.fp8.pow2_scale`. Returns ``(s, 1 / s)``, both exact."""
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = ((bits >> 23) & 0xFF) - FP8_EXP + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    biased = tl.where(amax > 0, tl.minimum(tl.maximum(biased, 2), 253), 127)
+    return (biased << 23).to(tl.float32, bitcast=True), ((254 - biased) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale_kernel(part_ptr, scale_ptr, M, T, stride_p, FP8_EXP: tl.constexpr, ROWWISE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Scales from absmax partials ``part[M, T]``: per row (one program per BLOCK_M rows) or, with one
+    program, one per tensor."""
+    cols = tl.arange(0, BLOCK_T)
+    if ROWWISE:
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        p = tl.load(part_ptr + rows[:, None].to(tl.int64) * stride_p + cols[None, :],
+                    mask=(rows < M)[:, None] & (cols < T)[None, :], other=0.0)
+        s, _ = pow2_scale(tl.max(p, axis=1), FP8_EXP)
+        tl.store(scale_ptr + rows, s, mask=rows < M)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for m0 in range(0, M, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            p = tl.load(part_ptr + rows[:, None].to(tl.int64) * stride_p + cols[None, :],
+                        mask=(rows < M)[:, None] & (cols < T)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(p, axis=1))
+        s, _ = pow2_scale(tl.max(amax, axis=0), FP8_EXP)
+        tl.store(scale_ptr, s)
+
+
+@triton.jit
+def quantize_kernel(x_ptr, scale_ptr, q_ptr, M, N, stride_x, stride_q, ROWWISE: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr):
+    """Rows [pid BM, pid BM + BM): ``q = x / s`` in q's dtype, s per row or per tensor (exact: s is 2^k)."""
+    off_m = tl.program_id(0) * BM
+    x_desc = tile_desc(x_ptr, M, N, stride_x, BM, BN)
+    q_desc = tile_desc(q_ptr, M, N, stride_q, BM, BN)
+    rows = off_m + tl.arange(0, BM)
+    if ROWWISE:
+        s = tl.load(scale_ptr + rows, mask=rows < M, other=1.0)[:, None]
+    else:
+        s = tl.load(scale_ptr)
+    inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
+    for off_n in range(0, N, BN):
+        store_tile(q_desc, off_m, off_n, load_tile(x_desc, off_m, off_n) * inv)
+
+
+def quantize_from_partials(x: torch.Tensor, part: torch.Tensor, n_tiles: int, rowwise: bool,
+                           fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> Fp8:
+    """Dynamic quantization of x [M, N] given its absmax partials ``part[:, :n_tiles]`` (per row, per N tile):
+    bit-identical to :func:`workloads.fp8.quantize`. Two launches: the scales, then one pass over x."""
+    M, N = x.shape
+    q = torch.empty(M, N, device=x.device, dtype=fp8_dtype)
+    scale = torch.empty((M, 1) if rowwise else (), device=x.device, dtype=torch.float32)
+    block_t = triton.next_power_of_2(n_tiles)
+    block_m = max(1, min(64, 4096 // block_t))
+    exp = FP8_EXPONENT[fp8_dtype]
+    scale_kernel[(triton.cdiv(M, block_m) if rowwise else 1,)](part, scale, M, n_tiles, part.stride(0), FP8_EXP=exp,
+                                                                ROWWISE=rowwise, BLOCK_M=block_m, BLOCK_T=block_t)
+    bm, bn = (16, 32) if INTERPRET else (32, 256)
+    quantize_kernel[(triton.cdiv(M, bm),)](x, scale, q, M, N, x.stride(0), q.stride(0), ROWWISE=rowwise, BM=bm, BN=bn)
+    return Fp8(q, scale)

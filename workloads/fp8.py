@@ -1,0 +1,161 @@
+"""FP8 recipes: what an fp8 cell of the matrix computes, and its PyTorch (``torch._scaled_mm``) GEMMs.
+
+Two dtype names of the matrix, one recipe each, both with dynamic (current) scaling:
+
+    fp8       per-tensor: one scale per GEMM operand (the paper's recipe)
+    fp8-row   rowwise: activations one scale per row (token), weights one per output channel
+
+Forward GEMM operands are e4m3 and outputs bf16. Backward (the dgrad ops) quantizes the incoming
+gradient to e5m2 (its range) and uses per-tensor scales for both dgrad operands in either recipe:
+the forward's per-channel weight scales run along the dgrad's contraction dimension, where no
+epilogue can apply them, so a rowwise dgrad would need a second, differently scaled copy of the
+weight; one scale per gradient tensor is the usual choice for e5m2.
+
+Scales are dequantization multipliers (``x ~ q * s``) and powers of two::
+
+    s = 2^k, the smallest with amax <= fmax * s       (fmax = 448 for e4m3, 57344 for e5m2)
+
+computed exactly from the bits of ``amax`` (:func:`pow2_scale`; the Triton kernels use the same bit
+arithmetic), so every provider picks the same scale, ``x / s`` is exact, and quantizing a tensor that
+already lies on the fp8 grid is lossless. The harness rounds each op's GEMM-operand inputs onto the
+grid (:func:`round_inputs`): the float64 reference on those inputs is then the exact function every
+provider computes, up to how it quantizes its intermediate activations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_EXPONENT = {E4M3: 8, E5M2: 15}
+"""fmax = 1.75 * 2^P for both formats (448 and 57344): P per format."""
+_MANT_1_75 = 0x600000  # fp32 mantissa bits of 1.75
+
+Role = Literal["act", "weight", "grad", "weight_bwd"]
+ROLES: dict[str, tuple[torch.dtype, bool]] = {
+    "act": (E4M3, True),          # forward activation: rowwise = one scale per row (token)
+    "weight": (E4M3, True),       # nn.Linear weight (N, K): rowwise = one scale per output channel
+    "grad": (E5M2, False),        # incoming gradient of a dgrad GEMM: always per-tensor
+    "weight_bwd": (E4M3, False),  # weight of a dgrad GEMM: always per-tensor, stored transposed
+}
+"""Role of a GEMM operand -> (fp8 dtype, whether the rowwise recipe scales it per row)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    rowwise: bool
+    accum: Literal["fast", "promoted"] = "fast"
+    """fp8 tensor-core accumulation: "fast" (Hopper's reduced-precision accumulator throughout, like
+    ``use_fast_accum=True``) or "promoted" (partial sums promoted to fp32 every K block)."""
+
+    @property
+    def label(self) -> str:
+        return f"{'rowwise' if self.rowwise else 'per-tensor'} e4m3/e5m2, pow2 dynamic scales, {self.accum} accum"
+
+
+FP8_DTYPES = ("fp8", "fp8-row")
+
+
+def recipe(dtype: str, accum: str = "fast") -> Recipe | None:
+    """The recipe of a dtype name (None for fp32/fp16/bf16)."""
+    if dtype not in FP8_DTYPES:
+        return None
+    if accum not in ("fast", "promoted"):
+        raise ValueError(f"fp8 accumulation must be 'fast' or 'promoted', got {accum!r}")
+    return Recipe(dtype, dtype == "fp8-row", accum)
+
+
+class Fp8(NamedTuple):
+    """A quantized tensor: ``data`` (fp8) and its dequantization ``scale`` (fp32; shape () or (rows, 1))."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.to(torch.float32) * self.scale).to(dtype)
+
+
+def pow2_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``2^k``, the smallest power of two with ``amax <= fmax 2^k`` (1 where amax is 0), exactly.
+
+    With ``amax = m 2^E`` (m in [1, 2)) and ``fmax = 1.75 2^P``: ``k = E - P + (m > 1.75)``; the biased
+    exponent is clamped to [2, 253] so ``1 / s`` is a normal fp32 number too.
+    """
+    bits = amax.to(torch.float32).view(torch.int32)
+    biased = ((bits >> 23) & 0xFF) - FP8_EXPONENT[fp8_dtype] + ((bits & 0x7FFFFF) > _MANT_1_75).to(torch.int32)
+    s = (biased.clamp(2, 253) << 23).view(torch.float32)
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3, rowwise: bool = False) -> Fp8:
+    """Dynamic scaling of a 2-D x: per tensor (scale shape ()) or per row (scale (rows, 1))."""
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=-1, keepdim=True) if rowwise else xf.abs().amax()
+    s = pow2_scale(amax, fp8_dtype)
+    return Fp8((xf * (1.0 / s)).to(fp8_dtype), s)
+
+
+def quantize_as(x: torch.Tensor, role: str, recipe: Recipe) -> Fp8:
+    """Quantize an operand of the given role under ``recipe``; a ``weight_bwd`` (K, N) is stored transposed,
+    (N, K) row-major, the K-major layout fp8 tensor cores need for the dgrad's second operand."""
+    dtype, may_rowwise = ROLES[role]
+    if role == "weight_bwd":
+        x = x.t().contiguous()
+    return quantize(x, dtype, rowwise=recipe.rowwise and may_rowwise)
+
+
+def round_inputs(inputs: dict[str, torch.Tensor], operands: dict[str, str], recipe: Recipe) -> dict[str, torch.Tensor]:
+    """The inputs with each GEMM operand (name -> role) replaced by its dequantized fp8 value (same dtype)."""
+    out = dict(inputs)
+    for name, role in operands.items():
+        dtype, may_rowwise = ROLES[role]
+        out[name] = quantize(inputs[name], dtype, recipe.rowwise and may_rowwise).dequantize(inputs[name].dtype)
+    return out
+
+
+def quantize_operands(inputs: dict, operands: dict[str, str], recipe: Recipe) -> dict:
+    """The inputs with each GEMM operand replaced by its :class:`Fp8` (the untimed cast of a provider)."""
+    return {k: (quantize_as(v, operands[k], recipe) if k in operands else v) for k, v in inputs.items()}
+
+
+# ---- the GEMMs of a reference composition ------------------------------------------------------
+
+class TorchGemms:
+    """The GEMMs of ``Op.reference`` in the inputs' dtype: ``linear(x, w) = x w^T`` and ``dgrad(dy, w) = dy w``."""
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w)
+
+    def dgrad(self, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return dy @ w
+
+
+@dataclass(frozen=True)
+class ScaledMMGemms(TorchGemms):
+    """The same GEMMs as ``torch._scaled_mm`` under an fp8 recipe, bf16 out.
+
+    Weights come pre-quantized (:func:`quantize_operands`; a ``weight_bwd`` is stored transposed, so
+    ``dgrad(dy, w)`` is ``dy @ w``); an activation or gradient given as a plain tensor is quantized here,
+    inside the timed region, as a real fp8 pipeline must do with its intermediate activations.
+    """
+
+    recipe: Recipe
+
+    def _mm(self, x: torch.Tensor | Fp8, w: Fp8, role: str) -> torch.Tensor:
+        xq = x if isinstance(x, Fp8) else quantize_as(x, role, self.recipe)
+        return torch._scaled_mm(xq.data, w.data.t(), xq.scale, w.scale.t(), out_dtype=torch.bfloat16,
+                                use_fast_accum=self.recipe.accum == "fast")
+
+    def linear(self, x, w):
+        return self._mm(x, w, "act")
+
+    def dgrad(self, dy, w):
+        return self._mm(dy, w, "grad")
+
+
+TORCH_GEMMS = TorchGemms()
