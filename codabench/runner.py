@@ -211,6 +211,7 @@ class Runner:
                     elif self.device.type == "cuda" and planned[cell.key] == "run":
                         time.sleep(self.cfg.cooldown_s)
                 del state
+                self._refresh_providers(out)  # per group: a killed run keeps what prepare learned (JIT warm-up)
         finally:
             progress.close()
             self._refresh_providers(out)
@@ -306,6 +307,7 @@ class Runner:
         base = group.medians.get(SPEED_BASELINE)
         row.update(status="ok", message="; ".join(notes), median_ms=timing.median, p20_ms=timing.p20,
                    p80_ms=timing.p80, cv=timing.cv, n_samples=len(timing.samples_ms), timing=timing.kind,
+                   first_call_s=timing.first_call_s,
                    tflops=tflops, speedup=base / timing.median if base else None, sol_ms=sol,
                    sol_ratio=timing.median / sol if sol else None,
                    pct_ceiling=100 * tflops / ceiling if isinstance(ceiling, float) and cell.dtype != "fp32" else None,

@@ -42,6 +42,9 @@ class Timing:
     kind: str
     """``cuda-events``, ``cuda-graph`` or ``cpu-wall``."""
     note: str = ""
+    first_call_s: float | None = None
+    """Wall seconds of the first call at this shape, synchronized: what compiling, JIT-building and autotuning
+    cost before the first result (warm caches make it close to one call)."""
 
     @property
     def is_perf(self) -> bool:
@@ -114,7 +117,8 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
     if device.type != "cuda":
         return _measure_cpu(fn, setup, cfg)
     flusher = l2_flusher(device) if cfg.flush_l2 else None
-    start_warm, calls = time.perf_counter(), 0
+    first = _first_call(fn, setup, device)
+    start_warm, calls = time.perf_counter(), 1
     while calls < max(cfg.warmup, 1) or ((time.perf_counter() - start_warm) * 1e3 < cfg.warmup_ms
                                          and calls < 1000):
         fn(setup())
@@ -122,7 +126,17 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
         calls += 1
     est = _sample_events(fn, setup, flusher, device, 3)
     n = _n_samples(cfg, statistics.median(est))
-    return Timing(_sample_events(fn, setup, flusher, device, n), CUDA_EVENTS)
+    return Timing(_sample_events(fn, setup, flusher, device, n), CUDA_EVENTS, first_call_s=first)
+
+
+def _first_call(fn, setup, device: torch.device) -> float:
+    """Seconds of one synchronized call (the first: compilation, JIT builds and autotuning happen here)."""
+    state = setup()
+    t0 = time.perf_counter()
+    fn(state)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n: int) -> list[float]:
@@ -141,14 +155,14 @@ def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n
 
 
 def _measure_cpu(fn, setup, cfg: TimingConfig) -> Timing:
-    fn(setup())  # one warm-up call: compile, first-call allocations
+    first = _first_call(fn, setup, torch.device("cpu"))  # the warm-up call: compile, first-call allocations
     samples = []
     for _ in range(cfg.reps or cfg.cpu_reps):
         state = setup()
         t0 = time.perf_counter()
         fn(state)
         samples.append((time.perf_counter() - t0) * 1e3)
-    return Timing(samples, CPU_WALL)
+    return Timing(samples, CPU_WALL, first_call_s=first)
 
 
 def measure_graph(fn: Callable[[Any], Any], states: list[Any], device: torch.device,
@@ -163,6 +177,7 @@ def measure_graph(fn: Callable[[Any], Any], states: list[Any], device: torch.dev
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
+        first = _first_call(fn, lambda: states[0], device)
         for s in states:
             for _ in range(max(cfg.warmup, 1)):
                 fn(s)
@@ -179,7 +194,7 @@ def measure_graph(fn: Callable[[Any], Any], states: list[Any], device: torch.dev
     est = _sample_events(lambda i: graphs[i % k].replay(), _counter(), None, device, 3)
     n = _n_samples(cfg, statistics.median(est))
     return Timing(_sample_events(lambda i: graphs[i % k].replay(), _counter(), None, device, n), CUDA_GRAPH,
-                  note=f"cuda graph, {k} rotating input sets")
+                  note=f"cuda graph, {k} rotating input sets", first_call_s=first)
 
 
 def _counter() -> Callable[[], int]:

@@ -88,6 +88,25 @@ def test_partials_and_finishing_reductions():
     torch.testing.assert_close(dg.double(), (x64 * y64).sum(0), rtol=2e-3, atol=2e-3)
 
 
+@triton.jit
+def _subtile_kernel(x_ptr, out_ptr, N, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Each program copies one (BM, BN) tile through its S column sub-tiles (reversed order, own offsets)."""
+    off_n = tl.program_id(0) * BN
+    x = E.load_tile(tile_desc(x_ptr, BM, N, N, BM, BN), 0, off_n)
+    out_desc = tile_desc(out_ptr, BM, N, N, BM, BN // S)
+    for i in tl.static_range(S):
+        j: tl.constexpr = S - 1 - i
+        E.store_tile(out_desc, 0, off_n + j * (BN // S), E.col_subtile(x, j, S, BM, BN))
+
+
+@pytest.mark.parametrize("subtiles", [1, 2, 4])
+def test_col_subtile_covers_the_tile_in_order(subtiles):
+    x = rand(16, 128, seed=4)
+    out = torch.full_like(x, float("nan"))
+    _subtile_kernel[(2,)](x, out, 128, S=subtiles, BM=16, BN=64)
+    assert torch.equal(out, x)
+
+
 # ---- fused forward kernels --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

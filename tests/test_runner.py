@@ -152,6 +152,7 @@ def test_check_tokens_and_env(registry, tmp_path):
     row = df.iloc[0]
     assert (row["tokens"], row["check_tokens"], row["correct"]) == (TINY.tokens, 16, True)
     assert row[["fp8_recipe", "cast_ms", "rel_err_vs_bf16"]].isna().all()  # fp8 cells only
+    assert (df["first_call_s"] > 0).all()  # every timed row has its warm-up figure
     assert env["device"] == "cpu" and env["torch"] and "torch-eager" in env["providers"]
     assert json.loads((tmp_path / "env.json").read_text())["check_tokens"] == 16
     finalize(tmp_path)

@@ -34,3 +34,16 @@ def test_setup_runs_before_every_sample_and_is_not_timed():
     assert max(t.samples_ms) < 20.0  # the 30 ms setup sleeps are outside the clock
     # one warm-up call, then four samples, each fed the state its own setup returned
     assert [c for c in calls if c != "setup"] == [("fn", i) for i in (1, 3, 5, 7, 9)]
+
+
+def test_first_call_is_timed_on_its_own():
+    """The first call (where compilers, JITs and autotuners do their work) is its own figure, not a sample."""
+    calls = []
+
+    def fn(_):
+        calls.append(1)
+        time.sleep(0.05 if len(calls) == 1 else 0.0)
+
+    t = measure(fn, None, torch.device("cpu"), TimingConfig(cpu_reps=3))
+    assert len(calls) == 4 and len(t.samples_ms) == 3
+    assert t.first_call_s >= 0.05 and max(t.samples_ms) < 20.0

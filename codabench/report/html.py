@@ -112,7 +112,8 @@ def _headline(df: pd.DataFrame, impls: list[str]) -> str:
 
 PER_OP_COLUMNS = [("impl", "impl", "l"), ("model", "model", "l"), ("mode", "mode", "l"), ("dtype", "dtype", "l"),
                   ("status", "status", "l"), ("median_ms", "median ms", ".4g"), ("p20_ms", "p20", ".4g"),
-                  ("p80_ms", "p80", ".4g"), ("cv", "CV", ".2f"), ("tflops", "TFLOP/s", ".4g"),
+                  ("p80_ms", "p80", ".4g"), ("cv", "CV", ".2f"), ("first_call_s", "first call s", ".3g"),
+                  ("tflops", "TFLOP/s", ".4g"),
                   ("speedup", f"speedup vs {SPEED_BASELINE}", ".3f"), ("sol_ratio", "time / GEMMs", ".3f"),
                   ("pct_ceiling", "% ceiling", ".1f"), ("cast_ms", "cast ms", ".4g"), ("rel_err", "rel err", ".3g"),
                   ("err_ratio", "err / torch err", ".3g"), ("rel_err_vs_bf16", "err vs bf16", ".3g"),
