@@ -75,6 +75,14 @@ def test_fp8_gemm_equals_the_dequantized_product(rowwise, promote):
     assert rel_err(out, _deq(xq).double() @ _deq(wq).double().T) < BF16_ROUNDING
 
 
+def test_fp8_operands_take_matching_scale_kinds():
+    xq, wq = _q(_r(M, K, seed=2), False), _q(_r(N, K, seed=3), True)
+    with pytest.raises(ValueError, match="per-tensor scales on both sides or rowwise"):
+        linear(xq, wq)
+    with pytest.raises(ValueError, match="two fp8 operands"):
+        linear(xq, _r(N, K, seed=3))
+
+
 @pytest.mark.parametrize("rowwise", [False, True])
 def test_fp8_consumers_fold_scales_like_fp32_on_dequantized_operands(rowwise):
     hq, rstd = _q(_r(M, K, seed=4), rowwise), _r(M, seed=5).abs() + 0.5

@@ -55,9 +55,9 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     loss scale), and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the logits are never written
     and both are None.
     """
-    M, K = (h.data if isinstance(h, Fp8) else h).shape
-    V = (w_lm.data if isinstance(w_lm, Fp8) else w_lm).shape[0]
-    h, w_lm, sa, sb, scaling = dequant_args(h, w_lm, M, V)
+    h, w_lm, sa, sb, scaling = dequant_args(h, w_lm)
+    M, K = h.shape
+    V = w_lm.shape[0]
     (a_s, a_t), (w_s, w_t) = operand(h), operand(w_lm.T)
     target = target.contiguous()
     kernel = gemm_cross_entropy_kernel

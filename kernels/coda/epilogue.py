@@ -7,7 +7,7 @@ only the log-sum-exp masks explicitly (exp(0) is not 0). All math is fp32; value
 destination dtype only when stored. The five kinds (coda-spec.md):
 
 1. elementwise / scale: :func:`scale_scalar`, :func:`scale_rows`, :func:`scale_cols`, :func:`dequant_scale`
-   (fp8 scales composed with a row scale), :func:`add_tile`, :func:`rmsnorm_dx` (RMSNorm backward)
+   (fp8 scales composed with a row scale; :func:`dequant` without one), :func:`add_tile`, :func:`rmsnorm_dx` (RMSNorm backward)
 2. vector loads broadcast along M or N: :func:`load_rows`, :func:`load_cols`
 3. tile load / store: :func:`load_tile`, :func:`store_tile` (+ :func:`cast`)
 4. block reductions: :func:`store_row_partial` (+ :func:`row_sumsq_partial`, :func:`row_dot_partial`,
@@ -91,9 +91,12 @@ def dequant_scale(acc, row, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr
 
 
 @triton.jit
-def ones_rows(BM: tl.constexpr):
-    """The row factor 1 of :func:`dequant_scale` for a GEMM without a row scale."""
-    return tl.full((BM,), 1.0, tl.float32)
+def dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr, SCALING: tl.constexpr):
+    """:func:`dequant_scale` for a GEMM without a row scale: ``acc`` itself when SCALING is 0."""
+    if SCALING != 0:
+        acc = dequant_scale(acc, tl.full((BM,), 1.0, tl.float32), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN,
+                            SCALING)
+    return acc
 
 
 # ---- 3. tile loads and stores -----------------------------------------------------------------

@@ -37,12 +37,12 @@ def split_operand(t: torch.Tensor | Fp8) -> tuple[torch.Tensor, torch.Tensor | N
     return (t.data, t.scale) if isinstance(t, Fp8) else (t, None)
 
 
-def dequant_args(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, M: int, N: int
+def dequant_args(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``(a, b, sa, sb, SCALING)`` for the launch of an (M, N) GEMM: both operands fp8 or neither.
+    """``(a, b, sa, sb, SCALING)`` for the launch of a GEMM: the operands' data and scales, both fp8 or neither.
 
-    Rowwise when either scale has more than one element (sa then has M, sb N entries, each broadcast from
-    a scalar if need be); the scale arguments are placeholders (never read) without fp8.
+    Per tensor when both scales are scalars, rowwise when both are vectors (sa one entry per row of the
+    output, sb one per column); the scale arguments are placeholders (never read) without fp8.
     """
     (a, sa), (b, sb) = split_operand(a), split_operand(b)
     if (sa is None) != (sb is None):
@@ -51,7 +51,9 @@ def dequant_args(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, M: int, N: int
         return a, b, _ones(a.device), _ones(a.device), NO_SCALING
     if sa.numel() == 1 and sb.numel() == 1:
         return a, b, sa, sb, PER_TENSOR
-    return a, b, sa.reshape(-1).expand(M).contiguous(), sb.reshape(-1).expand(N).contiguous(), ROWWISE
+    if sa.numel() == 1 or sb.numel() == 1:
+        raise ValueError("fp8 operands take per-tensor scales on both sides or rowwise scales on both")
+    return a, b, sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(), ROWWISE
 
 
 def scalar_args(scale: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:

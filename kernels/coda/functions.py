@@ -18,7 +18,7 @@ statistic ``<z, dz>`` and a scalar multiplier ``s`` of dz (the loss scale; 1 oth
 and the block's down-proj dgrad carries the SwiGLU backward (:func:`dgrad_swiglu`). Backward of the
 block: 1 elementwise kernel (RoPE) + 3 fused dgrad GEMMs + small sums + 5 plain GEMMs.
 
-fp8 (:mod:`workloads.fp8` recipes) is forward-only: :func:`fp8_forward` runs the same compositions on
+fp8 (:mod:`workloads.fp8` recipes) is forward-only: ``FP8_FORWARD`` maps each composition to its forward on
 fp8 weights and inputs, each epilogue handing the next GEMM its input already quantized (absmax partials
 + one quantizing pass), with the dequantization folded into every epilogue.
 
@@ -31,6 +31,7 @@ never writes logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -259,31 +260,41 @@ def norm_consumer(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consume
 
 
 # ---- fp8 forward -------------------------------------------------------------------------------------
+# The forwards of producer_consumer, block and norm_consumer (same arguments and results) on fp8 weights and
+# GEMM inputs (:class:`workloads.fp8.Fp8`, quantized under ``recipe``); no autograd. Every GEMM dequantizes in
+# its epilogue; an epilogue whose output feeds another GEMM (h, SwiGLU's y) also writes its absmax partials,
+# and one pass quantizes it (e4m3, per tensor or per row) for that GEMM.
 
-def fp8_forward(composition: str, recipe: Recipe, *args) -> tuple[torch.Tensor, ...]:
-    """The forward of ``producer_consumer``, ``block`` or ``norm_consumer`` (same arguments and results) on fp8
-    weights and GEMM inputs (:class:`workloads.fp8.Fp8`, quantized under ``recipe``); no autograd.
+def _fp8_options(recipe: Recipe) -> tuple[Literal["tensor", "row"], bool]:
+    """(granularity of the hand-off quantization, promoted accumulation)."""
+    return "row" if recipe.rowwise else "tensor", recipe.accum == "promoted"
 
-    Every GEMM dequantizes in its epilogue; an epilogue whose output feeds another GEMM (h, SwiGLU's y) also
-    writes its absmax partials, and one pass quantizes it (e4m3, per tensor or per row) for that GEMM.
-    """
-    q = "row" if recipe.rowwise else "tensor"
-    promote = recipe.accum == "promoted"
-    if composition == "producer_consumer":
-        a, residual, w_p, gamma, w, consumer, eps = args
-        x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps, promote, h_fp8=q)
-        out, side, _ = consumer.forward(h, w, rstd, False, promote)
-        return x, out, rstd, *side
-    if composition == "block":
-        a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, eps = args
-        x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps, promote, h_fp8=q)
-        y, _ = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=False, promote=promote, y_fp8=q)
-        x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps, promote, h_fp8=q)
-        out, side, _ = consumer.forward(h2, w, rstd, False, promote)
-        return x, out, rstd_mlp, rstd, *side
-    if composition == "norm_consumer":
-        x, gamma, w, consumer, eps = args
-        h, rstd = norm_input(x, gamma, eps, h_fp8=q)
-        out, side, _ = consumer.forward(h, w, rstd, False, promote)
-        return out, rstd, *side
-    raise ValueError(f"unknown composition {composition!r}")
+
+def producer_consumer_fp8(recipe: Recipe, a: Fp8, residual: torch.Tensor, w_p: Fp8, gamma: torch.Tensor, w: Fp8,
+                          consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
+    q, promote = _fp8_options(recipe)
+    x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps, promote, h_fp8=q)
+    out, side, _ = consumer.forward(h, w, rstd, False, promote)
+    return x, out, rstd, *side
+
+
+def block_fp8(recipe: Recipe, a: Fp8, residual: torch.Tensor, w_o: Fp8, gamma_mlp: torch.Tensor, w_gu: Fp8,
+              w_down: Fp8, gamma: torch.Tensor, w: Fp8, consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
+    q, promote = _fp8_options(recipe)
+    x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps, promote, h_fp8=q)
+    y, _ = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=False, promote=promote, y_fp8=q)
+    x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps, promote, h_fp8=q)
+    out, side, _ = consumer.forward(h2, w, rstd, False, promote)
+    return x, out, rstd_mlp, rstd, *side
+
+
+def norm_consumer_fp8(recipe: Recipe, x: torch.Tensor, gamma: torch.Tensor, w: Fp8, consumer: Consumer, eps: float
+                      ) -> tuple[torch.Tensor, ...]:
+    q, promote = _fp8_options(recipe)
+    h, rstd = norm_input(x, gamma, eps, h_fp8=q)
+    out, side, _ = consumer.forward(h, w, rstd, False, promote)
+    return out, rstd, *side
+
+
+FP8_FORWARD = {producer_consumer: producer_consumer_fp8, block: block_fp8, norm_consumer: norm_consumer_fp8}
+"""Each composition -> its fp8 forward (first argument: the recipe)."""

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import dequant_scale, ones_rows, store_tile
+from kernels.coda.epilogue import dequant, store_tile
 from kernels.coda.fp8 import dequant_args, result_dtype, scalar_args
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
                                    persistent_grid, tile_coords, tile_desc)
@@ -27,8 +27,7 @@ def gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, stride_a, stride_b
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        if SCALING != 0:
-            acc = dequant_scale(acc, ones_rows(BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        acc = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         store_tile(c_desc, off_m, off_n, acc)
 
 
@@ -37,9 +36,8 @@ def matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, out_dtype: torch.dtype 
     """``a @ b`` for a (M, K) and b (K, N), each row-major or a transposed row-major view (fp8: a (M, K) and
     b (K, N) as the transpose of an (N, K) tensor, per-channel scales along N); ``scale``: an optional fp32
     one-element device tensor multiplying plain operands; ``promote``: fp8 accumulation mode."""
-    M, K = a[0].shape if isinstance(a, Fp8) else a.shape
-    N = (b[0] if isinstance(b, Fp8) else b).shape[1]
-    a, b, sa, sb, scaling = dequant_args(a, b, M, N)
+    a, b, sa, sb, scaling = dequant_args(a, b)
+    (M, K), N = a.shape, b.shape[1]
     if scale is not None:
         if scaling:
             raise ValueError("scale multiplies plain operands; fp8 operands carry their own scales")

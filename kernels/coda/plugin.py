@@ -20,7 +20,7 @@ Side outputs: rstd (rstd_mlp / rstd_attn for the block) and lse.
 
 fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` also quantizes the op's GEMM operands
 (after the layout changes) under the cell's recipe; the compositions run through
-:func:`kernels.coda.functions.fp8_forward`, the dgrad ops and plain GEMMs on the fp8 operands directly.
+``kernels.coda.functions.FP8_FORWARD``, the dgrad ops and plain GEMMs on the fp8 operands directly.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import triton
 from codabench.case import Case
 from codabench.registry import REGISTRY, Implementation, Tensors
 from kernels import layouts
-from kernels.coda.functions import (CrossEntropy, Linear, RoPE, SwiGLU, block, fp8_forward, norm_consumer,
+from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer,
                                     producer_consumer)
 from kernels.coda.gemm import linear
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
@@ -56,7 +56,7 @@ def _rope(n: Tensors) -> RoPE:
 def _compose(n: Tensors, composition: Callable, *args) -> tuple[torch.Tensor, ...]:
     """``composition(*args)``, or its fp8 forward under the cell's recipe."""
     if n["recipe"] is not None:
-        return fp8_forward(composition.__name__, n["recipe"], *args)
+        return FP8_FORWARD[composition](n["recipe"], *args)
     return composition(*args)
 
 

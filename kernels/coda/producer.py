@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (add_tile, cast, col_subtile, dequant_scale, load_tile, ones_rows, scale_cols,
+from kernels.coda.epilogue import (dequant, add_tile, cast, col_subtile, load_tile, scale_cols,
                                    store_row_partial, store_tile)
 from kernels.coda.fp8 import dequant_args, quantize_from_partials
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
@@ -41,8 +41,7 @@ def gemm_residual_norm_kernel(a_ptr, w_ptr, sa_ptr, sb_ptr, res_ptr, gamma_ptr, 
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        if SCALING != 0:
-            acc = dequant_scale(acc, ones_rows(BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        acc = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         sumsq = tl.zeros((BM,), dtype=tl.float32)
         amax = tl.zeros((BM,), dtype=tl.float32)
         for i in tl.static_range(EPI_SUB):
@@ -66,9 +65,9 @@ def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: t
     of x; w in nn.Linear layout (N, K). fp8 a and w (:class:`workloads.fp8.Fp8`) are dequantized in the
     epilogue (``promote``: accumulation mode). ``h_fp8`` returns h quantized to e4m3 (scale per tensor or
     per row) from absmax partials the epilogue writes next to the sums of squares."""
-    M, K = (a.data if isinstance(a, Fp8) else a).shape
-    N = (w.data if isinstance(w, Fp8) else w).shape[0]
-    a, w, sa, sb, scaling = dequant_args(a, w, M, N)
+    a, w, sa, sb, scaling = dequant_args(a, w)
+    M, K = a.shape
+    N = w.shape[0]
     (a_s, a_t), (w_s, w_t) = operand(a), operand(w.T)
     residual, gamma = residual.contiguous(), gamma.contiguous()
     x = torch.empty(M, N, device=a.device, dtype=residual.dtype)

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (col_sum_partial, dequant_scale, load_cols, load_rows, load_tile, ones_rows,
-                                   rmsnorm_dx, split_cols, store_tile)
+from kernels.coda.epilogue import (col_subtile, col_sum_partial, dequant, load_cols, load_rows, load_tile,
+                                   rmsnorm_dx, store_tile)
 from kernels.coda.fp8 import dequant_args, result_dtype
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
@@ -63,29 +63,14 @@ def dgrad_rmsnorm_kernel(dz_ptr, w_ptr, sa_ptr, sb_ptr, x_ptr, rstd_ptr, gamma_p
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         gy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        if SCALING != 0:
-            gy = dequant_scale(gy, ones_rows(BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        gy = dequant(gy, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         if HAS_SCALE:
             gy = gy * scale
         rstd = load_rows(rstd_ptr, off_m, M, BM)
         c = load_rows(zdz_ptr, off_m, M, BM) * c_scale
-        g0, g1 = split_cols(gy, BM, BN)
-        if EPI_SUB == 2:
-            _rmsnorm_bwd_subtile(g0, off_m, off_n, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc, dg_ptr,
-                                 N, stride_dg, HAS_RES, BM, SN)
-            _rmsnorm_bwd_subtile(g1, off_m, off_n + SN, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc, dg_ptr,
-                                 N, stride_dg, HAS_RES, BM, SN)
-        else:  # EPI_SUB == 4
-            g00, g01 = split_cols(g0, BM, BN // 2)
-            g10, g11 = split_cols(g1, BM, BN // 2)
-            _rmsnorm_bwd_subtile(g00, off_m, off_n, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc, dg_ptr,
-                                 N, stride_dg, HAS_RES, BM, SN)
-            _rmsnorm_bwd_subtile(g01, off_m, off_n + SN, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc,
-                                 dg_ptr, N, stride_dg, HAS_RES, BM, SN)
-            _rmsnorm_bwd_subtile(g10, off_m, off_n + 2 * SN, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc,
-                                 dg_ptr, N, stride_dg, HAS_RES, BM, SN)
-            _rmsnorm_bwd_subtile(g11, off_m, off_n + 3 * SN, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc,
-                                 dg_ptr, N, stride_dg, HAS_RES, BM, SN)
+        for i in tl.static_range(EPI_SUB):
+            _rmsnorm_bwd_subtile(col_subtile(gy, i, EPI_SUB, BM, BN), off_m, off_n + i * SN, rstd, c, gamma_ptr,
+                                 x_desc, dres_desc, dx_desc, y_desc, dg_ptr, N, stride_dg, HAS_RES, BM, SN)
 
 
 def scale_arg(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -112,9 +97,9 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     fp8 (:class:`workloads.fp8.Fp8`): dz e5m2 and w (its data a transposed view of the K-major (d, N') copy)
     with per-tensor scales, dequantized in the epilogue (``promote``: accumulation mode); y is then bf16.
     """
-    M, K = (dz.data if isinstance(dz, Fp8) else dz).shape
-    N = (w.data if isinstance(w, Fp8) else w).shape[1]
-    dz, w, sa, sb, scaling = dequant_args(dz, w, M, N)
+    dz, w, sa, sb, scaling = dequant_args(dz, w)
+    M, K = dz.shape
+    N = w.shape[1]
     (a_s, a_t), (w_s, w_t) = operand(dz), operand(w)
     if w.shape[0] != K or x.shape != (M, N):
         raise ValueError(f"shape mismatch: dz {tuple(dz.shape)}, w {tuple(w.shape)}, x {tuple(x.shape)}")

@@ -64,9 +64,9 @@ def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tens
 
     w_qkv: nn.Linear layout with q/k rows in the adjacent-pair order; rstd fp32 [M]; positions [M] (integer).
     """
-    M, K = (h.data if isinstance(h, Fp8) else h).shape
-    N = (w_qkv.data if isinstance(w_qkv, Fp8) else w_qkv).shape[0]
-    h, w_qkv, sa, sb, scaling = dequant_args(h, w_qkv, M, N)
+    h, w_qkv, sa, sb, scaling = dequant_args(h, w_qkv)
+    M, K = h.shape
+    N = w_qkv.shape[0]
     (a_s, a_t), (w_s, w_t) = operand(h), operand(w_qkv.T)
     if N != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
         raise ValueError(f"w_qkv has {N} rows; expected (heads + 2 kv_heads) * head_dim with an even head_dim")

@@ -32,9 +32,9 @@ def scaled_linear_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, z_ptr, M, N, K,
 def scaled_linear(h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, promote: bool = False
                   ) -> torch.Tensor:
     """``rstd[:, None] * (h @ w.T)`` in h's dtype (bf16 for fp8 h, w); w in nn.Linear layout (N, K), rstd fp32 [M]."""
-    M, K = (h.data if isinstance(h, Fp8) else h).shape
-    N = (w.data if isinstance(w, Fp8) else w).shape[0]
-    h, w, sa, sb, scaling = dequant_args(h, w, M, N)
+    h, w, sa, sb, scaling = dequant_args(h, w)
+    M, K = h.shape
+    N = w.shape[0]
     (a_s, a_t), (w_s, w_t) = operand(h), operand(w.T)
     z = torch.empty(M, N, device=h.device, dtype=result_dtype(h))
     scaled_linear_kernel[persistent_grid(M, N, h.device)](

@@ -64,11 +64,11 @@ def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Ten
     w_gu: (2f, K) with interleaved gate/up rows; rstd fp32 [M]. ``y_fp8`` returns y quantized to e4m3 (scale
     per tensor or per row) from absmax partials of the epilogue (the down-projection's fp8 input).
     """
-    M, K = (h.data if isinstance(h, Fp8) else h).shape
-    N = (w_gu.data if isinstance(w_gu, Fp8) else w_gu).shape[0]
+    h, w_gu, sa, sb, scaling = dequant_args(h, w_gu)
+    M, K = h.shape
+    N = w_gu.shape[0]
     if N % 2:
         raise ValueError(f"w_gu must have an even number of rows (interleaved gate/up), got {N}")
-    h, w_gu, sa, sb, scaling = dequant_args(h, w_gu, M, N)
     (a_s, a_t), (w_s, w_t) = operand(h), operand(w_gu.T)
     dtype = result_dtype(h)
     y = torch.empty(M, N // 2, device=h.device, dtype=dtype)

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (dequant_scale, join_pairs, load_tile, ones_rows, silu_mul_pairs_bwd, split_cols,
-                                   split_pairs, store_row_partial, store_tile)
+from kernels.coda.epilogue import (col_subtile, dequant, join_pairs, load_tile, silu_mul_pairs_bwd, split_pairs,
+                                   store_row_partial, store_tile)
 from kernels.coda.fp8 import dequant_args
 from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
@@ -53,19 +53,11 @@ def dgrad_swiglu_kernel(dx_ptr, w_ptr, sa_ptr, sb_ptr, zp_ptr, dzp_ptr, y_ptr, p
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         dy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        if SCALING != 0:
-            dy = dequant_scale(dy, ones_rows(BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
-        d0, d1 = split_cols(dy, BM, BN)
-        if EPI_SUB == 2:
-            zdz = _swiglu_bwd_subtile(d0, off_m, off_n, zp_desc, dzp_desc, y_desc, BM, SN)
-            zdz += _swiglu_bwd_subtile(d1, off_m, off_n + SN, zp_desc, dzp_desc, y_desc, BM, SN)
-        else:  # EPI_SUB == 4
-            d00, d01 = split_cols(d0, BM, BN // 2)
-            d10, d11 = split_cols(d1, BM, BN // 2)
-            zdz = _swiglu_bwd_subtile(d00, off_m, off_n, zp_desc, dzp_desc, y_desc, BM, SN)
-            zdz += _swiglu_bwd_subtile(d01, off_m, off_n + SN, zp_desc, dzp_desc, y_desc, BM, SN)
-            zdz += _swiglu_bwd_subtile(d10, off_m, off_n + 2 * SN, zp_desc, dzp_desc, y_desc, BM, SN)
-            zdz += _swiglu_bwd_subtile(d11, off_m, off_n + 3 * SN, zp_desc, dzp_desc, y_desc, BM, SN)
+        dy = dequant(dy, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        zdz = tl.zeros((BM,), dtype=tl.float32)
+        for i in tl.static_range(EPI_SUB):
+            zdz += _swiglu_bwd_subtile(col_subtile(dy, i, EPI_SUB, BM, BN), off_m, off_n + i * SN, zp_desc, dzp_desc,
+                                       y_desc, BM, SN)
         store_row_partial(part_ptr, zdz, off_m, off_n, M, stride_p, BM, BN)
 
 
@@ -84,9 +76,9 @@ def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torc
     are in z_pre's dtype; zdz is fp32 [M]. fp8 dx (e5m2) and w_down (its data a transposed view of the K-major
     (f, d) copy) with per-tensor scales are dequantized in the epilogue (``promote``: accumulation mode).
     """
-    M, K = (dx.data if isinstance(dx, Fp8) else dx).shape
-    N = (w_down.data if isinstance(w_down, Fp8) else w_down).shape[1]
-    dx, w_down, sa, sb, scaling = dequant_args(dx, w_down, M, N)
+    dx, w_down, sa, sb, scaling = dequant_args(dx, w_down)
+    M, K = dx.shape
+    N = w_down.shape[1]
     (a_s, a_t), (w_s, w_t) = operand(dx), operand(w_down)
     if w_down.shape[0] != K:
         raise ValueError(f"shape mismatch: dx {tuple(dx.shape)}, w_down {tuple(w_down.shape)}")
