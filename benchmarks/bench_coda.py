@@ -29,7 +29,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 import triton
+from triton.runtime.autotuner import Autotuner
 
+import kernels.coda.functions  # noqa: F401  (imports every CODA kernel module)
 from kernels import layouts
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.gemm import matmul
@@ -343,6 +345,7 @@ def run_kernel(spec: KernelSpec, model: ModelShape, compile_: bool) -> tuple[lis
     """Error lines and times (ms) of one kernel on one model."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     t = spec.inputs(model, gen)
+    tuned = picked_configs(lambda: spec.fused(t, model))
     ours = spec.fused(t, model)
     theirs = spec.unfused(t, model)
     t64 = {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}
@@ -355,6 +358,7 @@ def run_kernel(spec: KernelSpec, model: ModelShape, compile_: bool) -> tuple[lis
         lines.append(f"{k}: {e_ours:.2e} torch {e_torch:.2e} x{e_ours / max(e_torch, 1e-30):.2f}"
                      f"{'' if ok else ' FAIL'}")
     del ours, theirs, ref
+    lines.append(f"config {tuned}")
     times = {"fused": bench(lambda: spec.fused(t, model)), "eager": bench(lambda: spec.unfused(t, model))}
     if spec.gemm is not None:
         x, w = spec.gemm(t)
@@ -368,6 +372,27 @@ def run_kernel(spec: KernelSpec, model: ModelShape, compile_: bool) -> tuple[lis
         except Exception as e:  # a torch.compile failure costs only its column
             lines.append(f"torch.compile failed: {type(e).__name__}")
     return lines, times
+
+
+def autotuners() -> list[Autotuner]:
+    """Every autotuned CODA kernel."""
+    import sys
+    return [v for name, mod in list(sys.modules.items()) if name.startswith("kernels.") for v in vars(mod).values()
+            if isinstance(v, Autotuner)]
+
+
+def short_config(fn_name: str, cfg: triton.Config) -> str:
+    kw = cfg.kwargs
+    sub = f"/{kw['EPI_SUB']}" if "EPI_SUB" in kw else ""
+    return f"{fn_name.removesuffix('_kernel')}:{kw['BM']}x{kw['BN']}x{kw['BK']}{sub} s{cfg.num_stages} w{cfg.num_warps}"
+
+
+def picked_configs(fn: Callable[[], object]) -> str:
+    """Run ``fn`` and name the tile config each autotuned kernel it launched picked for its shape."""
+    before = {id(a): set(a.cache) for a in autotuners()}
+    fn()
+    return ", ".join(short_config(a.base_fn.__name__, a.cache[k]) for a in autotuners()
+                     for k in a.cache if k not in before.get(id(a), ()))
 
 
 def fmt(v: float | None, spec: str = "7.3f") -> str:

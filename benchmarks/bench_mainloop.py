@@ -29,11 +29,11 @@ from workloads.ops import OPS
 @triton.jit
 def _variant_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_a, stride_b, stride_c,
                     A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                    BK: tl.constexpr, GROUP_M: tl.constexpr,
                     FLATTEN: tl.constexpr, WS: tl.constexpr):
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=FLATTEN,
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=FLATTEN,
                             warp_specialize=WS):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)
@@ -130,7 +130,7 @@ def sweep(g: Gemm, a, b, ref, sms: int) -> None:
         kw = dict(cfg.kwargs)
         grid = (min(sms, triton.cdiv(g.m, kw["BM"]) * triton.cdiv(g.n, kw["BN"])),)
         fn = lambda: _variant_kernel[grid](a_s, b_s, c, g.m, g.n, g.k, a_s.stride(0), b_s.stride(0),
-                                           c.stride(0), A_KM=a_t, B_KN=not b_t, NUM_SMS=sms, FLATTEN=flatten,
+                                           c.stride(0), A_KM=a_t, B_KN=not b_t, FLATTEN=flatten,
                                            WS=ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw)
         try:
             fn()

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kernels.coda.epilogue import dequant_scale, gather_cols, load_rows, store_row_partial, store_tile, tile_lse
 from kernels.coda.fp8 import dequant_args, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, tile_coords, tile_desc)
 from kernels.coda.reduce import finish_cross_entropy, launched_tiles, row_partials
 from workloads.fp8 import Fp8
@@ -27,11 +27,11 @@ def gemm_cross_entropy_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, target_ptr
                               tgt_logit_ptr, M, N, K, stride_h, stride_w, stride_l, stride_p, WITH_GRAD: tl.constexpr,
                               SCALING: tl.constexpr, PROMOTE: tl.constexpr,
                               A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+                              BK: tl.constexpr, GROUP_M: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
     if WITH_GRAD:
         logits_desc = tile_desc(logits_ptr, M, N, stride_l, BM, BN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
         logits = dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
@@ -67,7 +67,7 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     kernel[persistent_grid(M, V, h.device)](
         a_s, w_s, sa, sb, rstd, target, logits if with_grad else tgt_logit, lse_part, tgt_logit, M, V, K,
         a_s.stride(0), w_s.stride(0), logits.stride(0) if with_grad else 0, lse_part.stride(0),
-        WITH_GRAD=with_grad, SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
+        WITH_GRAD=with_grad, SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t)
     loss, lse, zdz = finish_cross_entropy(lse_part, launched_tiles(kernel, M, V)[1], tgt_logit, target,
                                           ignore_index, reduction, logits)
     return loss, lse, logits, zdz

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from kernels.coda.epilogue import dequant, store_tile
 from kernels.coda.fp8 import dequant_args, result_dtype, scalar_args
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, tile_coords, tile_desc)
 from workloads.fp8 import Fp8
 
@@ -21,10 +21,10 @@ from workloads.fp8 import Fp8
 @triton.jit
 def gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, stride_a, stride_b, stride_c,
                 SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
         acc = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
@@ -49,7 +49,7 @@ def matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, out_dtype: torch.dtype 
     # b (K, N) row-major means B stored (K, N) (B_KN); b = W.T means W stored (N, K).
     gemm_kernel[persistent_grid(M, N, a.device)](
         a_s, b_s, sa, sb, c, M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), SCALING=scaling,
-        PROMOTE=promote, A_KM=a_t, B_KN=not b_t, NUM_SMS=num_sms(a.device))
+        PROMOTE=promote, A_KM=a_t, B_KN=not b_t)
     return c
 
 

@@ -3,7 +3,7 @@
 A CODA kernel is a short Triton program::
 
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=FLATTEN):
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN)   # fp32 (BM, BN)
         ...epilogue primitives on acc (kernels/coda/epilogue.py)...
@@ -11,19 +11,20 @@ A CODA kernel is a short Triton program::
 It computes ``C[M, N] = A @ B`` with A stored (M, K) (``A_KM=False``) or (K, M), and B stored (N, K)
 (``B_KN=False``, the nn.Linear weight layout: C = A W^T) or (K, N). Operands are loaded through
 tensor descriptors (TMA on Hopper; out-of-bounds tiles read as zero), tiles are visited by a
-persistent grid of ``NUM_SMS`` programs in grouped (L2-friendly) order, and the accumulator is
-fp32. Tile configs are autotuned per kernel, keyed by (M, N, K) and the argument dtypes, with the
-results cached on disk (Triton's autotune cache). The same code runs under ``TRITON_INTERPRET=1``.
+persistent grid of one program per SM (:func:`persistent_grid`) in grouped (L2-friendly) order, and
+the accumulator is fp32. Tile configs are autotuned per kernel, keyed by (M, N, K) and the argument
+dtypes, with the results cached on disk (:mod:`kernels.coda.tuning`). The same code runs under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.coda import tuning
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -94,9 +95,8 @@ def mainloop(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr
 # ---------------------------------------------------------------------------------------------
 # Host side: configs, autotuning, launch.
 
-def _config(bm, bn, bk, stages, warps, group_m=8, **extra) -> triton.Config:
-    return triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": group_m, **extra},
-                         num_stages=stages, num_warps=warps)
+def _config(bm, bn, bk, stages, warps, group_m=8) -> triton.Config:
+    return triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": group_m}, num_stages=stages, num_warps=warps)
 
 
 def gemm_configs(min_bn: int = 16) -> list[triton.Config]:
@@ -107,16 +107,16 @@ def gemm_configs(min_bn: int = 16) -> list[triton.Config]:
     """
     if INTERPRET:
         return [_config(32, max(32, min_bn), 32, 1, 4, group_m=2)]
-    # Measured on H100 + Triton 3.6 (benchmarks/bench_mainloop.py --sweep, benchmarks/PERF_NOTES.md): 128x256x64
-    # with 8 warps and 3 stages is best on every large shape; 128x256 with 4 stages exceeds shared
-    # memory, 64x256 crashes Triton 3.6's wgmma lowering, warp specialization gave wrong results.
-    # 128x256x32 with 4 stages: for epilogues that store extra tiles (128x256x64 s3 then runs out of shared
-    # memory); measured 1.05-1.13x cuBLAS on the 7B/70B producer, SwiGLU+z_pre and CE shapes (H100, F's notes).
-    # BK = 128 with 128 x 256 tiles: the fp8 configs (128-byte K rows, like bf16's BK = 64); too large for
-    # bf16's shared memory, which _prune drops. 64 x 64: only for small problems (GPU tests), see _prune.
+    # Measured on H100 + Triton 3.6 (bench_mainloop.py --sweep, tmp sweeps of the fused kernels; PERF_NOTES.md):
+    # 128x256x64 and 256x128x64 with 8 warps and 3 stages win on every large bf16 shape; 128x128 wins a few small-K
+    # weight-gradient shapes. BK = 128: the fp8 configs (128-byte K rows, like bf16's BK = 64); too large for bf16's
+    # shared memory, which _prune drops. 64 x 64: only for small problems (GPU tests), see _prune. Dropped after
+    # sweeps: 128x256x32 (was for whole-tile epilogues, superseded by sub-tiling), 128x128x128, 128x64, and two
+    # programs per SM (128x128 tiles, 2-3 stages: 1.10-3.4x the GEMM against 1.01-1.49x for the best config).
+    # 128x256 with 4 stages exceeds shared memory, 64x256 crashes Triton 3.6's wgmma lowering, warp
+    # specialization gave wrong results.
     cfgs = [_config(128, 256, 64, 3, 8), _config(256, 128, 64, 3, 8), _config(128, 128, 64, 4, 8),
-            _config(128, 128, 64, 5, 4), _config(128, 128, 128, 3, 8), _config(128, 64, 64, 5, 4),
-            _config(128, 256, 32, 4, 8), _config(128, 256, 128, 3, 8), _config(256, 128, 128, 3, 8),
+            _config(128, 128, 64, 5, 4), _config(128, 256, 128, 3, 8), _config(256, 128, 128, 3, 8),
             _config(128, 256, 128, 4, 8), _config(64, 64, 64, 3, 4)]
     return [c for c in cfgs if c.kwargs["BN"] >= min_bn]
 
@@ -157,19 +157,16 @@ def _prune(configs, named_args, **kwargs):
     return keep or [min((c for c in configs if fits(c)), key=area, default=configs[0])]
 
 
-_AUTOTUNE_HAS_CACHE = "cache_results" in inspect.signature(triton.autotune).parameters
-
-
 def coda_autotune(key: Sequence[str] = ("M", "N", "K"), configs: list[triton.Config] | None = None,
                   restore_value: Sequence[str] = ()) -> Callable:
-    """``triton.autotune`` over :func:`gemm_configs` with the on-disk result cache.
+    """``triton.autotune`` over :func:`gemm_configs`, its winners cached on disk per GPU model and Triton
+    version (:mod:`kernels.coda.tuning`).
 
     ``restore_value`` names outputs a kernel read-modify-writes (so tuning runs don't corrupt them).
     """
-    kwargs = {"cache_results": True} if _AUTOTUNE_HAS_CACHE else {}
-    return triton.autotune(configs=configs or gemm_configs(), key=list(key),
-                           prune_configs_by={"early_config_prune": _prune},
-                           restore_value=list(restore_value), **kwargs)
+    tune = triton.autotune(configs=configs or gemm_configs(), key=list(key),
+                           prune_configs_by={"early_config_prune": _prune}, restore_value=list(restore_value))
+    return lambda fn: tuning.attach(tune(fn), lambda: torch.cuda.get_device_name(torch.cuda.current_device()))
 
 
 def num_sms(device: torch.device) -> int:
@@ -179,7 +176,7 @@ def num_sms(device: torch.device) -> int:
 
 
 def persistent_grid(M: int, N: int, device: torch.device):
-    """Grid of min(#SMs, #tiles) programs for the autotuned tile shape."""
+    """Grid of min(#SMs, #tiles) programs for the autotuned tile shape (kernels stride by ``tl.num_programs(0)``)."""
     sms = num_sms(device)
     return lambda meta: (min(sms, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)
 

@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels.coda.epilogue import (dequant, add_tile, cast, col_subtile, load_tile, scale_cols,
                                    store_row_partial, store_tile)
 from kernels.coda.fp8 import dequant_args, quantize_from_partials
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
 from kernels.coda.reduce import finish_rstd, launched_tiles, row_partials
 from workloads.fp8 import Fp8
@@ -31,14 +31,13 @@ from workloads.fp8 import Fp8
 def gemm_residual_norm_kernel(a_ptr, w_ptr, sa_ptr, sb_ptr, res_ptr, gamma_ptr, x_ptr, h_ptr, ss_ptr, amax_ptr, M, N, K,
                               stride_a, stride_w, stride_res, stride_x, stride_h, stride_ss, SCALING: tl.constexpr,
                               PROMOTE: tl.constexpr, AMAX: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                              NUM_SMS: tl.constexpr, EPI_SUB: tl.constexpr):
+                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(a_ptr, w_ptr, M, N, K, stride_a, stride_w, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     res_desc = tile_desc(res_ptr, M, N, stride_res, BM, SN)
     x_desc = tile_desc(x_ptr, M, N, stride_x, BM, SN)
     h_desc = tile_desc(h_ptr, M, N, stride_h, BM, SN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
         acc = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
@@ -78,7 +77,7 @@ def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: t
     kernel[persistent_grid(M, N, a.device)](
         a_s, w_s, sa, sb, residual, gamma, x, h, ss, amax, M, N, K, a_s.stride(0), w_s.stride(0), residual.stride(0),
         x.stride(0), h.stride(0), ss.stride(0), SCALING=scaling, PROMOTE=promote, AMAX=h_fp8 is not None,
-        A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(a.device))
+        A_KM=a_t, B_KN=not w_t)
     n_tiles = launched_tiles(kernel, M, N)[1]
     if h_fp8:
         h = quantize_from_partials(h, amax, n_tiles, rowwise=h_fp8 == "row")

@@ -22,7 +22,7 @@ import triton.language as tl
 from kernels.coda.epilogue import (col_subtile, col_sum_partial, dequant, load_cols, load_rows, load_tile,
                                    rmsnorm_dx, store_tile)
 from kernels.coda.fp8 import dequant_args, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
 from kernels.coda.reduce import col_partials, finish_col_sum, launched_tiles
 from workloads.fp8 import Fp8
@@ -49,7 +49,7 @@ def dgrad_rmsnorm_kernel(dz_ptr, w_ptr, sa_ptr, sb_ptr, x_ptr, rstd_ptr, gamma_p
                          stride_dg, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, SCALING: tl.constexpr,
                          PROMOTE: tl.constexpr, A_KM: tl.constexpr,
                          B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EPI_SUB: tl.constexpr):
+                         GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(dz_ptr, w_ptr, M, N, K, stride_dz, stride_w, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     x_desc = tile_desc(x_ptr, M, N, stride_x, BM, SN)
@@ -60,7 +60,7 @@ def dgrad_rmsnorm_kernel(dz_ptr, w_ptr, sa_ptr, sb_ptr, x_ptr, rstd_ptr, gamma_p
     if HAS_SCALE:
         scale = tl.load(scale_ptr).to(tl.float32)
         c_scale = c_scale * scale
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         gy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
         gy = dequant(gy, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
@@ -117,6 +117,5 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
         a_s, w_s, sa, sb, x, rstd, gamma, zdz, scale if scale is not None else rstd, res, dx, y, dg,
         M, N, K, a_s.stride(0), w_s.stride(0), x.stride(0), res.stride(0), dx.stride(0), y.stride(0),
         dg.stride(0), HAS_RES=dres is not None, HAS_SCALE=scale is not None, SCALING=scaling, PROMOTE=promote,
-        A_KM=a_t, B_KN=not w_t,
-        NUM_SMS=num_sms(x.device))
+        A_KM=a_t, B_KN=not w_t)
     return dx, y, finish_col_sum(dg, launched_tiles(kernel, M, N)[0], gamma.dtype)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels.coda.epilogue import col_subtile, dequant_scale, load_rows, rope_cos_sin, rotate_pairs, store_tile
 from kernels.coda.fp8 import dequant_args, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
 from workloads.fp8 import Fp8
 
@@ -43,11 +43,11 @@ def rope_freq_table(heads: int, kv_heads: int, head_dim: int, theta: float, devi
 @triton.jit
 def gemm_rope_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, pos_ptr, freq_ptr, out_ptr, M, N, K, stride_h, stride_w,
                      stride_o, SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EPI_SUB: tl.constexpr):
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     out_desc = tile_desc(out_ptr, M, N, stride_o, BM, SN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
         z = dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
@@ -74,5 +74,5 @@ def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tens
     out = torch.empty(M, N, device=h.device, dtype=result_dtype(h))
     gemm_rope_kernel[persistent_grid(M, N, h.device)](
         a_s, w_s, sa, sb, rstd, positions.contiguous(), freq, out, M, N, K, a_s.stride(0), w_s.stride(0),
-        out.stride(0), SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
+        out.stride(0), SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t)
     return out

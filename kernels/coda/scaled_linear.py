@@ -11,7 +11,7 @@ import triton.language as tl
 
 from kernels.coda.epilogue import dequant_scale, load_rows, store_tile
 from kernels.coda.fp8 import dequant_args, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, tile_coords, tile_desc)
 from workloads.fp8 import Fp8
 
@@ -20,10 +20,10 @@ from workloads.fp8 import Fp8
 @triton.jit
 def scaled_linear_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, z_ptr, M, N, K, stride_h, stride_w, stride_z,
                          SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+                         BK: tl.constexpr, GROUP_M: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
     z_desc = tile_desc(z_ptr, M, N, stride_z, BM, BN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
         store_tile(z_desc, off_m, off_n, dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING))
@@ -39,5 +39,5 @@ def scaled_linear(h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tens
     z = torch.empty(M, N, device=h.device, dtype=result_dtype(h))
     scaled_linear_kernel[persistent_grid(M, N, h.device)](
         a_s, w_s, sa, sb, rstd, z, M, N, K, a_s.stride(0), w_s.stride(0), z.stride(0), SCALING=scaling,
-        PROMOTE=promote, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
+        PROMOTE=promote, A_KM=a_t, B_KN=not w_t)
     return z

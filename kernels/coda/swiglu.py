@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels.coda.epilogue import (cast, col_subtile, dequant_scale, load_rows, silu_mul_pairs, store_row_partial,
                                    store_tile)
 from kernels.coda.fp8 import dequant_args, quantize_from_partials, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
 from kernels.coda.reduce import launched_tiles, row_partials
 from workloads.fp8 import Fp8
@@ -30,14 +30,13 @@ from workloads.fp8 import Fp8
 def gemm_swiglu_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, y_ptr, z_ptr, amax_ptr, M, N, K, stride_h, stride_w,
                        stride_y, stride_z, stride_amax, SAVE_PREACT: tl.constexpr, SCALING: tl.constexpr,
                        PROMOTE: tl.constexpr, AMAX: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                       NUM_SMS: tl.constexpr, EPI_SUB: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     y_desc = tile_desc(y_ptr, M, N // 2, stride_y, BM, SN // 2)
     if SAVE_PREACT:
         z_desc = tile_desc(z_ptr, M, N, stride_z, BM, SN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
         z = dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
@@ -78,7 +77,7 @@ def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Ten
     kernel[persistent_grid(M, N, h.device)](
         a_s, w_s, sa, sb, rstd, y, z if save_preact else y, amax, M, N, K, a_s.stride(0), w_s.stride(0), y.stride(0),
         z.stride(0) if save_preact else 0, amax.stride(0), SAVE_PREACT=save_preact, SCALING=scaling,
-        PROMOTE=promote, AMAX=y_fp8 is not None, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(h.device))
+        PROMOTE=promote, AMAX=y_fp8 is not None, A_KM=a_t, B_KN=not w_t)
     if y_fp8:
         y = quantize_from_partials(y, amax, launched_tiles(kernel, M, N)[1], rowwise=y_fp8 == "row")
     return y, z

@@ -21,7 +21,7 @@ import triton.language as tl
 from kernels.coda.epilogue import (col_subtile, dequant, join_pairs, load_tile, silu_mul_pairs_bwd, split_pairs,
                                    store_row_partial, store_tile)
 from kernels.coda.fp8 import dequant_args
-from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_sms, num_tiles, operand, operand_descs,
+from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
 from kernels.coda.reduce import finish_row_sum, launched_tiles, row_partials
 from workloads.fp8 import Fp8
@@ -43,14 +43,14 @@ def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.cons
 def dgrad_swiglu_kernel(dx_ptr, w_ptr, sa_ptr, sb_ptr, zp_ptr, dzp_ptr, y_ptr, part_ptr, M, N, K, stride_dx, stride_w,
                         stride_zp, stride_dzp, stride_y, stride_p, SCALING: tl.constexpr, PROMOTE: tl.constexpr,
                         A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                         EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(dx_ptr, w_ptr, M, N, K, stride_dx, stride_w, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     zp_desc = tile_desc(zp_ptr, M, 2 * N, stride_zp, BM, 2 * SN)
     dzp_desc = tile_desc(dzp_ptr, M, 2 * N, stride_dzp, BM, 2 * SN)
     y_desc = tile_desc(y_ptr, M, N, stride_y, BM, SN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), NUM_SMS, flatten=True):
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         dy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
         dy = dequant(dy, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
@@ -90,7 +90,7 @@ def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torc
     part = row_partials(kernel, M, N, dx.device)
     kernel[persistent_grid(M, N, dx.device)](
         a_s, w_s, sa, sb, z_pre, dz_pre, y, part, M, N, K, a_s.stride(0), w_s.stride(0), z_pre.stride(0),
-        dz_pre.stride(0), y.stride(0), part.stride(0), SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t, NUM_SMS=num_sms(dx.device))
+        dz_pre.stride(0), y.stride(0), part.stride(0), SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t)
     return dz_pre, y, finish_row_sum(part, launched_tiles(kernel, M, N)[1])
 
 

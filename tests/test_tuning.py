@@ -1,0 +1,150 @@
+"""The on-disk autotuning cache (kernels/coda/tuning.py): keyed by GPU model, Triton version, kernel source,
+shape and dtypes; stale or foreign entries are ignored."""
+import json
+
+import pytest
+import triton
+import triton.language as tl
+
+from kernels.coda import tuning
+
+CONFIGS = [triton.Config({"BLOCK": 32}, num_warps=4, num_stages=2), triton.Config({"BLOCK": 64}, num_warps=8, num_stages=3)]
+
+
+@triton.jit
+def _copy(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < N), mask=offs < N)
+
+
+@triton.jit
+def _copy_edited(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, 2 * tl.load(x_ptr + offs, mask=offs < N), mask=offs < N)
+
+
+def tuner(fn=_copy, configs=CONFIGS):
+    return triton.autotune(configs=configs, key=["N"])(fn)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODABENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODABENCH_AUTOTUNE_CACHE", raising=False)
+    return tmp_path
+
+
+KEY = (4096, "torch.bfloat16", True)
+
+
+def test_round_trip_restores_the_winner_under_its_exact_key(cache_dir):
+    path = tuning.cache_file("NVIDIA H100 80GB HBM3")
+    assert path.parent == cache_dir / "autotune" and "H100" in path.name and triton.__version__ in path.name
+    t = tuner()
+    t.cache[KEY] = CONFIGS[1]
+    tuning.store(t, [KEY], path)
+    fresh = tuner()
+    assert tuning.load(fresh, path) == 1
+    assert fresh.cache == {KEY: CONFIGS[1]}  # the tuple key with its int, str and bool survives JSON
+
+
+def test_other_gpu_other_kernel_source_and_unknown_configs_are_not_used(cache_dir):
+    h100, h200 = tuning.cache_file("NVIDIA H100 80GB HBM3"), tuning.cache_file("NVIDIA H200")
+    assert h100 != h200
+    t = tuner()
+    t.cache[KEY] = CONFIGS[1]
+    tuning.store(t, [KEY], h100)
+    assert tuning.load(tuner(), h200) == 0
+    edited = tuner(_copy_edited)
+    assert tuning.kernel_id(edited) != tuning.kernel_id(t)
+    assert tuning.load(edited, h100) == 0
+    assert tuning.load(tuner(configs=[CONFIGS[0], triton.Config({"BLOCK": 128}, num_warps=4)]), h100) == 0
+
+
+def test_store_merges_with_the_file_and_survives_a_corrupt_one(cache_dir):
+    path = tuning.cache_file("gpu")
+    a, b = tuner(), tuner(_copy_edited)
+    a.cache[KEY] = CONFIGS[0]
+    b.cache[(8192,)] = CONFIGS[1]
+    tuning.store(a, [KEY], path)
+    tuning.store(b, [(8192,)], path)
+    assert set(json.loads(path.read_text())) == {tuning.kernel_id(a), tuning.kernel_id(b)}
+    path.write_text("{not json")
+    tuning.store(a, [KEY], path)
+    assert tuning.load(tuner(), path) == 1
+
+
+def test_attach_loads_at_first_launch_and_stores_new_winners(cache_dir):
+    calls = []
+
+    def fake_run(*args, **kwargs):  # stands in for Autotuner.run: benchmarks a new key, remembers the winner
+        calls.append(args)
+        t.cache.setdefault((args[0],), CONFIGS[1])
+
+    t = tuner()
+    t.run = fake_run
+    tuning.attach(t, lambda: "Test GPU")
+    t.run(1024)
+    path = tuning.cache_file("Test GPU")
+    assert json.loads(path.read_text())[tuning.kernel_id(t)] == {
+        "[1024]": {"kwargs": {"BLOCK": 64}, "num_warps": 8, "num_stages": 3}}
+    again = tuner()
+    again.run = lambda *a, **k: None
+    tuning.attach(again, lambda: "Test GPU")
+    assert not again.cache  # nothing read before the first launch
+    again.run(1024)
+    assert again.cache == {(1024,): CONFIGS[1]}
+
+
+def test_disabled_or_single_config_kernels_are_left_alone(cache_dir, monkeypatch):
+    single = tuner(configs=CONFIGS[:1])
+    run = single.run
+    assert tuning.attach(single, lambda: "gpu").run == run
+    monkeypatch.setenv("CODABENCH_AUTOTUNE_CACHE", "0")
+    t = tuner()
+    run = t.run
+    assert tuning.attach(t, lambda: "gpu").run == run
+
+
+def scripted_bench(times):
+    """A stand-in for Autotuner._bench: each config's successive (median, p20, p80) times from ``times``."""
+    seq = {c: iter(v) for c, v in times.items()}
+    return lambda *args, config, **kwargs: [next(seq[config]), 0.0, 0.0]
+
+
+def test_refine_keeps_the_lowest_median_of_interleaved_rounds():
+    a, b, slow = (triton.Config({"BLOCK": n}, num_warps=4) for n in (32, 64, 128))
+    t = tuner(configs=[a, b, slow])
+    t.cache[KEY] = a  # Triton's single pass preferred a
+    t._bench = scripted_bench({a: [1.05, 1.04, 1.06], b: [1.0, 0.99, 1.2]})
+    tuning.refine(t, KEY, {a: [0.98, 0.9, 1.0], b: [1.01, 0.9, 1.1], slow: [1.5, 1.4, 1.6]}, (), {})
+    assert t.cache[KEY] is b and t.nargs is None  # slow (> 10% off) was not re-timed: the script has no times for it
+
+
+def test_refine_leaves_a_clear_winner_alone():
+    a, b = CONFIGS
+    t = tuner()
+    t.cache[KEY] = a
+    t._bench = scripted_bench({})  # would raise if called
+    tuning.refine(t, KEY, {a: 1.0, b: 1.2}, (), {})
+    assert t.cache[KEY] is a
+
+
+def test_attach_refines_only_launches_that_benchmarked(cache_dir):
+    a, b = CONFIGS
+    t = tuner()
+    refined = []
+
+    def fake_run(n, benchmarked):
+        t.cache[(n,)] = a
+        if benchmarked:
+            t.configs_timings = {a: [1.0], b: [1.05]}
+
+    t.run = fake_run
+    t._bench = lambda *args, config, **kwargs: refined.append(config) or [1.0 if config is b else 2.0]
+    tuning.attach(t, lambda: "gpu")
+    t.run(1, False)
+    assert not refined and t.cache[(1,)] is a
+    t.run(2, True)
+    assert len(refined) == 2 * tuning.REFINE_ROUNDS and t.cache[(2,)] is b
+    assert tuning.load(tuner(), tuning.cache_file("gpu")) == 2
