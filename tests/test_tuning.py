@@ -74,36 +74,41 @@ def test_store_merges_with_the_file_and_survives_a_corrupt_one(cache_dir):
     assert tuning.load(tuner(), path) == 1
 
 
-def test_attach_loads_at_first_launch_and_stores_new_winners(cache_dir):
-    calls = []
-
-    def fake_run(*args, **kwargs):  # stands in for Autotuner.run: benchmarks a new key, remembers the winner
-        calls.append(args)
-        t.cache.setdefault((args[0],), CONFIGS[1])
-
+def test_attach_tunes_before_the_launch_then_stores_and_reloads(cache_dir):
+    a, b = CONFIGS
+    order = []
     t = tuner()
-    t.run = fake_run
+    t.run = lambda *args, **kwargs: order.append(("launch", t.cache.get(t_key)))
+    t._bench = lambda *args, config, **kwargs: order.append(("bench", config)) or [1.0 if config is b else 1.05]
     tuning.attach(t, lambda: "Test GPU")
-    t.run(1024)
+    t_key = tuning.tuning_key(t, (None, None, 1024), {"grid": None, "warmup": False})
+    assert t_key == (1024,)
+    t.run(None, None, 1024, grid=None, warmup=False)
+    # one pass over both configs, three interleaved refining rounds (both within 10%), then one launch with the pick
+    assert order == [("bench", a), ("bench", b)] + [("bench", a), ("bench", b)] * tuning.REFINE_ROUNDS + [("launch", b)]
     path = tuning.cache_file("Test GPU")
     assert json.loads(path.read_text())[tuning.kernel_id(t)] == {
         "[1024]": {"kwargs": {"BLOCK": 64}, "num_warps": 8, "num_stages": 3}}
     again = tuner()
-    again.run = lambda *a, **k: None
+    again.run = lambda *args, **kwargs: None
+    again._bench = scripted_bench({})  # must not tune: the pick comes from the file
     tuning.attach(again, lambda: "Test GPU")
     assert not again.cache  # nothing read before the first launch
-    again.run(1024)
-    assert again.cache == {(1024,): CONFIGS[1]}
+    again.run(None, None, 1024, grid=None, warmup=False)
+    assert again.cache == {(1024,): b}
 
 
-def test_disabled_or_single_config_kernels_are_left_alone(cache_dir, monkeypatch):
+def test_single_config_kernels_are_left_alone_and_the_cache_can_be_disabled(cache_dir, monkeypatch):
     single = tuner(configs=CONFIGS[:1])
     run = single.run
     assert tuning.attach(single, lambda: "gpu").run == run
     monkeypatch.setenv("CODABENCH_AUTOTUNE_CACHE", "0")
     t = tuner()
-    run = t.run
-    assert tuning.attach(t, lambda: "gpu").run == run
+    t.run = lambda *args, **kwargs: None
+    t._bench = lambda *args, config, **kwargs: [1.0]
+    tuning.attach(t, lambda: "gpu")
+    t.run(None, None, 8, grid=None, warmup=False)
+    assert t.cache[(8,)] in CONFIGS and not (cache_dir / "autotune").exists()
 
 
 def scripted_bench(times):
@@ -115,36 +120,13 @@ def scripted_bench(times):
 def test_refine_keeps_the_lowest_median_of_interleaved_rounds():
     a, b, slow = (triton.Config({"BLOCK": n}, num_warps=4) for n in (32, 64, 128))
     t = tuner(configs=[a, b, slow])
-    t.cache[KEY] = a  # Triton's single pass preferred a
     t._bench = scripted_bench({a: [1.05, 1.04, 1.06], b: [1.0, 0.99, 1.2]})
-    tuning.refine(t, KEY, {a: [0.98, 0.9, 1.0], b: [1.01, 0.9, 1.1], slow: [1.5, 1.4, 1.6]}, (), {})
-    assert t.cache[KEY] is b and t.nargs is None  # slow (> 10% off) was not re-timed: the script has no times for it
+    first_pass = {a: [0.98, 0.9, 1.0], b: [1.01, 0.9, 1.1], slow: [1.5, 1.4, 1.6]}
+    assert tuning.refine(t, first_pass, (), {}) is b  # slow (> 10% off) is not re-timed: the script has no times for it
 
 
 def test_refine_leaves_a_clear_winner_alone():
     a, b = CONFIGS
     t = tuner()
-    t.cache[KEY] = a
     t._bench = scripted_bench({})  # would raise if called
-    tuning.refine(t, KEY, {a: 1.0, b: 1.2}, (), {})
-    assert t.cache[KEY] is a
-
-
-def test_attach_refines_only_launches_that_benchmarked(cache_dir):
-    a, b = CONFIGS
-    t = tuner()
-    refined = []
-
-    def fake_run(n, benchmarked):
-        t.cache[(n,)] = a
-        if benchmarked:
-            t.configs_timings = {a: [1.0], b: [1.05]}
-
-    t.run = fake_run
-    t._bench = lambda *args, config, **kwargs: refined.append(config) or [1.0 if config is b else 2.0]
-    tuning.attach(t, lambda: "gpu")
-    t.run(1, False)
-    assert not refined and t.cache[(1,)] is a
-    t.run(2, True)
-    assert len(refined) == 2 * tuning.REFINE_ROUNDS and t.cache[(2,)] is b
-    assert tuning.load(tuner(), tuning.cache_file("gpu")) == 2
+    assert tuning.refine(t, {a: 1.0, b: 1.2}, (), {}) is a

@@ -2,8 +2,9 @@
 results keyed by GPU model, Triton version, kernel source, shape and dtypes.
 
 Re-timing: Triton times each config once, one after the other; on an H100 the same config's time varied by up
-to 10% between tunings (LM-head GEMM, 1B), enough to pick a config 8-15% slower than the best. :func:`refine`
-re-times the configs within 10% of the winner in three interleaved rounds and keeps the lowest median.
+to 10% between tunings (LM-head GEMM, 1B), enough to pick a config 8-15% slower than the best. :func:`tune` times every config once
+as Triton does, then :func:`refine` re-times those within 10% of the winner in three interleaved rounds and
+keeps the lowest median, all before the launch.
 
 Cache: Triton's autotuner benchmarks every tile config the first time a kernel meets a new key (M, N, K and the
 argument dtypes) in a process: seconds to a minute per kernel and shape on a cold start. :func:`attach`
@@ -15,8 +16,8 @@ makes an autotuned kernel remember its winners in one JSON file per GPU model an
 so that a second run on the same kind of GPU starts timing within seconds. A kernel edit changes the source
 hash (it retunes); a stored config that is no longer in the kernel's list is ignored. Writes merge with the
 file's current content and replace it atomically (concurrent runs lose nothing but a race's last entry).
-``CODABENCH_AUTOTUNE_CACHE=0`` turns the cache off. Kernels with a single config (the interpreter's) never
-tune, so nothing is cached for them.
+``CODABENCH_AUTOTUNE_CACHE=0`` turns the cache off (not the re-timing). Kernels with a single config (the
+interpreter's) never tune, so nothing is cached for them.
 """
 from __future__ import annotations
 
@@ -97,46 +98,73 @@ def _median_ms(t: float | list[float]) -> float:
     return t[0] if isinstance(t, (list, tuple)) else t  # do_bench's quantiles start with the median
 
 
-def refine(tuner: Autotuner, key: tuple, timings: dict[triton.Config, Any], args: tuple, kwargs: dict) -> None:
-    """Re-time the configs within REFINE_WITHIN of the fastest of ``timings`` (Triton's first pass for ``key``) in
-    REFINE_ROUNDS interleaved rounds, with the launch's arguments, and keep the one of lowest median."""
+def tuning_key(tuner: Autotuner, args: tuple, kwargs: dict) -> tuple:
+    """The key ``Autotuner.run`` files a launch under: the values of its ``key`` arguments, then the dtype of
+    every tensor argument (Triton 3.x). Should it ever differ, Triton tunes on its own (no refining, still cached)."""
+    named = {k: v for k, v in {**dict(zip(tuner.arg_names, args)), **kwargs}.items() if k in tuner.arg_names}
+    return tuple([named[k] for k in tuner.keys if k in named] +
+                 [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
+
+
+def refine(tuner: Autotuner, timings: dict[triton.Config, Any], args: tuple, kwargs: dict) -> triton.Config:
+    """The config of lowest median among those within REFINE_WITHIN of the fastest of ``timings`` (a first pass),
+    re-timed in REFINE_ROUNDS interleaved rounds with the launch's arguments."""
     first = {c: _median_ms(t) for c, t in timings.items()}
-    best = min(first.values())
-    close = [c for c, t in first.items() if t <= best * (1 + REFINE_WITHIN)]
+    best = min(first, key=first.get)
+    close = [c for c, t in first.items() if t <= first[best] * (1 + REFINE_WITHIN)]
     if len(close) < 2:
-        return
+        return best
     rounds: dict[triton.Config, list[float]] = {c: [] for c in close}
+    for _ in range(REFINE_ROUNDS):
+        for c in close:
+            rounds[c].append(_median_ms(tuner._bench(*args, config=c, **kwargs)))
+    return min(close, key=lambda c: statistics.median(rounds[c]))
+
+
+def tune(tuner: Autotuner, args: tuple, kwargs: dict) -> triton.Config | None:
+    """Triton's tuning pass (every config that survives pruning, timed once by ``Autotuner._bench``, which
+    restores ``restore_value`` outputs) followed by :func:`refine`; None when pruning leaves one config.
+    Runs before the launch, as Triton's own tuning does: a tuning run must never be the last to write a
+    kernel's outputs (a config of another tile shape leaves partial sums in another layout)."""
     tuner.nargs = dict(zip(tuner.arg_names, args))
     try:
-        for _ in range(REFINE_ROUNDS):
-            for c in close:
-                rounds[c].append(_median_ms(tuner._bench(*args, config=c, **kwargs)))
+        configs = tuner.prune_configs(kwargs)
+        if len(configs) < 2:
+            return None
+        timings = {c: tuner._bench(*args, config=c, **kwargs) for c in configs}
+        tuner.configs_timings = timings
+        return refine(tuner, timings, args, kwargs)
     finally:
         tuner.nargs = None
-    tuner.cache[key] = min(close, key=lambda c: statistics.median(rounds[c]))
 
 
 def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
-    """Refine ``tuner``'s picks and back its in-memory cache by the file of the GPU ``gpu_name()`` names: loaded at
-    the first launch (not at import: that would initialise CUDA), each new winner stored."""
-    if not enabled() or len(tuner.configs) < 2:
+    """Tune ``tuner``'s new keys with :func:`tune` and back its in-memory cache by the file of the GPU
+    ``gpu_name()`` names: loaded at the first launch (not at import: that would initialise CUDA), each new
+    winner stored."""
+    if len(tuner.configs) < 2:
         return tuner
     run, path = tuner.run, None
 
-    def cached_run(*args, **kwargs):
+    def tuned_run(*args, **kwargs):
         nonlocal path
-        if path is None:
+        if path is None and enabled():
             path = cache_file(gpu_name())
             load(tuner, path)
+        key = tuning_key(tuner, args, kwargs)
+        fresh = key not in tuner.cache
+        if fresh:
+            best = tune(tuner, args, kwargs)
+            if best is not None:
+                tuner.cache[key] = best
         known = set(tuner.cache)
-        tuner.configs_timings = None
         out = run(*args, **kwargs)
-        new = [k for k in tuner.cache if k not in known]
-        if new:
-            if tuner.configs_timings:  # this launch benchmarked (more than one config survived pruning)
-                refine(tuner, new[0], tuner.configs_timings, args, kwargs)
+        new = [k for k in tuner.cache if k not in known]  # filed by Triton itself (one config, or another key)
+        if fresh and key in known:
+            new.append(key)
+        if new and path is not None:
             store(tuner, new, path)
         return out
 
-    tuner.run = cached_run
+    tuner.run = tuned_run
     return tuner
