@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -345,8 +346,7 @@ def run_kernel(spec: KernelSpec, model: ModelShape, compile_: bool) -> tuple[lis
     """Error lines and times (ms) of one kernel on one model."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     t = spec.inputs(model, gen)
-    tuned = picked_configs(lambda: spec.fused(t, model))
-    ours = spec.fused(t, model)
+    ours, tuned = with_picked_configs(lambda: spec.fused(t, model))
     theirs = spec.unfused(t, model)
     t64 = {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}
     ref = spec.unfused(t64, model)
@@ -376,7 +376,6 @@ def run_kernel(spec: KernelSpec, model: ModelShape, compile_: bool) -> tuple[lis
 
 def autotuners() -> list[Autotuner]:
     """Every autotuned CODA kernel."""
-    import sys
     return [v for name, mod in list(sys.modules.items()) if name.startswith("kernels.") for v in vars(mod).values()
             if isinstance(v, Autotuner)]
 
@@ -387,12 +386,12 @@ def short_config(fn_name: str, cfg: triton.Config) -> str:
     return f"{fn_name.removesuffix('_kernel')}:{kw['BM']}x{kw['BN']}x{kw['BK']}{sub} s{cfg.num_stages} w{cfg.num_warps}"
 
 
-def picked_configs(fn: Callable[[], object]) -> str:
-    """Run ``fn`` and name the tile config each autotuned kernel it launched picked for its shape."""
+def with_picked_configs(fn: Callable[[], Tensors]) -> tuple[Tensors, str]:
+    """``fn()`` and the tile config each autotuned kernel it launched picked for its new shape."""
     before = {id(a): set(a.cache) for a in autotuners()}
-    fn()
-    return ", ".join(short_config(a.base_fn.__name__, a.cache[k]) for a in autotuners()
-                     for k in a.cache if k not in before.get(id(a), ()))
+    out = fn()
+    return out, ", ".join(short_config(a.base_fn.__name__, a.cache[k]) for a in autotuners()
+                          for k in a.cache if k not in before.get(id(a), ()))
 
 
 def fmt(v: float | None, spec: str = "7.3f") -> str:

@@ -164,9 +164,9 @@ def coda_autotune(key: Sequence[str] = ("M", "N", "K"), configs: list[triton.Con
 
     ``restore_value`` names outputs a kernel read-modify-writes (so tuning runs don't corrupt them).
     """
-    tune = triton.autotune(configs=configs or gemm_configs(), key=list(key),
-                           prune_configs_by={"early_config_prune": _prune}, restore_value=list(restore_value))
-    return lambda fn: tuning.attach(tune(fn), lambda: torch.cuda.get_device_name(torch.cuda.current_device()))
+    autotune = triton.autotune(configs=configs or gemm_configs(), key=list(key),
+                               prune_configs_by={"early_config_prune": _prune}, restore_value=list(restore_value))
+    return lambda fn: tuning.attach(autotune(fn), lambda: torch.cuda.get_device_name(torch.cuda.current_device()))
 
 
 def num_sms(device: torch.device) -> int:

@@ -144,26 +144,23 @@ def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
     winner stored."""
     if len(tuner.configs) < 2:
         return tuner
-    run, path = tuner.run, None
+    run, path, use_file = tuner.run, None, enabled()
 
     def tuned_run(*args, **kwargs):
         nonlocal path
-        if path is None and enabled():
+        if use_file and path is None:
             path = cache_file(gpu_name())
             load(tuner, path)
         key = tuning_key(tuner, args, kwargs)
-        fresh = key not in tuner.cache
-        if fresh:
-            best = tune(tuner, args, kwargs)
-            if best is not None:
-                tuner.cache[key] = best
+        if key in tuner.cache:  # the common case: a known shape, nothing to tune or store
+            return run(*args, **kwargs)
         known = set(tuner.cache)
+        best = tune(tuner, args, kwargs)
+        if best is not None:
+            tuner.cache[key] = best
         out = run(*args, **kwargs)
-        new = [k for k in tuner.cache if k not in known]  # filed by Triton itself (one config, or another key)
-        if fresh and key in known:
-            new.append(key)
-        if new and path is not None:
-            store(tuner, new, path)
+        if path is not None:  # our pick, or what Triton filed itself (one config left, or a key of its own)
+            store(tuner, [k for k in tuner.cache if k not in known], path)
         return out
 
     tuner.run = tuned_run
