@@ -16,17 +16,21 @@ Compared outputs: ``fwd`` and direct ops: ``op.outputs`` plus the ``op.side_outp
 implementation returns; ``bwd``: the gradient ``grad_<input>`` of every differentiable input;
 ``fwd_bwd``: both.
 
-Poisoning: before the call, blocks of the outputs' sizes are allocated, filled with 0xFF bytes (NaN
-in every floating format: fp64 down to fp8 e4m3) and freed, so that an output the implementation
-allocates but never fully writes shows up as NaN (see :func:`poison_allocator`). This is best
-effort: allocations the implementation makes before its outputs may take the poisoned blocks, and
-on the CPU the C allocator may hand back fresh (zeroed) pages for large blocks.
+Unwritten outputs: an output the implementation allocates but never fully writes must show up as
+NaN. On the GPU, before the call, blocks of the outputs' sizes are allocated, filled with 0xFF bytes
+(NaN in every floating format: fp64 down to fp8 e4m3) and freed into the caching allocator (see
+:func:`poison_allocator`); this is best effort, as allocations the implementation makes before its
+outputs may take the poisoned blocks. On the CPU the C allocator gives no such control (it may hand
+back fresh zeroed pages), so the call runs with PyTorch's deterministic fill instead: every
+``torch.empty``-family allocation comes back NaN-filled (see :func:`nan_filled_allocations`).
 """
 from __future__ import annotations
 
 import math
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -120,29 +124,53 @@ def build_reference(op: Op, case: Case) -> GroupReference:
 
 
 def poison_allocator(device: torch.device, sizes: list[int]) -> None:
-    """Hand the allocator NaN (0xFF) blocks where the next allocations of ``sizes`` bytes will land.
+    """Leave NaN (0xFF) blocks in the CUDA caching allocator where outputs of ``sizes`` bytes will land.
 
     Two blocks of each output size are allocated first: a caching allocator carves them from the
     same best-fit free blocks that the implementation's outputs will be carved from, and freed
-    blocks keep their bytes. On the GPU one large block (both pools emptied first) follows.
+    blocks keep their bytes. One large block (both pools emptied first) follows.
     """
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
     blocks = [torch.full((s,), 255, dtype=torch.uint8, device=device) for s in sizes for _ in range(2)]
-    if device.type == "cuda":
-        total = max(2 * sum(sizes), 64 * 2**20)
-        blocks.append(torch.full((min(total, torch.cuda.mem_get_info(device)[0] // 2),), 255,
-                                 dtype=torch.uint8, device=device))
+    total = max(2 * sum(sizes), 64 * 2**20)
+    blocks.append(torch.full((min(total, torch.cuda.mem_get_info(device)[0] // 2),), 255,
+                             dtype=torch.uint8, device=device))
     del blocks
+
+
+@contextmanager
+def nan_filled_allocations() -> Iterator[None]:
+    """Within the block, ``torch.empty`` and its kin return NaN-filled floats (max-valued integers).
+
+    This is PyTorch's ``fill_uninitialized_memory``, active only while deterministic algorithms are on;
+    they are turned on in warn-only mode (an op without a deterministic kernel still runs) and the
+    previous settings are restored on exit.
+    """
+    import torch.utils.deterministic as deterministic
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             deterministic.fill_uninitialized_memory)
+    try:
+        deterministic.fill_uninitialized_memory = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*deterministic.*")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        deterministic.fill_uninitialized_memory = saved[2]
 
 
 def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
     """Run ``impl`` once on fresh correctness inputs and compare every output with the reference."""
     op, case = group.op, group.fresh_case()
     snapshot = {k: v.clone() for k, v in case.inputs.items() if isinstance(v, torch.Tensor)}
-    sizes = [t.numel() * group.expected_dtype.get(k, t.dtype).itemsize for k, t in group.reference.items()]
-    poison_allocator(case.device, sizes)
-    result = compared(op, case.mode, run_once(op, impl, case, group.grad_outputs))
+    if case.device.type == "cuda":
+        sizes = [t.numel() * group.expected_dtype.get(k, t.dtype).itemsize for k, t in group.reference.items()]
+        poison_allocator(case.device, sizes)
+        result = compared(op, case.mode, run_once(op, impl, case, group.grad_outputs))
+    else:
+        with nan_filled_allocations():
+            result = compared(op, case.mode, run_once(op, impl, case, group.grad_outputs))
     outcome = CheckOutcome()
     mutated = [k for k, v in snapshot.items() if not torch.equal(case.inputs[k], v)]
     if mutated:

@@ -7,6 +7,7 @@ import matplotlib.image as mpimg
 import numpy as np
 import pandas as pd
 import pytest
+from PIL import Image
 
 from codabench.registry import load_plugin_file
 from codabench.report import finalize, load_run, tables
@@ -37,6 +38,8 @@ def test_run_files_and_columns(run_dir):
     assert {"output", "rel_err", "max_abs", "cosine", "torch_rel_err", "ratio", "passed"} <= set(err.columns)
     assert sorted(p.name for p in (run_dir / "plots").glob("*.png")) == \
         ["median_ms_fp32.png", "rel_err_fp32.png", "sol_ratio_fp32.png", "speedup_fp32.png"]
+    for png in (run_dir / "plots").glob("*.png"):  # palette PNGs keep the committed reports small
+        assert Image.open(png).mode == "P", png.name
 
 
 def test_speedup_and_sol_are_consistent(run_dir):
@@ -54,9 +57,12 @@ def test_results_json_is_strict_and_keeps_samples(run_dir):
     def no_constants(name):
         raise ValueError(f"non-standard JSON constant {name}")
 
-    data = json.loads((run_dir / "results.json").read_text(), parse_constant=no_constants)
+    text = (run_dir / "results.json").read_text()
+    data = json.loads(text, parse_constant=no_constants)
     ok = [r for r in data["results"] if r["status"] == "ok"]
     assert ok and all(len(r["samples_ms"]) == r["n_samples"] for r in ok)
+    rows = [json.loads(line.strip().rstrip(",")) for line in text.splitlines() if line.startswith('    {"op"')]
+    assert len(rows) == len(data["results"]) + len(data["errors"])  # one row per line
     assert data["env"]["device"] == "cpu"
 
 

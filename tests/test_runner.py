@@ -4,6 +4,9 @@ import json
 import pandas as pd
 import pytest
 
+import torch
+
+from codabench.correctness import nan_filled_allocations
 from codabench.matrix import Cell, build_cells, groups, shard
 from codabench.registry import load_plugin_file
 from codabench.report import finalize, load_run
@@ -60,6 +63,15 @@ def test_faulty_plugins_become_error_rows_and_the_run_goes_on(registry, tmp_path
     # per-output error rows, with PyTorch's own error alongside
     e = err[(err["impl"] == "test-inaccurate") & (err["output"] == "out")].iloc[0]
     assert e["passed"] is False and e["torch_rel_err"] < 1e-5 and e["ratio"] > 100
+
+
+def test_cpu_correctness_calls_get_nan_filled_allocations():
+    """On the CPU, unwritten outputs are found by PyTorch's deterministic fill, and the setting is restored."""
+    with nan_filled_allocations():
+        assert torch.empty(1000).isnan().all()
+        assert torch.empty(4, 8, dtype=torch.float16).isnan().all()
+        assert torch.empty(3, dtype=torch.int32).eq(torch.iinfo(torch.int32).max).all()
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_autograd_modes_compare_gradients(registry, tmp_path):

@@ -5,6 +5,7 @@ fused time / plain GEMM time (``sol_ratio``) and % of the measured GEMM ceiling.
 """
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 import pandas as pd  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from workloads.models import PRESETS  # noqa: E402
 
@@ -108,5 +110,14 @@ def _panel_figure(data: pd.DataFrame, metric: Metric, title: str, path: Path) ->
     fig.suptitle(title, fontsize=10, y=1 - 0.05 / height, va="top")
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.35 / height, top=1 - 0.75 / height,
                         wspace=0.35, hspace=0.45)
-    fig.savefig(path, dpi=90)
+    _save_png(fig, path)
     plt.close(fig)
+
+
+def _save_png(fig: plt.Figure, path: Path) -> None:
+    """A 256-colour palette PNG: a few line colours plus their anti-aliasing fit a palette, and the
+    file is about a quarter of matplotlib's RGBA one (it is embedded in report.html too)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    image = Image.open(buf).convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE)
+    image.save(path, format="png", optimize=True)

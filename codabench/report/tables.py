@@ -112,7 +112,18 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(_json_safe(obj), indent=2, sort_keys=False) + "\n")
+    """Strict JSON, indented, except that each element of a list of dicts (a row) takes one line."""
+    path.write_text(_dumps(_json_safe(obj), 0) + "\n")
+
+
+def _dumps(obj: Any, depth: int) -> str:
+    pad, inner = "  " * depth, "  " * (depth + 1)
+    if isinstance(obj, dict) and obj:
+        items = (f"{inner}{json.dumps(k)}: {_dumps(v, depth + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(obj, list) and obj and all(isinstance(v, dict) for v in obj):
+        return "[\n" + ",\n".join(inner + json.dumps(v) for v in obj) + f"\n{pad}]"
+    return json.dumps(obj)
 
 
 def _json_safe(obj: Any) -> Any:
