@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
@@ -164,13 +164,12 @@ def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
     """Run ``impl`` once on fresh correctness inputs and compare every output with the reference."""
     op, case = group.op, group.fresh_case()
     snapshot = {k: v.clone() for k, v in case.inputs.items() if isinstance(v, torch.Tensor)}
-    if case.device.type == "cuda":
-        sizes = [t.numel() * group.expected_dtype.get(k, t.dtype).itemsize for k, t in group.reference.items()]
-        poison_allocator(case.device, sizes)
+    on_gpu = case.device.type == "cuda"
+    if on_gpu:
+        poison_allocator(case.device, [t.numel() * group.expected_dtype.get(k, t.dtype).itemsize
+                                       for k, t in group.reference.items()])
+    with nullcontext() if on_gpu else nan_filled_allocations():
         result = compared(op, case.mode, run_once(op, impl, case, group.grad_outputs))
-    else:
-        with nan_filled_allocations():
-            result = compared(op, case.mode, run_once(op, impl, case, group.grad_outputs))
     outcome = CheckOutcome()
     mutated = [k for k, v in snapshot.items() if not torch.equal(case.inputs[k], v)]
     if mutated:

@@ -133,7 +133,7 @@ def test_fp8_dgrad_kernels_fold_the_per_tensor_scales():
     w = _r(2 * f, d, seed=22, scale=0.1)   # gate/up weight, nn.Linear (2f, d)
     wd = _r(d, f, seed=23, scale=0.1)      # down weight, nn.Linear (d, f)
     wq, wdq = _q(w.T.contiguous(), False), _q(wd.T.contiguous(), False)   # K-major copies
-    w_lin, wd_lin = Fp8(wq.data.T, wq.scale), Fp8(wdq.data.T, wdq.scale)
+    w_lin, wd_lin = wq.T, wdq.T
     x, gamma, zdz = _r(M, d, seed=24).bfloat16(), _r(d, seed=25, scale=0.1, mean=1.0), _r(M, seed=26)
     rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
     dx8, y8, dg8 = dgrad_rmsnorm(dzq, w_lin, x, rstd, gamma, zdz)

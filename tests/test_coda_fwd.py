@@ -59,8 +59,8 @@ def _partials_kernel(x_ptr, y_ptr, ss_ptr, dot_ptr, col_ptr, lse_ptr, M, N, stri
     off_m, off_n = tl.program_id(0) * BM, tl.program_id(1) * BN
     x = E.load_tile(tile_desc(x_ptr, M, N, stride_x, BM, BN), off_m, off_n)
     y = E.load_tile(tile_desc(y_ptr, M, N, stride_x, BM, BN), off_m, off_n)
-    E.row_sumsq_partial(ss_ptr, x, off_m, off_n, M, stride_p, BM, BN)
-    E.row_dot_partial(dot_ptr, x, y, off_m, off_n, M, stride_p, BM, BN)
+    E.store_row_partial(ss_ptr, E.row_sumsq(x), off_m, off_n, M, stride_p, BM, BN)
+    E.store_row_partial(dot_ptr, E.row_dot(x, y), off_m, off_n, M, stride_p, BM, BN)
     E.col_sum_partial(col_ptr, x * y, off_m, off_n, N, stride_c, BM, BN)
     E.store_row_partial(lse_ptr, E.tile_lse(x, off_n, N, BN), off_m, off_n, M, stride_p, BM, BN)
 

@@ -79,6 +79,11 @@ class Fp8(NamedTuple):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.data.to(torch.float32) * self.scale).to(dtype)
 
+    @property
+    def T(self) -> Fp8:
+        """The transposed view, with the same scale (a per-row scale then runs along the columns)."""
+        return Fp8(self.data.T, self.scale)
+
 
 def pow2_scale(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``2^k``, the smallest power of two with ``amax <= fmax 2^k`` (1 where amax is 0), exactly.

@@ -22,9 +22,9 @@ KEY = ["op", "model", "mode", "dtype", "impl"]
 
 RESULT_COLUMNS = [
     "op", "impl", "model", "mode", "dtype", "status", "message", "label", "tokens", "check_tokens", "fp8_recipe",
-    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "tflops", "speedup", "sol_ms", "sol_ratio",
-    "pct_ceiling", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct", "sm_clock_mhz",
-    "temp_c", "finished_at"]
+    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "tflops", "speedup", "sol_ms",
+    "sol_ratio", "pct_ceiling", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct",
+    "sm_clock_mhz", "temp_c", "finished_at"]
 """``timing`` is ``cuda-events``, ``cuda-graph`` or ``cpu-wall`` (cpu-wall is not a performance figure).
 ``first_call_s`` = wall seconds of the first call at the timed shape, before any sample (torch.compile
 compiling, FlashInfer's JIT, Triton autotuning: each provider's warm-up cost in this process);

@@ -34,7 +34,8 @@ def gemm_cross_entropy_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, target_ptr
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        logits = dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        rstd = load_rows(rstd_ptr, off_m, M, BM)
+        logits = dequant_scale(acc, rstd, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         if WITH_GRAD:
             store_tile(logits_desc, off_m, off_n, logits)
         store_row_partial(lse_part_ptr, tile_lse(logits, off_n, N, BN), off_m, off_n, M, stride_p, BM, BN)

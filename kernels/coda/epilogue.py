@@ -6,13 +6,13 @@ tiles read through a descriptor (out-of-bounds reads are zero), which the reduct
 only the log-sum-exp masks explicitly (exp(0) is not 0). All math is fp32; values are cast to the
 destination dtype only when stored. The five kinds (coda-spec.md):
 
-1. elementwise / scale: :func:`scale_scalar`, :func:`scale_rows`, :func:`scale_cols`, :func:`dequant_scale`
-   (fp8 scales composed with a row scale; :func:`dequant` without one), :func:`add_tile`, :func:`rmsnorm_dx` (RMSNorm backward)
+1. elementwise / scale: :func:`scale_cols`, :func:`dequant_scale` (a row scale such as rstd composed with the
+   fp8 scales; :func:`dequant` without one), :func:`add_tile`, :func:`rmsnorm_dx` (RMSNorm backward)
 2. vector loads broadcast along M or N: :func:`load_rows`, :func:`load_cols`
 3. tile load / store: :func:`load_tile`, :func:`store_tile` (+ :func:`cast`)
-4. block reductions: :func:`store_row_partial` (+ :func:`row_sumsq_partial`, :func:`row_dot_partial`,
-   :func:`row_absmax_partial`)
-   into ``part[M, T]`` (T = number of N tiles) and :func:`col_sum_partial` into ``part[Tm, N]``;
+4. block reductions: row reductions :func:`row_sumsq`, :func:`row_dot`, :func:`row_absmax` (summed or maxed over
+   an epilogue's sub-tiles), stored by :func:`store_row_partial` into ``part[M, T]`` (T = number of N tiles),
+   and :func:`col_sum_partial` into ``part[Tm, N]``;
    finished by the kernels of ``kernels/coda/reduce.py`` (deterministic: no atomics)
 5. stateful / pairwise: :func:`tile_lse`, :func:`gather_cols`, :func:`split_cols` / :func:`col_subtile`,
    :func:`split_pairs` /
@@ -42,12 +42,6 @@ INV_TWO_PI = tl.constexpr(0.15915494309189535)
 # ---- 1-2. scales and vector loads -------------------------------------------------------------
 
 @triton.jit
-def scale_scalar(acc, scale_ptr):
-    """``acc * s`` with the fp32 scalar ``s = *scale_ptr`` (e.g. an fp8 dequantization scale)."""
-    return acc * tl.load(scale_ptr).to(tl.float32)
-
-
-@triton.jit
 def load_rows(vec_ptr, off_m, M, BM: tl.constexpr):
     """``v[off_m + i]`` for i < BM as fp32 (0 past M): a per-row vector of the tile."""
     rows = off_m + tl.arange(0, BM)
@@ -59,12 +53,6 @@ def load_cols(vec_ptr, off_n, N, BN: tl.constexpr):
     """``v[off_n + j]`` for j < BN as fp32 (0 past N): a per-column vector of the tile."""
     cols = off_n + tl.arange(0, BN)
     return tl.load(vec_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def scale_rows(acc, vec_ptr, off_m, M, BM: tl.constexpr):
-    """``acc[i, j] * v[off_m + i]``: row-vector scale (RMSNorm's ``rstd``, per-token fp8 scales)."""
-    return acc * load_rows(vec_ptr, off_m, M, BM)[:, None]
 
 
 @triton.jit
@@ -163,21 +151,21 @@ def store_row_partial(part_ptr, val, off_m, off_n, M, stride_p, BM: tl.constexpr
 
 
 @triton.jit
-def row_sumsq_partial(part_ptr, x, off_m, off_n, M, stride_p, BM: tl.constexpr, BN: tl.constexpr):
-    """Row partials of the sum of squares: ``part[m, t] = sum_{j in tile t} x_mj^2``."""
-    store_row_partial(part_ptr, tl.sum(x * x, axis=1), off_m, off_n, M, stride_p, BM, BN)
+def row_sumsq(x):
+    """``sum_j x_ij^2`` per row (RMSNorm's statistics)."""
+    return tl.sum(x * x, axis=1)
 
 
 @triton.jit
-def row_dot_partial(part_ptr, a, b, off_m, off_n, M, stride_p, BM: tl.constexpr, BN: tl.constexpr):
-    """Row partials of a dot product: ``part[m, t] = sum_{j in tile t} a_mj b_mj`` (ZdZ)."""
-    store_row_partial(part_ptr, tl.sum(a * b, axis=1), off_m, off_n, M, stride_p, BM, BN)
+def row_dot(a, b):
+    """``sum_j a_ij b_ij`` per row (ZdZ)."""
+    return tl.sum(a * b, axis=1)
 
 
 @triton.jit
-def row_absmax_partial(part_ptr, x, off_m, off_n, M, stride_p, BM: tl.constexpr, BN: tl.constexpr):
-    """Row partials of the absolute maximum: ``part[m, t] = max_{j in tile t} |x_mj|`` (an fp8 scale's amax)."""
-    store_row_partial(part_ptr, tl.max(tl.abs(x), axis=1), off_m, off_n, M, stride_p, BM, BN)
+def row_absmax(x):
+    """``max_j |x_ij|`` per row, in fp32 (the amax of an fp8 scale)."""
+    return tl.max(tl.abs(x.to(tl.float32)), axis=1)
 
 
 @triton.jit

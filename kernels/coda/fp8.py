@@ -78,11 +78,17 @@ def result_dtype(t: torch.Tensor) -> torch.dtype:
 @triton.jit
 def pow2_scale(amax, FP8_EXP: tl.constexpr):
     """``2^k``, the smallest power of two with ``amax <= 1.75 2^(FP8_EXP + k)`` (fmax), 1 where amax is 0;
-    bit-exact twin of :func:`workloads.fp8.pow2_scale`. Returns ``(s, 1 / s)``, both exact."""
+    bit-exact twin of :func:`workloads.fp8.pow2_scale`."""
     bits = amax.to(tl.int32, bitcast=True)
     biased = ((bits >> 23) & 0xFF) - FP8_EXP + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     biased = tl.where(amax > 0, tl.minimum(tl.maximum(biased, 2), 253), 127)
-    return (biased << 23).to(tl.float32, bitcast=True), ((254 - biased) << 23).to(tl.float32, bitcast=True)
+    return (biased << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_reciprocal(s):
+    """``1 / s`` for a power of two s of :func:`pow2_scale`, exact (from its exponent bits)."""
+    return ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -95,7 +101,7 @@ def scale_kernel(part_ptr, scale_ptr, M, T, stride_p, FP8_EXP: tl.constexpr, ROW
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         p = tl.load(part_ptr + rows[:, None].to(tl.int64) * stride_p + cols[None, :],
                     mask=(rows < M)[:, None] & (cols < T)[None, :], other=0.0)
-        s, _ = pow2_scale(tl.max(p, axis=1), FP8_EXP)
+        s = pow2_scale(tl.max(p, axis=1), FP8_EXP)
         tl.store(scale_ptr + rows, s, mask=rows < M)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -104,7 +110,7 @@ def scale_kernel(part_ptr, scale_ptr, M, T, stride_p, FP8_EXP: tl.constexpr, ROW
             p = tl.load(part_ptr + rows[:, None].to(tl.int64) * stride_p + cols[None, :],
                         mask=(rows < M)[:, None] & (cols < T)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(p, axis=1))
-        s, _ = pow2_scale(tl.max(amax, axis=0), FP8_EXP)
+        s = pow2_scale(tl.max(amax, axis=0), FP8_EXP)
         tl.store(scale_ptr, s)
 
 
@@ -120,7 +126,7 @@ def quantize_kernel(x_ptr, scale_ptr, q_ptr, M, N, stride_x, stride_q, ROWWISE: 
         s = tl.load(scale_ptr + rows, mask=rows < M, other=1.0)[:, None]
     else:
         s = tl.load(scale_ptr)
-    inv = ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
+    inv = pow2_reciprocal(s)
     for off_n in range(0, N, BN):
         store_tile(q_desc, off_m, off_n, load_tile(x_desc, off_m, off_n) * inv)
 

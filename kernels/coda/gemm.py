@@ -55,5 +55,4 @@ def matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, out_dtype: torch.dtype 
 
 def linear(x: torch.Tensor | Fp8, w: torch.Tensor | Fp8, promote: bool = False) -> torch.Tensor:
     """``x @ w.T`` with w in nn.Linear layout (N, K); fp8 x, w: scales per tensor or per row of each."""
-    wt = Fp8(w.data.T, w.scale) if isinstance(w, Fp8) else w.T
-    return matmul(x, wt, promote=promote)
+    return matmul(x, w.T, promote=promote)

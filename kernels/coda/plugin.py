@@ -37,6 +37,7 @@ from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, Swi
 from kernels.coda.gemm import linear
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.swiglu_bwd import dgrad_swiglu
+from kernels.torch_baselines import quantize_native
 from workloads import fp8
 from workloads.models import ModelShape
 from workloads.ops.gemm import GEMM_SHAPES
@@ -98,7 +99,7 @@ def block_run(n: Tensors) -> Tensors:
 
 def _dgrad_weight(w: torch.Tensor | fp8.Fp8) -> torch.Tensor | fp8.Fp8:
     """The dgrad's weight in nn.Linear layout: an fp8 one is stored transposed (K-major), so view it back."""
-    return fp8.Fp8(w.data.T, w.scale) if isinstance(w, fp8.Fp8) else w
+    return w.T if isinstance(w, fp8.Fp8) else w
 
 
 def _promote(n: Tensors) -> bool:
@@ -138,16 +139,13 @@ class CodaTriton(Implementation):
         """Canonical -> native, untimed: interleaved gate/up rows, q/k rows in adjacent-pair order; fp8 cells:
         then the GEMM operands quantized under the cell's recipe."""
         native: Tensors = {k: v for k, v in case.inputs.items() if k not in ("w_gate", "w_up")}
-        roles = dict(case.op.fp8_operands)
         if "w_gate" in case.inputs:
             native["w_gu"] = layouts.interleave_rows(case.inputs["w_gate"], case.inputs["w_up"])
-            roles["w_gu"] = roles.get("w_gate", "weight")
         if "w_qkv" in case.inputs:
             native["w_qkv"] = layouts.qkv_rows_to_adjacent(case.inputs["w_qkv"], *_qkv_args(case.model))
         if "gate" in case.inputs:  # swiglu_dgrad: the saved pre-activation, interleaved as the forward keeps it
             native["z_pre"] = layouts.interleave_cols(native.pop("gate"), native.pop("up"))
-        if case.recipe is not None:
-            native = fp8.quantize_operands(native, roles, case.recipe)
+        native = quantize_native(native, case, {"w_gate": "w_gu", "w_up": "w_gu"})
         native["model"], native["recipe"] = case.model, case.recipe
         return native
 

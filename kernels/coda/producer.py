@@ -6,8 +6,8 @@
 
 One fused GEMM writes x, h and per-N-tile partial sums of squares of the fp32 x (before rounding);
 :func:`kernels.coda.reduce.finish_rstd` turns them into rstd. On fp8 operands the epilogue first
-dequantizes, and can write absmax partials of h so that h is quantized for the next fp8 GEMM. :func:`norm_input` does the same for an x
-that no GEMM produces (the first layer's input, the LM head's input).
+dequantizes, and can write absmax partials of h so that h is quantized for the next fp8 GEMM.
+:func:`norm_input` does the same for an x that no GEMM produces (the first layer's input, the LM head's input).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (dequant, add_tile, cast, col_subtile, load_tile, scale_cols,
-                                   store_row_partial, store_tile)
+from kernels.coda.epilogue import (add_tile, cast, col_subtile, dequant, load_tile, row_absmax, row_sumsq,
+                                   scale_cols, store_row_partial, store_tile)
 from kernels.coda.fp8 import dequant_args, quantize_from_partials
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
@@ -28,10 +28,11 @@ from workloads.fp8 import Fp8
 
 @coda_autotune(configs=subtiled_configs((2, 1, 4)))
 @triton.jit
-def gemm_residual_norm_kernel(a_ptr, w_ptr, sa_ptr, sb_ptr, res_ptr, gamma_ptr, x_ptr, h_ptr, ss_ptr, amax_ptr, M, N, K,
-                              stride_a, stride_w, stride_res, stride_x, stride_h, stride_ss, SCALING: tl.constexpr,
-                              PROMOTE: tl.constexpr, AMAX: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
+def gemm_residual_norm_kernel(a_ptr, w_ptr, sa_ptr, sb_ptr, res_ptr, gamma_ptr, x_ptr, h_ptr, ss_ptr, amax_ptr,
+                              M, N, K, stride_a, stride_w, stride_res, stride_x, stride_h, stride_ss,
+                              SCALING: tl.constexpr, PROMOTE: tl.constexpr, AMAX: tl.constexpr, A_KM: tl.constexpr,
+                              B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(a_ptr, w_ptr, M, N, K, stride_a, stride_w, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     res_desc = tile_desc(res_ptr, M, N, stride_res, BM, SN)
@@ -47,11 +48,11 @@ def gemm_residual_norm_kernel(a_ptr, w_ptr, sa_ptr, sb_ptr, res_ptr, gamma_ptr, 
             off_s = off_n + i * SN
             x = add_tile(col_subtile(acc, i, EPI_SUB, BM, BN), res_desc, off_m, off_s)
             store_tile(x_desc, off_m, off_s, x)
-            sumsq += tl.sum(x * x, axis=1)
+            sumsq += row_sumsq(x)
             h = cast(scale_cols(x, gamma_ptr, off_s, N, SN), h_desc.dtype)
             store_tile(h_desc, off_m, off_s, h)
             if AMAX:
-                amax = tl.maximum(amax, tl.max(tl.abs(h.to(tl.float32)), axis=1))
+                amax = tl.maximum(amax, row_absmax(h))
         store_row_partial(ss_ptr, sumsq, off_m, off_n, M, stride_ss, BM, BN)
         if AMAX:
             store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_ss, BM, BN)
@@ -95,7 +96,7 @@ def norm_input_kernel(x_ptr, gamma_ptr, h_ptr, rstd_ptr, amax_ptr, M, N, stride_
     amax = tl.zeros((BM,), dtype=tl.float32)
     for off_n in range(0, N, BN):
         x = load_tile(x_desc, off_m, off_n)
-        ss += tl.sum(x * x, axis=1)
+        ss += row_sumsq(x)
         h = cast(scale_cols(x, gamma_ptr, off_n, N, BN), h_desc.dtype)
         store_tile(h_desc, off_m, off_n, h)
         if AMAX:

@@ -42,15 +42,17 @@ def rope_freq_table(heads: int, kv_heads: int, head_dim: int, theta: float, devi
 @coda_autotune(configs=subtiled_configs((2, 1, 4)))
 @triton.jit
 def gemm_rope_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, pos_ptr, freq_ptr, out_ptr, M, N, K, stride_h, stride_w,
-                     stride_o, SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
+                     stride_o, SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                     EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     out_desc = tile_desc(out_ptr, M, N, stride_o, BM, SN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        z = dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        rstd = load_rows(rstd_ptr, off_m, M, BM)
+        z = dequant_scale(acc, rstd, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         for i in tl.static_range(EPI_SUB):
             off_s = off_n + i * SN
             cos, sin = rope_cos_sin(pos_ptr, freq_ptr, off_m, off_s, M, N, BM, SN)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import load_tile, rope_cos_sin, rotate_pairs, store_tile
+from kernels.coda.epilogue import load_tile, rope_cos_sin, rotate_pairs, row_dot, store_tile
 from kernels.coda.mainloop import INTERPRET, tile_desc
 from kernels.coda.rope import rope_freq_table
 
@@ -31,7 +31,7 @@ def rope_bwd_kernel(dq_ptr, q_ptr, pos_ptr, freq_ptr, dz_ptr, zdz_ptr, M, N, str
     zdz = tl.zeros((BM,), dtype=tl.float32)
     for off_n in range(0, N, BN):
         dq = load_tile(dq_desc, off_m, off_n)
-        zdz += tl.sum(load_tile(q_desc, off_m, off_n) * dq, axis=1)
+        zdz += row_dot(load_tile(q_desc, off_m, off_n), dq)
         cos, sin = rope_cos_sin(pos_ptr, freq_ptr, off_m, off_n, M, N, BM, BN)
         store_tile(dz_desc, off_m, off_n, rotate_pairs(dq, cos, -sin, BM, BN))
     rows = off_m + tl.arange(0, BM)

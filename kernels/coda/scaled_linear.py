@@ -19,14 +19,15 @@ from workloads.fp8 import Fp8
 @coda_autotune()
 @triton.jit
 def scaled_linear_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, z_ptr, M, N, K, stride_h, stride_w, stride_z,
-                         SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, GROUP_M: tl.constexpr):
+                         SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
     z_desc = tile_desc(z_ptr, M, N, stride_z, BM, BN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        store_tile(z_desc, off_m, off_n, dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING))
+        rstd = load_rows(rstd_ptr, off_m, M, BM)
+        store_tile(z_desc, off_m, off_n, dequant_scale(acc, rstd, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING))
 
 
 def scaled_linear(h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, promote: bool = False

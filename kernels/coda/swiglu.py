@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (cast, col_subtile, dequant_scale, load_rows, silu_mul_pairs, store_row_partial,
-                                   store_tile)
+from kernels.coda.epilogue import (cast, col_subtile, dequant_scale, load_rows, row_absmax, silu_mul_pairs,
+                                   store_row_partial, store_tile)
 from kernels.coda.fp8 import dequant_args, quantize_from_partials, result_dtype
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
@@ -30,7 +30,8 @@ from workloads.fp8 import Fp8
 def gemm_swiglu_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, y_ptr, z_ptr, amax_ptr, M, N, K, stride_h, stride_w,
                        stride_y, stride_z, stride_amax, SAVE_PREACT: tl.constexpr, SCALING: tl.constexpr,
                        PROMOTE: tl.constexpr, AMAX: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       EPI_SUB: tl.constexpr):
     a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     y_desc = tile_desc(y_ptr, M, N // 2, stride_y, BM, SN // 2)
@@ -39,7 +40,8 @@ def gemm_swiglu_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, y_ptr, z_ptr, ama
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        z = dequant_scale(acc, load_rows(rstd_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        rstd = load_rows(rstd_ptr, off_m, M, BM)
+        z = dequant_scale(acc, rstd, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         amax = tl.zeros((BM,), dtype=tl.float32)
         for i in tl.static_range(EPI_SUB):
             off_s = off_n + i * SN
@@ -49,7 +51,7 @@ def gemm_swiglu_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, y_ptr, z_ptr, ama
             y = cast(silu_mul_pairs(z_sub, BM, SN), y_desc.dtype)
             store_tile(y_desc, off_m, off_s // 2, y)
             if AMAX:
-                amax = tl.maximum(amax, tl.max(tl.abs(y.to(tl.float32)), axis=1))
+                amax = tl.maximum(amax, row_absmax(y))
         if AMAX:
             store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_amax, BM, BN)
 
