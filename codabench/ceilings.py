@@ -5,7 +5,8 @@ written per second), bf16 ``torch.mm`` and fp8 e4m3 ``torch._scaled_mm`` TFLOP/s
 scales, the run's ``--fp8-accum`` mode).
 
 Speed-of-light of a cell: ``sol_ms = sum of the median times of the plain GEMMs the op must do``
-(``op.gemms(model, mode)``), each timed once per run with ``torch.mm`` in the given operand layouts
+(``op.gemms(model, mode)``), each timed once per run (with ``--rounds`` > 1: in every round of the
+cell's group, next to its cells) with ``torch.mm`` in the given operand layouts
 (fp8 cells: ``torch._scaled_mm``, A row-major and B column-major, which is the layout it requires,
 with per-tensor scales, or for ``fp8-row`` rowwise scales on its forward GEMMs (B stored (n, k)); the
 dgrad GEMMs of the rowwise recipe are per-tensor, see :mod:`workloads.fp8`; ``use_fast_accum`` as the
@@ -14,6 +15,7 @@ of a fused kernel is ``median_ms / sol_ms``.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -54,7 +56,8 @@ def gemm_call(g: Gemm, dtype: str, device: torch.device, fp8_accum: str = "fast"
 
 @dataclass
 class GemmTimer:
-    """Median time of each distinct (GEMM, dtype), measured once per run and cached."""
+    """Median time of each distinct (GEMM, dtype), measured once per run and cached; or, for runs in rounds,
+    fresh samples on request (:meth:`samples`)."""
 
     device: torch.device
     cfg: TimingConfig
@@ -62,14 +65,24 @@ class GemmTimer:
     cache: dict[tuple[Gemm, str], float] = field(default_factory=dict)
     failures: dict[tuple[Gemm, str], str] = field(default_factory=dict)
 
+    def samples(self, g: Gemm, dtype: str, cfg: TimingConfig | None = None) -> list[float] | None:
+        """New samples (ms) of the plain GEMM, or None if it cannot run here (the reason is kept in ``failures``)."""
+        key = (g, dtype)
+        if key in self.failures:
+            return None
+        try:
+            return measure(gemm_call(g, dtype, self.device, self.fp8_accum), None, self.device,
+                           cfg or self.cfg).samples_ms
+        except Exception as e:  # e.g. fp8 on a GPU without it, or K not a multiple of 16
+            self.failures[key] = f"{type(e).__name__}: {e}".splitlines()[0]
+            return None
+
     def time(self, g: Gemm, dtype: str) -> float | None:
         key = (g, dtype)
-        if key not in self.cache and key not in self.failures:
-            try:
-                self.cache[key] = measure(gemm_call(g, dtype, self.device, self.fp8_accum), None, self.device,
-                                          self.cfg).median
-            except Exception as e:  # e.g. fp8 on a GPU without it, or K not a multiple of 16
-                self.failures[key] = f"{type(e).__name__}: {e}".splitlines()[0]
+        if key not in self.cache:
+            samples = self.samples(g, dtype)
+            if samples is not None:
+                self.cache[key] = statistics.median(samples)
         return self.cache.get(key)
 
     def sol_ms(self, gemms: list[Gemm], dtype: str) -> float | None:

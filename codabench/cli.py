@@ -27,6 +27,8 @@ from workloads.ops import OPS
 from workloads.suites import SUITES, get_suite
 
 REPORTS = Path("reports")
+GPU_ROUNDS = 3
+"""Default timing rounds on the GPU (benchmarking.md: interleave providers or repeat rounds)."""
 SUBCOMMANDS = ("merge", "compare", "report", "wheelhouse", "install-offline")
 
 
@@ -61,6 +63,9 @@ def run_parser() -> argparse.ArgumentParser:
                    help="time fwd/direct cells as CUDA-graph replays over rotating input sets")
     p.add_argument("--warmup", type=int, default=TimingConfig.warmup, help="warm-up calls before sampling")
     p.add_argument("--reps", type=int, help="samples per cell (default: adaptive, 20-200 on the GPU; 1 on the CPU)")
+    p.add_argument("--rounds", type=int,
+                   help="timing rounds per group: its cells and its speed-of-light GEMMs take turns, each round "
+                   f"taking 1/ROUNDS of the samples (default: {GPU_ROUNDS} on the GPU, 1 on the CPU)")
     p.add_argument("--no-l2-flush", action="store_true", help="keep L2 warm between samples (not the default)")
     p.add_argument("--fp8-accum", choices=("fast", "promoted"), default="fast",
                    help="fp8 tensor-core accumulation of every provider in fp8 cells: 'fast' (like "
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig(out_dir=out, selection=sel, device=device, suite=suite.name, tokens=args.tokens,
                     vocab=args.vocab, check_tokens=args.check_tokens, cuda_graph=args.cuda_graph,
                     resume=args.resume, shard=args.shard, show_progress=not args.quiet, fp8_accum=args.fp8_accum,
-                    timing=TimingConfig(warmup=args.warmup, reps=args.reps, flush_l2=not args.no_l2_flush))
+                    timing=TimingConfig(warmup=args.warmup, reps=args.reps, flush_l2=not args.no_l2_flush,
+                                        rounds=args.rounds or (GPU_ROUNDS if device.type == "cuda" else 1)))
     runner = Runner(cfg, registry)
     if args.list:
         return _list(runner, out if args.resume else None)

@@ -1,14 +1,18 @@
-"""Runs the cells of a selection and appends one row per cell as it finishes.
+"""Runs the cells of a selection and appends one row per cell as it finishes (per group, with rounds).
 
 Per cell: ``skip_reason`` (n/a or skipped row) -> untimed correctness pass on fresh inputs
 (:mod:`codabench.correctness`) -> timing on other inputs (:mod:`codabench.timing`) -> speed-of-light
-(:mod:`codabench.ceilings`). fp8 cells carry the run's recipe (``Case.recipe``: the dtype's scaling and
-``--fp8-accum``); once per fp8 group, the cast of the cell's GEMM operands (``fp8.quantize_operands``, the
-untimed step of every implementation's ``prepare``) is timed on the timing inputs as a figure of its own
-(``cast_ms``). Every failure of an implementation (exception, missing output, wrong
-shape or dtype, NaN/Inf, input mutation, out of memory) becomes an error row with a clear message
-and the run goes on. A broken CUDA context (e.g. an illegal memory access) cannot be recovered in
-the same process: the run stops after writing that cell's row, and ``--resume`` goes on from there.
+(:mod:`codabench.ceilings`). With ``--rounds`` > 1 (the GPU default, benchmarking.md: "interleave
+providers or repeat rounds") the timed cells of a group take turns over the rounds, followed in each round by
+the plain GEMMs of its speed-of-light, so that clock drift during a run falls on a cell, its baselines and its
+GEMMs alike; samples are pooled over the rounds and the group's rows are written when its last round ends.
+fp8 cells carry the run's recipe (``Case.recipe``: the dtype's scaling and ``--fp8-accum``); once per fp8
+group, the cast of the cell's GEMM operands (``fp8.quantize_operands``, the untimed step of every
+implementation's ``prepare``) is timed on the timing inputs as a figure of its own (``cast_ms``).
+Every failure of an implementation (exception, missing output, wrong shape or dtype, NaN/Inf, input
+mutation, out of memory) becomes an error row with a clear message and the run goes on. A broken CUDA
+context (e.g. an illegal memory access) cannot be recovered in the same process: the run stops after
+writing that cell's row, and ``--resume`` goes on from there.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import datetime
 import gc
 import json
 import math
+import statistics
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -33,10 +38,11 @@ from codabench.matrix import PLUGIN_OP, SPEED_BASELINE, Cell, Selection, build_c
 from codabench.progress import Progress
 from codabench.registry import Implementation, Registry, Tensors
 from codabench.report import tables
-from codabench.timing import Timing, TimingConfig, measure, measure_graph
+from codabench.timing import Timing, TimingConfig, measure, measure_graph, per_round
 from kernels.torch_baselines import TorchEager
 from workloads import fp8
 from workloads.models import ModelShape, get_model
+from workloads.op import Gemm
 from workloads.ops import OPS
 
 TIMING_SEED = 0
@@ -95,6 +101,18 @@ def cast_time(case: Case, cfg: TimingConfig) -> float:
     return measure(lambda _: fp8.quantize_operands(case.inputs, op.fp8_operands, rec), None, case.device, cfg).median
 
 
+@dataclass
+class _Pending:
+    """One cell on its way to its results row: the row so far, its error rows, its timing (pooled over rounds)."""
+
+    cell: Cell
+    row: dict[str, Any]
+    planned_run: bool
+    err_rows: list[dict[str, Any]] = field(default_factory=list)
+    timing: Timing | None = None
+    samples: dict[str, Any] | None = None
+
+
 class _Group:
     """The shared state of one (op, model, mode, dtype) group: reference and timing gradients (both
     lazy), the medians measured so far, and (fp8) the cast time."""
@@ -109,6 +127,8 @@ class _Group:
         self.cast_ms: float | None = None
         self.cast_note = ""
         """Why the cast time is missing, when measuring it failed."""
+        self.gemm_samples: dict[Gemm, list[float] | None] = {}
+        """Runs in rounds: the samples of the plain GEMMs of the group's speed-of-light, pooled over its rounds."""
 
     def measure_cast(self, timing_case: Case, cfg: TimingConfig) -> None:
         """The group's fp8 cast time, on the timing inputs; measured by the first timed cell (errors become a note)."""
@@ -198,18 +218,21 @@ class Runner:
             planned = dict((c.key, s) for c, s in plan)
             for group in groups(c for c, _ in plan):
                 state = _Group(lambda cell=group[0]: self._check_case(cell))
+                in_rounds: list[_Pending] = []
                 for cell in group:
                     t0 = time.monotonic()
-                    row, err_rows, samples = self.run_cell(cell, state, planned[cell.key])
-                    results.write([row])
-                    errors.write(err_rows)
-                    if samples is not None:
-                        tables.append_jsonl(out / tables.SAMPLES, {**dict(zip(tables.KEY, cell.key)), **samples})
-                    progress.update(str(cell), _outcome(row), planned[cell.key] == "run", time.monotonic() - t0)
-                    if row["status"] == "error":
-                        self._after_error(cell)
-                    elif self.device.type == "cuda" and planned[cell.key] == "run":
-                        time.sleep(self.cfg.cooldown_s)
+                    pending = self.run_cell(cell, state, planned[cell.key])
+                    if pending.timing is not None and self.cfg.timing.rounds > 1:
+                        in_rounds.append(pending)  # written once the group's rounds are done
+                        continue
+                    self._finish(pending, state)
+                    self._write(pending, results, errors, progress, time.monotonic() - t0)
+                if in_rounds:
+                    t0 = time.monotonic()
+                    self._more_rounds(in_rounds, state)
+                    for pending in in_rounds:
+                        self._finish(pending, state)
+                        self._write(pending, results, errors, progress, (time.monotonic() - t0) / len(in_rounds))
                 del state
                 self._refresh_providers(out)  # per group: a killed run keeps what prepare learned (JIT warm-up)
         finally:
@@ -272,34 +295,70 @@ class Runner:
 
     # ---- one cell ----------------------------------------------------------------------------
 
-    def run_cell(self, cell: Cell, group: _Group, planned: str
-                 ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
-        """The results row, the per-output error rows and the timing samples of one cell."""
+    def run_cell(self, cell: Cell, group: _Group, planned: str) -> _Pending:
+        """The results row and per-output error rows of one cell, and its first round of timing (None when the
+        cell did not get that far: skipped, n/a, or an error row)."""
         row = self._base_row(cell)
+        pending = _Pending(cell, row, planned == "run")
         if planned != "run":
             row.update(status="error" if planned.startswith("error") else status_of_reason(planned),
                        message=planned)
-            return row, [], None
-        impl, op = self.impl(cell), OPS[cell.op]
+            return pending
+        impl = self.impl(cell)
         try:
             outcome = check_impl(group.reference(), impl)
         except Exception as e:
             row.update(status="error", message=f"correctness run: {describe_exception(e)}")
-            return row, [], None
-        err_rows = [self._error_row(cell, c) for c in outcome.checks]
+            return pending
+        pending.err_rows = [self._error_row(cell, c) for c in outcome.checks]
         self._fill_errors(row, outcome)
         if outcome.errors:
             row.update(status="error", message="; ".join(outcome.errors))
-            return row, err_rows, None
-        model = self.model(cell.model)
+            return pending
         try:
-            timing = self.time_cell(cell, model, group)
+            pending.timing = self.time_cell(cell, self.model(cell.model), group)
         except Exception as e:
             row.update(status="error", message=f"timing run: {describe_exception(e)}")
-            return row, err_rows, None
+        return pending
+
+    def _more_rounds(self, cells: list[_Pending], group: _Group) -> None:
+        """Rounds 2.. of a group's timing: its cells take turns, then its speed-of-light GEMMs (timed in every
+        round, round 1 included). A cell that fails in a later round becomes an error row."""
+        later = replace(per_round(self.cfg.timing), warmup=1, warmup_ms=0.0)  # compiled, tuned, GPU busy
+        first = cells[0].cell
+        gemms = OPS[first.op].gemms(self.model(first.model), first.mode)
+        for r in range(self.cfg.timing.rounds):
+            if r > 0:
+                for p in cells:
+                    if p.timing is None:
+                        continue
+                    try:
+                        p.timing.extend(self.time_cell(p.cell, self.model(p.cell.model), group, later))
+                    except Exception as e:
+                        p.timing = None
+                        p.row.update(status="error", message=f"timing run (round {r + 1}): {describe_exception(e)}")
+                        gc.collect()  # the device check (and DeviceLost) comes when the row is written
+            for g in dict.fromkeys(gemms):
+                if group.gemm_samples.get(g, []) is not None:
+                    new = self.gemm_timer.samples(g, first.dtype, later)
+                    group.gemm_samples[g] = None if new is None else group.gemm_samples.get(g, []) + new
+
+    def _sol_ms(self, cell: Cell, model: ModelShape, group: _Group) -> float | None:
+        gemms = OPS[cell.op].gemms(model, cell.mode)
+        if not group.gemm_samples:
+            return self.gemm_timer.sol_ms(gemms, cell.dtype)
+        times = [group.gemm_samples.get(g) for g in gemms]
+        return None if not times or any(not t for t in times) else sum(statistics.median(t) for t in times)
+
+    def _finish(self, p: _Pending, group: _Group) -> None:
+        """Fill a timed cell's row from its (pooled) timing; sets ``p.samples``."""
+        if p.timing is None:
+            return
+        cell, row, timing, op = p.cell, p.row, p.timing, OPS[p.cell.op]
+        model = self.model(cell.model)
         notes = [n for n in (timing.note, group.cast_note) if n]
         group.medians[cell.impl] = timing.median
-        sol = self.gemm_timer.sol_ms(op.gemms(model, cell.mode), cell.dtype)
+        sol = self._sol_ms(cell, model, group)
         if sol is None and self.gemm_timer.failures:
             notes.append("no speed-of-light: " + next(iter(self.gemm_timer.failures.values())))
         tflops = op.flops(model, cell.mode) / (timing.median * 1e-3) / 1e12
@@ -312,11 +371,26 @@ class Runner:
                    sol_ratio=timing.median / sol if sol else None,
                    pct_ceiling=100 * tflops / ceiling if isinstance(ceiling, float) and cell.dtype != "fp32" else None,
                    cast_ms=group.cast_ms, **gpu_state(self.device))
-        return row, err_rows, {"timing": timing.kind, "samples_ms": timing.samples_ms}
+        p.samples = {"timing": timing.kind, "samples_ms": timing.samples_ms}
 
-    def time_cell(self, cell: Cell, model: ModelShape, group: _Group) -> Timing:
-        """The cell's timing on the TIMING_SEED inputs (and, first timed cell of an fp8 group: the cast time)."""
+    def _write(self, p: _Pending, results: tables.AppendWriter, errors: tables.AppendWriter, progress: Progress,
+               seconds: float) -> None:
+        p.row["finished_at"] = _now()
+        results.write([p.row])
+        errors.write(p.err_rows)
+        if p.samples is not None:
+            tables.append_jsonl(self.cfg.out_dir / tables.SAMPLES, {**dict(zip(tables.KEY, p.cell.key)), **p.samples})
+        progress.update(str(p.cell), _outcome(p.row), p.planned_run, seconds)
+        if p.row["status"] == "error":
+            self._after_error(p.cell)
+        elif self.device.type == "cuda" and p.planned_run:
+            time.sleep(self.cfg.cooldown_s)
+
+    def time_cell(self, cell: Cell, model: ModelShape, group: _Group, cfg: TimingConfig | None = None) -> Timing:
+        """The cell's timing on the TIMING_SEED inputs (and, first timed cell of an fp8 group: the cast time);
+        ``cfg``: the timing of this round (default: the first round's share of the run's)."""
         op, impl, dev = OPS[cell.op], self.impl(cell), self.device
+        cfg = cfg or per_round(self.cfg.timing)
         case = self._case(cell, model, op.inputs(model, cell.dtype, dev, TIMING_SEED))
         group.measure_cast(case, self.cfg.timing)
         grad_outputs = group.timing_grad_outputs(case) if uses_autograd(op, cell.mode) else None
@@ -331,12 +405,12 @@ class Runner:
                 try:
                     with torch.no_grad():
                         return measure_graph(lambda nat: impl.run(nat), self._graph_sets(impl, case, native), dev,
-                                             self.cfg.timing)
+                                             cfg)
                 except Exception as e:
                     note = f"cuda-graph capture failed ({describe_exception(e)}): timed with events"
         timed = timed_call(op, impl, native, cell.mode, grad_outputs)
         with timed.context:
-            timing = measure(timed.fn, timed.setup, dev, self.cfg.timing)
+            timing = measure(timed.fn, timed.setup, dev, cfg)
         timing.note = note
         return timing
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -34,6 +34,19 @@ class TimingConfig:
     """Samples on the CPU (after one warm-up call), where the figure is only a sanity check: the
     smoke suite spends its time on correctness, not on CPU wall times that mean nothing."""
     flush_l2: bool = True
+    rounds: int = 1
+    """Rounds in which the cells of a group, and the plain GEMMs of its speed-of-light, take turns; each round
+    takes 1/rounds of the samples (:func:`per_round`) and a cell's samples are pooled over the rounds."""
+
+
+def per_round(cfg: TimingConfig) -> TimingConfig:
+    """The share of ``cfg``'s samples (and adaptive sampling budget) that one of its ``rounds`` takes."""
+    r = max(cfg.rounds, 1)
+    if r == 1:
+        return cfg
+    return replace(cfg, reps=math.ceil(cfg.reps / r) if cfg.reps is not None else None,
+                   min_reps=math.ceil(cfg.min_reps / r), max_reps=math.ceil(cfg.max_reps / r),
+                   target_ms=cfg.target_ms / r)
 
 
 @dataclass
@@ -45,6 +58,10 @@ class Timing:
     first_call_s: float | None = None
     """Wall seconds of the first call at this shape, synchronized: what compiling, JIT-building and autotuning
     cost before the first result (warm caches make it close to one call)."""
+
+    def extend(self, other: Timing) -> None:
+        """Pool the samples of a later round of the same measurement into this one."""
+        self.samples_ms.extend(other.samples_ms)
 
     @property
     def is_perf(self) -> bool:

@@ -6,12 +6,14 @@ import pytest
 
 import torch
 
+from codabench.ceilings import GemmTimer
 from codabench.correctness import nan_filled_allocations
 from codabench.matrix import Cell, build_cells, groups, shard
-from codabench.registry import load_plugin_file
+from codabench.registry import load_plugin_file, register
 from codabench.report import finalize, load_run
 from codabench.report.merge import merge
 from codabench.runner import RunExists, Runner
+from codabench.timing import TimingConfig
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 from workloads.models import get_model
 
@@ -127,7 +129,7 @@ def test_resume_after_an_interrupted_run(registry, tmp_path, monkeypatch):
 
 def test_shards_partition_groups_and_merge(registry, tmp_path):
     ops = ["gemm_out", "gemm_down", "rmsnorm_linear"]
-    impls = ["torch-eager", "test-good", "test-good-autograd"]
+    impls = ["torch-eager", "test-good", "test-flaky"]
     load_plugin_file(PLUGINS / "good.py")
     cells = make_runner(tmp_path / "all", ops=ops, impls=impls).cells
     parts = [shard(cells, i, 2) for i in (1, 2)]
@@ -168,3 +170,35 @@ def test_check_tokens_and_env(registry, tmp_path):
     assert env["device"] == "cpu" and env["torch"] and "torch-eager" in env["providers"]
     assert json.loads((tmp_path / "env.json").read_text())["check_tokens"] == 16
     finalize(tmp_path)
+
+
+def test_rounds_interleave_a_groups_cells_and_gemms_and_pool_samples(registry, tmp_path, monkeypatch):
+    """--rounds: every round times each cell of the group in turn, then the group's speed-of-light GEMMs; a cell's
+    samples are pooled over the rounds; a cell that fails in a later round becomes an error row."""
+    load_plugin_file(PLUGINS / "good.py")
+    register("gemm_out", "test-flaky", dtypes=("fp32",))(lambda x, w: {"out": torch.nn.functional.linear(x, w)})
+    order = []
+    time_cell, gemm_samples = Runner.time_cell, GemmTimer.samples
+
+    def logged_time_cell(self, cell, model, group, cfg=None):
+        order.append(cell.impl)
+        if cell.impl == "test-flaky" and order.count(cell.impl) == 2:
+            raise RuntimeError("flaky device")
+        return time_cell(self, cell, model, group, cfg)
+
+    monkeypatch.setattr(Runner, "time_cell", logged_time_cell)
+    monkeypatch.setattr(GemmTimer, "samples", lambda self, g, dtype, cfg=None: (order.append("gemm"),
+                                                                                gemm_samples(self, g, dtype, cfg))[1])
+    runner = make_runner(tmp_path, modes=("fwd",), impls=["torch-eager", "test-good", "test-flaky"],
+                         timing=TimingConfig(rounds=3, cpu_reps=2))
+    impls = [c.impl for c in runner.cells]
+    runner.run()
+    assert order == [*impls, "gemm", *impls, "gemm", *[i for i in impls if i != "test-flaky"], "gemm"]
+    rows, _ = rows_by_impl(tmp_path)
+    for impl in ("torch-eager", "test-good"):
+        assert rows[impl]["status"] == "ok" and rows[impl]["n_samples"] == 6 and rows[impl]["sol_ms"] > 0
+    assert rows["test-good"]["sol_ratio"] == pytest.approx(rows["test-good"]["median_ms"] / rows["test-good"]["sol_ms"])
+    bad = rows["test-flaky"]
+    assert bad["status"] == "error" and "round 2" in bad["message"] and "flaky device" in bad["message"]
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sorted(len(s["samples_ms"]) for s in samples) == [6, 6]

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from codabench.timing import CPU_WALL, Timing, TimingConfig, measure
+from codabench.timing import CPU_WALL, Timing, TimingConfig, measure, per_round
 
 
 def test_summary_statistics():
@@ -47,3 +47,13 @@ def test_first_call_is_timed_on_its_own():
     t = measure(fn, None, torch.device("cpu"), TimingConfig(cpu_reps=3))
     assert len(calls) == 4 and len(t.samples_ms) == 3
     assert t.first_call_s >= 0.05 and max(t.samples_ms) < 20.0
+
+
+def test_a_round_takes_its_share_of_the_samples():
+    cfg = TimingConfig(reps=20, rounds=3)
+    r = per_round(cfg)
+    assert r.reps == 7 and r.rounds == 3  # 3 x 7 >= 20 samples in all
+    adaptive = per_round(TimingConfig(rounds=2))
+    assert (adaptive.reps, adaptive.min_reps, adaptive.max_reps) == (None, 10, 100)
+    assert adaptive.target_ms == TimingConfig().target_ms / 2
+    assert per_round(TimingConfig(reps=5)) == TimingConfig(reps=5)
