@@ -339,13 +339,14 @@ class Runner:
                         p.row.update(status="error", message=f"timing run (round {r + 1}): {describe_exception(e)}")
                         gc.collect()  # the device check (and DeviceLost) comes when the row is written
             for g in dict.fromkeys(gemms):
-                if group.gemm_samples.get(g, []) is not None:
+                pooled = group.gemm_samples.setdefault(g, [])
+                if pooled is not None:
                     new = self.gemm_timer.samples(g, first.dtype, later)
-                    group.gemm_samples[g] = None if new is None else group.gemm_samples.get(g, []) + new
+                    group.gemm_samples[g] = None if new is None else pooled + new
 
     def _sol_ms(self, cell: Cell, model: ModelShape, group: _Group) -> float | None:
         gemms = OPS[cell.op].gemms(model, cell.mode)
-        if not group.gemm_samples:
+        if self.cfg.timing.rounds <= 1:
             return self.gemm_timer.sol_ms(gemms, cell.dtype)
         times = [group.gemm_samples.get(g) for g in gemms]
         return None if not times or any(not t for t in times) else sum(statistics.median(t) for t in times)
