@@ -24,7 +24,7 @@ from codabench.timing import TimingConfig
 from workloads.models import PRESETS
 from workloads.op import DTYPES, MODES
 from workloads.ops import OPS
-from workloads.suites import SUITES, get_suite
+from workloads.suites import SUITES, Suite, get_suite
 
 REPORTS = Path("reports")
 GPU_ROUNDS = 3
@@ -50,7 +50,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", type=_csv, help="comma-separated implementation names (default: all registered)")
     p.add_argument("--tokens", type=int, help="M, tokens per step (default: the preset's, 16384 for llama-*)")
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's, 32768 for llama-*)")
-    p.add_argument("--check-tokens", type=int, help="tokens of the correctness pass (default: same as timing)")
+    p.add_argument("--check-tokens", type=int,
+                   help="tokens of the correctness pass (default: the suite's, 2048 for full; else as timing)")
     p.add_argument("--out", type=Path, help="run directory (default: reports/<suite>-<date>-<time>)")
     p.add_argument("--plugin", action="append", default=[], metavar="FILE",
                    help="python file registering implementations (repeatable)")
@@ -62,7 +63,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", action="store_true",
                    help="time fwd/direct cells as CUDA-graph replays over rotating input sets")
     p.add_argument("--warmup", type=int, default=TimingConfig.warmup, help="warm-up calls before sampling")
-    p.add_argument("--reps", type=int, help="samples per cell (default: adaptive, 20-200 on the GPU; 1 on the CPU)")
+    p.add_argument("--reps", type=int, help="samples per cell (default: the suite's, 20 for full; else adaptive, 20-200 on the GPU; "
+                   "1 on the CPU)")
     p.add_argument("--rounds", type=int,
                    help="timing rounds per group: its cells and its speed-of-light GEMMs take turns, each round "
                    f"taking 1/ROUNDS of the samples (default: {GPU_ROUNDS} on the GPU, 1 on the CPU)")
@@ -91,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     # torch.compile's caches (compiled graphs, CPU compiler probes) live beside the runs, so a second
     # run does not pay the compile time again; an explicit TORCHINDUCTOR_CACHE_DIR wins.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((out.parent / ".cache" / "torchinductor").resolve()))
-    cfg = RunConfig(out_dir=out, selection=sel, device=device, suite=suite.name, tokens=args.tokens,
-                    vocab=args.vocab, check_tokens=args.check_tokens, cuda_graph=args.cuda_graph,
-                    resume=args.resume, shard=args.shard, show_progress=not args.quiet, fp8_accum=args.fp8_accum,
-                    timing=TimingConfig(warmup=args.warmup, reps=args.reps, flush_l2=not args.no_l2_flush,
-                                        rounds=args.rounds or (GPU_ROUNDS if device.type == "cuda" else 1)))
+    cfg = run_config(args, suite, sel, device, out)
     runner = Runner(cfg, registry)
     if args.list:
         return _list(runner, out if args.resume else None)
@@ -121,6 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     counts = ", ".join(f"{v} {k}" for k, v in df["status"].value_counts().items())
     print(f"codabench: {counts}\ncodabench: report {html}\ncodabench: table  {out / 'results.csv'}")
     return code
+
+
+def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: torch.device, out: Path) -> RunConfig:
+    """The runner's settings from the flags; flags left out take the suite's defaults, then the device's."""
+    return RunConfig(out_dir=out, selection=sel, device=device, suite=suite.name, tokens=args.tokens,
+                     vocab=args.vocab, check_tokens=args.check_tokens or suite.check_tokens,
+                     cuda_graph=args.cuda_graph, resume=args.resume, shard=args.shard,
+                     show_progress=not args.quiet, fp8_accum=args.fp8_accum,
+                     timing=TimingConfig(warmup=args.warmup, reps=args.reps or suite.reps,
+                                         flush_l2=not args.no_l2_flush,
+                                         rounds=args.rounds or (GPU_ROUNDS if device.type == "cuda" else 1)))
 
 
 def _check_names(sel: Selection, registry) -> None:

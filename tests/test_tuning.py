@@ -130,3 +130,20 @@ def test_refine_leaves_a_clear_winner_alone():
     t = tuner()
     t._bench = scripted_bench({})  # would raise if called
     assert tuning.refine(t, {a: 1.0, b: 1.2}, (), {}) is a
+
+
+def test_concurrent_stores_lose_no_entry(cache_dir):
+    """Shards on the GPUs of one host store into the same file at once; every winner must survive."""
+    from concurrent.futures import ThreadPoolExecutor
+    path = tuning.cache_file("gpu")
+
+    def writer(w):
+        t = tuner()
+        for i in range(25):
+            t.cache[(w, i)] = CONFIGS[i % 2]
+            tuning.store(t, [(w, i)], path)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(writer, range(8)))
+    fresh = tuner()
+    assert tuning.load(fresh, path) == 8 * 25

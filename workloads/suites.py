@@ -23,6 +23,10 @@ class Suite:
     impl_modes: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Per-implementation restriction of the modes of autograd ops (direct ops have one mode);
     the cells left out become ``skipped`` rows that say why."""
+    check_tokens: int | None = None
+    """Default of ``--check-tokens``: tokens of the correctness pass (None: the timing shape's)."""
+    reps: int | None = None
+    """Default of ``--reps``: samples per cell (None: adaptive)."""
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
@@ -34,8 +38,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           impl_modes={"torch-compile": ("fwd_bwd",)}),
     Suite("quick", "llama-7b, bf16, every op, mode and implementation (GPU)",
           models=("llama-7b",), modes=MODES, dtypes=("bf16",)),
+    # 513 cells. The correctness pass runs at 2048 tokens (the pass rule compares with PyTorch's own error on
+    # the same inputs) and each cell takes 20 samples, so that a warm run fits in 10 minutes on one GPU.
     Suite("full", "llama-1b/7b/70b x fwd/bwd/fwd_bwd x bf16/fp8 x every implementation (GPU)",
-          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8")),
+          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"),
+          check_tokens=2048, reps=20),
 ]}
 
 

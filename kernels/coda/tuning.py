@@ -15,12 +15,14 @@ makes an autotuned kernel remember its winners in one JSON file per GPU model an
 
 so that a second run on the same kind of GPU starts timing within seconds. A kernel edit changes the source
 hash (it retunes); a stored config that is no longer in the kernel's list is ignored. Writes merge with the
-file's current content and replace it atomically (concurrent runs lose nothing but a race's last entry).
+file's current content under a lock and replace it atomically, so concurrent runs (shards on the GPUs of one
+host) lose nothing.
 ``CODABENCH_AUTOTUNE_CACHE=0`` turns the cache off (not the re-timing). Kernels with a single config (the
 interpreter's) never tune, so nothing is cached for them.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import inspect
 import json
@@ -81,13 +83,15 @@ def load(tuner: Autotuner, path: Path) -> int:
 
 def store(tuner: Autotuner, keys: list[tuple], path: Path) -> None:
     """Add ``tuner``'s winners for ``keys`` to the file (merged with what is there, replaced atomically)."""
-    data = _read(path)
-    entries = data.setdefault(kernel_id(tuner), {})
-    entries.update({json.dumps(list(k)): _config_json(tuner.cache[k]) for k in keys})
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(f.name, path)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # runs on several GPUs of one host (shards) share the file
+        data = _read(path)
+        entries = data.setdefault(kernel_id(tuner), {})
+        entries.update({json.dumps(list(k)): _config_json(tuner.cache[k]) for k in keys})
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)
 
 
 REFINE_WITHIN = 0.10
