@@ -37,6 +37,7 @@ from triton.runtime.autotuner import Autotuner
 import kernels.coda.functions  # noqa: F401  (imports every CODA kernel module)
 from kernels import layouts
 from kernels.coda.cross_entropy import gemm_cross_entropy
+from kernels.coda import tuning
 from kernels.coda.gemm import matmul
 from kernels.coda.model import check_equivalence
 from kernels.coda.producer import gemm_residual_norm, norm_input
@@ -421,11 +422,22 @@ def short_config(fn_name: str, cfg: triton.Config) -> str:
 
 
 def with_picked_configs(fn: Callable[[], Tensors]) -> tuple[Tensors, str]:
-    """``fn()`` and the tile config each autotuned kernel it launched picked for its new shape."""
-    before = {id(a): set(a.cache) for a in autotuners()}
-    out = fn()
-    return out, ", ".join(short_config(a.base_fn.__name__, a.cache[k]) for a in autotuners()
-                          for k in a.cache if k not in before.get(id(a), ()))
+    """``fn()`` and the tile config of each autotuned kernel launch it made (the tuners' caches also hold the
+    winners of every other shape that the on-disk cache knows, so they are read per launch)."""
+    launches, tuners = [], autotuners()
+    runs = [a.run for a in tuners]  # tuning.attach's wrapper, or the class's own
+    for a in tuners:
+        def spy(*args, _a=a, _run=a.run, **kwargs):
+            launches.append((_a, tuning.tuning_key(_a, args, kwargs)))
+            return _run(*args, **kwargs)
+        a.run = spy
+    try:
+        out = fn()
+    finally:
+        for a, run in zip(tuners, runs):
+            a.run = run
+    picked = dict.fromkeys(short_config(a.base_fn.__name__, a.cache[k]) for a, k in launches if k in a.cache)
+    return out, ", ".join(picked)
 
 
 def fmt(v: float | None, spec: str = "7.3f") -> str:

@@ -2,6 +2,7 @@
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import matplotlib.image as mpimg
 import numpy as np
@@ -113,3 +114,30 @@ def test_a_truncated_results_file_still_reports(run_dir, tmp_path):
     df, _, _ = load_run(cut)
     assert len(df) == len(load_run(run_dir)[0]) - 1
     assert finalize(cut).exists()
+
+
+ROOT_REPORTS = Path(__file__).resolve().parents[1] / "reports"
+COMMITTED = sorted(p for p in ROOT_REPORTS.glob("*/results.csv")
+                   if not subprocess.run(["git", "check-ignore", "-q", str(p)], cwd=ROOT_REPORTS).returncode == 0)
+
+
+@pytest.mark.parametrize("results", COMMITTED, ids=lambda p: p.parent.name)
+def test_committed_reference_reports_load_pass_and_rebuild(results, tmp_path):
+    """The reports in the tree are what the README cites: they load with today's reader, every timed cell passed
+    the error rule, and their HTML rebuilds from the CSVs."""
+    df, _, env = load_run(results.parent)
+    ok = df[df["status"] == "ok"]
+    assert len(ok) > 100 and env["device"] == "cuda"
+    assert ok["correct"].all() and (ok["median_ms"] > 0).all()
+    copy = tmp_path / results.parent.name
+    shutil.copytree(results.parent, copy)
+    assert "coda-triton" in finalize(copy).read_text()
+
+
+def test_the_full_reference_report_is_one_full_run():
+    """The headline report (README, Results) covers the whole full suite with the suite's sampling."""
+    df, _, env = load_run(ROOT_REPORTS / "h200-2026-11-22-full")
+    assert len(df) == 513 and env["suite"] == "full"
+    ok = df[df["status"] == "ok"]
+    assert set(ok["model"]) == {"llama-1b", "llama-7b", "llama-70b"} and set(ok["dtype"]) == {"bf16", "fp8"}
+    assert (ok["check_tokens"] == 2048).all() and (ok["n_samples"] == 21).all()
