@@ -36,8 +36,8 @@ from triton.runtime.autotuner import Autotuner
 
 import kernels.coda.functions  # noqa: F401  (imports every CODA kernel module)
 from kernels import layouts
-from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda import tuning
+from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.gemm import matmul
 from kernels.coda.model import check_equivalence
 from kernels.coda.producer import gemm_residual_norm, norm_input
@@ -426,8 +426,8 @@ def with_picked_configs(fn: Callable[[], Tensors]) -> tuple[Tensors, str]:
     winners of every other shape that the on-disk cache knows, so they are read per launch)."""
     launches, tuners = [], autotuners()
     runs = [a.run for a in tuners]  # tuning.attach's wrapper, or the class's own
-    for a in tuners:
-        def spy(*args, _a=a, _run=a.run, **kwargs):
+    for a, run in zip(tuners, runs):
+        def spy(*args, _a=a, _run=run, **kwargs):
             launches.append((_a, tuning.tuning_key(_a, args, kwargs)))
             return _run(*args, **kwargs)
         a.run = spy

@@ -63,8 +63,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", action="store_true",
                    help="time fwd/direct cells as CUDA-graph replays over rotating input sets")
     p.add_argument("--warmup", type=int, default=TimingConfig.warmup, help="warm-up calls before sampling")
-    p.add_argument("--reps", type=int, help="samples per cell (default: the suite's, 20 for full; else adaptive, 20-200 on the GPU; "
-                   "1 on the CPU)")
+    p.add_argument("--reps", type=int, help="samples per cell (default: the suite's, 20 for full; else adaptive, "
+                   "20-200 on the GPU; 1 on the CPU)")
     p.add_argument("--rounds", type=int,
                    help="timing rounds per group: its cells and its speed-of-light GEMMs take turns, each round "
                    f"taking 1/ROUNDS of the samples (default: {GPU_ROUNDS} on the GPU, 1 on the CPU)")
