@@ -45,8 +45,16 @@ RES_AT = gl.constexpr(2)
 
 
 @gluon.jit
-def tile_coords(t, n_m, n_n, GROUP_M: gl.constexpr):
-    """(pid_m, pid_n) of tile t: groups of GROUP_M row-tiles sweep N together (as kernels.coda.mainloop)."""
+def local_tiles(n_m, n_n):
+    """How many of the n_m x n_n tiles this program takes (tiles pid, pid + #programs, ...)."""
+    return gl.cdiv(n_m * n_n - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def tile_coords(i, n_m, n_n, GROUP_M: gl.constexpr):
+    """(pid_m, pid_n) of this program's i-th tile: groups of GROUP_M row-tiles sweep N together (as
+    kernels.coda.mainloop). The loader and the consumer walk the same sequence."""
+    t = gl.program_id(0) + i * gl.num_programs(0)
     first_m = (t // (GROUP_M * n_n)) * GROUP_M
     group_m = min(n_m - first_m, GROUP_M)
     return first_m + t % group_m, (t % (GROUP_M * n_n)) // group_m
@@ -63,8 +71,8 @@ def loader(a_desc, b_desc, res_desc, a_bufs, b_bufs, io, ready, empty, io_ready,
     n_n = gl.cdiv(N, TN)
     k_tiles = gl.cdiv(K, TK)
     p = 0
-    for i in range(gl.cdiv(n_m * n_n - gl.program_id(0), gl.num_programs(0))):
-        pid_m, pid_n = tile_coords(gl.program_id(0) + i * gl.num_programs(0), n_m, n_n, GROUP_M)
+    for i in range(local_tiles(n_m, n_n)):
+        pid_m, pid_n = tile_coords(i, n_m, n_n, GROUP_M)
         off_m = pid_m * TM
         off_n = pid_n * TN
         for kk in range(k_tiles):
@@ -103,8 +111,8 @@ def consumer(x_desc, h_desc, a_bufs, b_bufs, io, ready, empty, io_ready, io_empt
     k_tiles = gl.cdiv(K, a_bufs.type.shape[2])
     c = 0
     acc = gl.zeros((TM, TN), dtype=gl.float32, layout=acc_layout)
-    for i in range(gl.cdiv(n_m * n_n - gl.program_id(0), gl.num_programs(0))):
-        pid_m, pid_n = tile_coords(gl.program_id(0) + i * gl.num_programs(0), n_m, n_n, GROUP_M)
+    for i in range(local_tiles(n_m, n_n)):
+        pid_m, pid_n = tile_coords(i, n_m, n_n, GROUP_M)
         off_m = pid_m * TM
         off_n = pid_n * TN
         for kk in range(k_tiles):
