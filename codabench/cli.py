@@ -16,7 +16,8 @@ import torch
 from codabench.bootstrap import INTERPRETER_NOTE, select_device
 from codabench.matrix import Selection, parse_shard
 from codabench.registry import discover
-from codabench.report import finalize, load_run
+from codabench.report import finalize
+from codabench.results import load_run
 from codabench.report.compare import compare, format_compare
 from codabench.report.merge import merge
 from codabench.runner import DeviceLost, RunConfig, Runner, RunExists

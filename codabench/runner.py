@@ -37,7 +37,7 @@ from codabench.execute import forward_shapes, timed_call, uses_autograd
 from codabench.matrix import PLUGIN_OP, SPEED_BASELINE, Cell, Selection, build_cells, groups, shard
 from codabench.progress import Progress
 from codabench.registry import Implementation, Registry, Tensors
-from codabench.report import tables
+from codabench import results as tables
 from codabench.timing import Timing, TimingConfig, measure, measure_graph, per_round
 from kernels.torch_baselines import TorchEager
 from workloads import fp8

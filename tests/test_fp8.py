@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from codabench.case import Case
 from codabench.cli import run_parser
 from codabench.matrix import Selection, build_cells
-from codabench.report import finalize, load_run
+from codabench.report import finalize
+from codabench.results import load_run
 from harness_helpers import CPU, isolated_registry, make_runner
 from kernels.torch_baselines import TorchEager
 from workloads import fp8

@@ -9,7 +9,8 @@ import torch
 from codabench.ceilings import GemmTimer, measure_ceilings
 from codabench.env import gpu_info, gpu_state
 from codabench.registry import load_plugin_file
-from codabench.report import finalize, load_run
+from codabench.report import finalize
+from codabench.results import load_run
 from codabench.timing import CUDA_EVENTS, CUDA_GRAPH, TimingConfig, l2_flusher, measure, measure_graph
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 from workloads.op import Gemm

@@ -11,7 +11,9 @@ import pytest
 from PIL import Image
 
 from codabench.registry import load_plugin_file
-from codabench.report import finalize, load_run, tables
+from codabench import results as tables
+from codabench.report import finalize
+from codabench.results import load_run
 from codabench.report.compare import compare, format_compare
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 

@@ -10,7 +10,8 @@ from codabench.ceilings import GemmTimer
 from codabench.correctness import nan_filled_allocations
 from codabench.matrix import Cell, build_cells, groups, shard
 from codabench.registry import load_plugin_file, register
-from codabench.report import finalize, load_run
+from codabench.report import finalize
+from codabench.results import load_run
 from codabench.report.merge import merge
 from codabench.runner import RunExists, Runner
 from codabench.timing import TimingConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from codabench.report import load_run
+from codabench.results import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

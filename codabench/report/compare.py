@@ -11,7 +11,8 @@ from pathlib import Path
 import pandas as pd
 
 from codabench.matrix import PLUGIN_OP
-from codabench.report import load_run, tables
+from codabench import results as tables
+from codabench.results import load_run
 
 NUM = ["median_ms", "p20_ms", "p80_ms", "rel_err"]
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from codabench.report import finalize, load_run, records, tables
+from codabench import results as tables
+from codabench.report import finalize
+from codabench.results import load_run, records
 
 
 def merge(out_dir: str | Path, shard_dirs: list[str | Path]) -> Path:

@@ -1,4 +1,4 @@
-"""The files of a run directory and their columns.
+"""The results store: the files of a run directory, their columns, and reading a run back.
 
 ``results.csv`` (one row per cell) and ``errors.csv`` (one row per cell x compared output) are
 appended to as each cell finishes, each row flushed and fsynced, so a killed run keeps what it
@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
+
+from codabench.matrix import BASELINE_ORDER
+from workloads.models import PRESETS
+from workloads.op import MODES
+from workloads.ops import OPS
 
 RESULTS, ERRORS, SAMPLES, ENV = "results.csv", "errors.csv", "samples.jsonl", "env.json"
 KEY = ["op", "model", "mode", "dtype", "impl"]
@@ -137,3 +142,54 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_json_safe(v) for v in obj]
     return obj
+
+
+def _bool_or_none(v: Any) -> bool | None:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v in ("True", "False"):
+        return v == "True"
+    return None
+
+
+def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    """results and errors (last row per cell kept, sorted), and env.json, of a run directory."""
+    run_dir = Path(run_dir)
+    df = read_csv(run_dir / RESULTS, RESULT_COLUMNS)
+    err = read_csv(run_dir / ERRORS, ERROR_COLUMNS) if (run_dir / ERRORS).exists() \
+        else pd.DataFrame(columns=ERROR_COLUMNS)
+    env_path = run_dir / ENV
+    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    for frame in (df, err):
+        for c in KEY:
+            if c in frame:
+                frame[c] = frame[c].fillna("").astype(str)
+    df["correct"] = df["correct"].map(_bool_or_none).astype(object)
+    err["passed"] = err["passed"].map(_bool_or_none).astype(object)
+    df = df.drop_duplicates(KEY, keep="last")
+    err = err.drop_duplicates(KEY + ["output"], keep="last")
+    return _sorted(df), _sorted(err), env
+
+
+def _sorted(df: pd.DataFrame) -> pd.DataFrame:
+    ops, models = list(OPS), sorted(PRESETS, key=lambda m: (PRESETS[m].hidden, m))
+
+    def rank(values, order):
+        return values.map(lambda v: order.index(v) if v in order else len(order))
+
+    keys = pd.DataFrame({
+        "op": rank(df["op"], ops), "model": rank(df["model"], models), "mode": rank(df["mode"], list(MODES)),
+        "dtype": df["dtype"], "impl": df["impl"].map(lambda i: (BASELINE_ORDER.index(i) if i in BASELINE_ORDER
+                                                               else len(BASELINE_ORDER), i))})
+    order = sorted(range(len(df)), key=lambda i: tuple(keys.iloc[i]) + (df["impl"].iloc[i],))
+    return df.iloc[order].reset_index(drop=True)
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows as dicts, NaN as None."""
+    out = []
+    for rec in df.to_dict("records"):
+        out.append({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in rec.items()})
+    return out
+
+
