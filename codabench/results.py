@@ -27,15 +27,22 @@ KEY = ["op", "model", "mode", "dtype", "impl"]
 
 RESULT_COLUMNS = [
     "op", "impl", "model", "mode", "dtype", "status", "message", "label", "tokens", "check_tokens", "fp8_recipe",
-    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "tflops", "speedup", "sol_ms",
-    "sol_ratio", "pct_ceiling", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct",
-    "sm_clock_mhz", "temp_c", "finished_at"]
+    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "tflops", "speedup", "speedup_lo",
+    "speedup_hi", "vs_best", "vs_best_lo", "vs_best_hi", "verdict", "sol_ms", "sol_ratio", "pct_ceiling", "floor_ms",
+    "peak_mem_mib", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct",
+    "sm_clock_min_mhz", "sm_clock_median_mhz", "sm_clock_mhz", "power_w", "temp_c", "finished_at"]
 """``timing`` is ``cuda-events``, ``cuda-graph`` or ``cpu-wall`` (cpu-wall is not a performance figure).
 ``first_call_s`` = wall seconds of the first call at the timed shape, before any sample (torch.compile
 compiling, FlashInfer's JIT, Triton autotuning: each provider's warm-up cost in this process);
 ``speedup`` = torch-compile median / this median on the same cell; ``sol_ms`` = sum of the cell's
 plain cuBLAS GEMM times; ``sol_ratio`` = median_ms / sol_ms; ``pct_ceiling`` = tflops as % of the
-measured GEMM ceiling of the dtype. ``rel_err``, ``max_abs_err`` and ``err_ratio`` are the worst over
+measured GEMM ceiling of the dtype; ``floor_ms`` = the op's physical floor on this GPU, the larger of its
+minimum bytes at the measured copy bandwidth and its FLOPs at the measured GEMM ceiling; ``peak_mem_mib`` = the
+peak memory one call allocates above its inputs. ``speedup_lo``/``speedup_hi`` = 95% confidence interval of the
+speedup; ``vs_best`` (with ``vs_best_lo``/``vs_best_hi``) = the fastest *other* implementation's median of the
+group over this one's; ``verdict`` = ``faster``, ``slower`` or ``tie`` against it (``n/a``: nothing to compare or
+too few samples). ``sm_clock_min_mhz``/``sm_clock_median_mhz`` = NVML SM clock sampled during the cell's timed
+region; ``sm_clock_mhz``, ``power_w``, ``temp_c`` = the GPU's state when the row was written. ``rel_err``, ``max_abs_err`` and ``err_ratio`` are the worst over
 the compared outputs; ``correct`` is True when every compared output passes. fp8 cells only (empty
 otherwise): ``fp8_recipe`` (scaling and accumulation), ``cast_ms`` (median time of quantizing the
 cell's GEMM operands, not part of ``median_ms``; one value per op/model/mode/dtype, on its timed rows) and
