@@ -56,13 +56,13 @@ def gemm_call(g: Gemm, dtype: str, device: torch.device, fp8_accum: str = "fast"
 
 @dataclass
 class GemmTimer:
-    """Median time of each distinct (GEMM, dtype), measured once per run and cached; or, for runs in rounds,
-    fresh samples on request (:meth:`samples`)."""
+    """Samples of each distinct (GEMM, dtype): measured once per run and kept (:meth:`cached`), or fresh for each
+    round of a run in rounds (:meth:`samples`)."""
 
     device: torch.device
     cfg: TimingConfig
     fp8_accum: str = "fast"
-    cache: dict[tuple[Gemm, str], float] = field(default_factory=dict)
+    cache: dict[tuple[Gemm, str], list[float]] = field(default_factory=dict)
     failures: dict[tuple[Gemm, str], str] = field(default_factory=dict)
 
     def samples(self, g: Gemm, dtype: str, cfg: TimingConfig | None = None) -> list[float] | None:
@@ -77,17 +77,42 @@ class GemmTimer:
             self.failures[key] = f"{type(e).__name__}: {e}".splitlines()[0]
             return None
 
-    def time(self, g: Gemm, dtype: str) -> float | None:
+    def cached(self, g: Gemm, dtype: str) -> list[float] | None:
+        """The run's first samples of the plain GEMM (measured on first use)."""
         key = (g, dtype)
         if key not in self.cache:
             samples = self.samples(g, dtype)
-            if samples is not None:
-                self.cache[key] = statistics.median(samples)
-        return self.cache.get(key)
+            if samples is None:
+                return None
+            self.cache[key] = samples
+        return self.cache[key]
 
-    def sol_ms(self, gemms: list[Gemm], dtype: str) -> float | None:
-        times = [self.time(g, dtype) for g in gemms]
-        return None if not times or any(t is None for t in times) else sum(times)
+
+def sol_ms(samples: dict[Gemm, list[float] | None], gemms: list[Gemm]) -> float | None:
+    """Speed-of-light of a cell: the sum of the median times of its plain GEMMs (None if any is missing)."""
+    times = [samples.get(g) for g in gemms]
+    return None if not times or any(not t for t in times) else sum(statistics.median(t) for t in times)
+
+
+FLOPS_SLACK = 1.6
+"""The dense tensor-core peaks of the datasheets exceed the GEMM ceilings measured at 8192^3 by up to ~1.4x (H100
+bf16 989 / ~720 TFLOP/s) and ~1.55x (fp8 1979 / ~1290)."""
+BYTES_SLACK = 1.25
+"""Datasheet memory bandwidth exceeds the measured device-to-device copy by ~1.1-1.15x (H100, H200)."""
+
+
+def floor_ms(flops: float, min_bytes: float, ceilings: dict[str, Any], dtype: str, slack: bool = False
+             ) -> float | None:
+    """The physical floor of a cell on this GPU: the larger of its minimum bytes at the measured copy bandwidth and
+    its FLOPs at the measured GEMM ceiling of its dtype (``slack``: at the datasheet peaks those imply, the bound no
+    honest time can beat); None without measured ceilings."""
+    copy = ceilings.get("copy_gbps")
+    gemm = ceilings.get("fp8_tflops" if dtype in FP8_DTYPES else "bf16_tflops")
+    if not isinstance(copy, float) or not isinstance(gemm, float):
+        return None
+    bytes_ms = min_bytes / (copy * 1e9 * (BYTES_SLACK if slack else 1.0)) * 1e3
+    flops_ms = flops / (gemm * 1e12 * (FLOPS_SLACK if slack else 1.0)) * 1e3
+    return max(bytes_ms, flops_ms)
 
 
 def _copy_gbps(device: torch.device, cfg: TimingConfig) -> float:

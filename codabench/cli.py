@@ -20,7 +20,9 @@ from codabench.report import finalize
 from codabench.results import load_run
 from codabench.report.compare import compare, format_compare
 from codabench.report.merge import merge
-from codabench.runner import DeviceLost, RunConfig, Runner, RunExists
+from codabench.config import DEFAULT_CELL_TIMEOUT_S, RunConfig
+from codabench.runner import DeviceLost, Runner
+from codabench.writer import RunExists
 from codabench.timing import TimingConfig
 from workloads.models import PRESETS
 from workloads.op import DTYPES, MODES
@@ -73,6 +75,13 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-accum", choices=("fast", "promoted"), default="fast",
                    help="fp8 tensor-core accumulation of every provider in fp8 cells: 'fast' (like "
                    "_scaled_mm's use_fast_accum=True, the default) or 'promoted' (fp32 promotion per K block)")
+    p.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S, metavar="SECONDS",
+                   help="a cell's request to the worker process (correctness, checks and a timing round, or a later "
+                   "round) that takes longer is stopped: the cell gets an error row and the run goes on in a new "
+                   f"worker (default {DEFAULT_CELL_TIMEOUT_S:g}: room for cold compiles, JIT builds and autotuning)")
+    p.add_argument("--inline", action="store_true",
+                   help="run the cells in this process instead of a worker process (for a debugger); a crash or a "
+                   "hang of an implementation then ends the run")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -127,7 +136,9 @@ def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: t
     return RunConfig(out_dir=out, selection=sel, device=device, suite=suite.name, tokens=args.tokens,
                      vocab=args.vocab, check_tokens=args.check_tokens or suite.check_tokens,
                      cuda_graph=args.cuda_graph, resume=args.resume, shard=args.shard,
-                     show_progress=not args.quiet, fp8_accum=args.fp8_accum,
+                     show_progress=not args.quiet, fp8_accum=args.fp8_accum, cell_timeout_s=args.cell_timeout,
+                     isolate=not args.inline, plugin_files=tuple(str(Path(f).resolve()) for f in args.plugin),
+                     entry_points=not args.no_entry_points,
                      timing=TimingConfig(warmup=args.warmup, reps=args.reps or suite.reps,
                                          flush_l2=not args.no_l2_flush,
                                          rounds=args.rounds or (GPU_ROUNDS if device.type == "cuda" else 1)))

@@ -42,7 +42,7 @@ from kernels.torch_baselines import TorchEager
 from workloads.op import Op
 
 CHECK_SEED = 1001
-"""Seed of the correctness inputs; the timing inputs use codabench.runner.TIMING_SEED."""
+"""Seed of the correctness inputs; the timing inputs use codabench.measure.TIMING_SEED."""
 GRAD_SEED = 1002
 """Seed of the upstream gradients of the correctness pass."""
 

@@ -95,8 +95,13 @@ class Result:
 
 def run_once(op: Op, impl: Implementation, case: Case, grad_outputs: Tensors | None) -> Result:
     """Prepare and run ``impl`` once on ``case`` in its mode; ``grad_outputs`` canonical (autograd modes)."""
-    native = impl.prepare(case)
-    if not uses_autograd(op, case.mode):
+    return run_native(op, impl, impl.prepare(case), case.mode, grad_outputs)
+
+
+def run_native(op: Op, impl: Implementation, native: Tensors, mode: str, grad_outputs: Tensors | None) -> Result:
+    """Run ``impl`` once in ``mode`` on prepared ``native`` inputs (the same buffers, e.g. the timed ones); results in
+    canonical layout. The differentiable inputs become fresh leaves that share ``native``'s storage."""
+    if not uses_autograd(op, mode):
         with torch.no_grad():
             out = call_run(impl, native)
         return Result(impl.outputs_to_canonical(out, native), {})

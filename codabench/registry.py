@@ -103,6 +103,8 @@ class Registry:
     impls: dict[tuple[str, str], Implementation] = field(default_factory=dict)
     load_errors: list[tuple[str, str]] = field(default_factory=list)
     """(source, message) for every plugin module that failed to import."""
+    plugin_files: list[str] = field(default_factory=list)
+    """Every plugin file loaded (resolved paths), so that a worker process can load the same."""
 
     def add(self, impl: Implementation) -> Implementation:
         if not impl.name or not impl.op:
@@ -179,12 +181,14 @@ def requirement_missing(req: str, device: torch.device) -> str | None:
 def _import(name: str, source: str) -> None:
     try:
         importlib.import_module(name)
-    except Exception:  # a broken plugin becomes an error row, not a crash
+    except (Exception, SystemExit):  # a broken plugin (or one that exits) becomes an error row, not a crash
         REGISTRY.load_errors.append((source, traceback.format_exc(limit=3)))
 
 
 def load_plugin_file(path: str | os.PathLike) -> None:
     path = Path(path).resolve()
+    if str(path) not in REGISTRY.plugin_files:
+        REGISTRY.plugin_files.append(str(path))
     mod_name = f"codabench_plugin_{path.stem}"
     if mod_name in sys.modules:
         return
@@ -195,13 +199,17 @@ def load_plugin_file(path: str | os.PathLike) -> None:
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
         spec.loader.exec_module(module)
-    except Exception:
+    except (Exception, SystemExit):
         sys.modules.pop(mod_name, None)
         REGISTRY.load_errors.append((str(path), traceback.format_exc(limit=3)))
 
 
 def discover(plugin_files: Iterable[str] = (), entry_points: bool = True) -> Registry:
-    """Import every implementation: ``kernels/``, entry points, then ``--plugin`` files."""
+    """Import every implementation: ``kernels/``, entry points, then ``--plugin`` files. The harness's references to
+    its clocks and torch functions are recorded first (:mod:`codabench.guard`)."""
+    from codabench import guard
+
+    guard.snapshot()
     import kernels
 
     for info in pkgutil.walk_packages(kernels.__path__, prefix="kernels."):
@@ -212,7 +220,7 @@ def discover(plugin_files: Iterable[str] = (), entry_points: bool = True) -> Reg
         for ep in eps(group=ENTRY_POINT_GROUP):
             try:
                 ep.load()
-            except Exception:
+            except (Exception, SystemExit):
                 REGISTRY.load_errors.append((f"entry point {ep.name}", traceback.format_exc(limit=3)))
     for f in plugin_files:
         load_plugin_file(f)

@@ -9,7 +9,8 @@ import torch
 
 from codabench.matrix import Selection
 from codabench.registry import REGISTRY, discover
-from codabench.runner import RunConfig, Runner
+from codabench.config import RunConfig
+from codabench.runner import Runner
 from codabench.timing import TimingConfig
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -20,7 +21,7 @@ CPU = torch.device("cpu")
 def isolated_registry():
     """Discover the built-in implementations; undo every registration and plugin load made inside."""
     discover(entry_points=False)
-    impls, errors = dict(REGISTRY.impls), list(REGISTRY.load_errors)
+    impls, errors, files = dict(REGISTRY.impls), list(REGISTRY.load_errors), list(REGISTRY.plugin_files)
     modules = set(sys.modules)
     try:
         yield REGISTRY
@@ -28,6 +29,7 @@ def isolated_registry():
         REGISTRY.impls.clear()
         REGISTRY.impls.update(impls)
         REGISTRY.load_errors[:] = errors
+        REGISTRY.plugin_files[:] = files
         for name in set(sys.modules) - modules:  # so the next test imports (and registers) them again
             if name.startswith("codabench_plugin_") or str(getattr(sys.modules[name], "__file__", "")).startswith(
                     str(PLUGINS)):
@@ -35,9 +37,12 @@ def isolated_registry():
 
 
 def make_runner(out: Path, ops=("gemm_out",), modes=("fwd", "bwd", "fwd_bwd"), impls=("torch-eager",),
-                models=("tiny",), dtypes=("fp32",), device=CPU, timing=None, **kw) -> Runner:
+                models=("tiny",), dtypes=("fp32",), device=CPU, timing=None, isolate=True, **kw) -> Runner:
+    """A runner over a small selection. ``isolate``: cells in a worker process, which loads the plugin files the
+    registry has loaded (inline: for tests that register functions or patch the harness in this process)."""
     sel = Selection(ops=tuple(ops), models=tuple(models), modes=tuple(modes), dtypes=tuple(dtypes),
                     impls=tuple(impls))
     cfg = RunConfig(out_dir=out, selection=sel, device=device, show_progress=False,
-                    timing=timing or TimingConfig(), **kw)
+                    timing=timing or TimingConfig(), isolate=isolate, plugin_files=tuple(REGISTRY.plugin_files),
+                    entry_points=False, **kw)
     return Runner(cfg, REGISTRY)

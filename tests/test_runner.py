@@ -13,7 +13,9 @@ from codabench.registry import load_plugin_file, register
 from codabench.report import finalize
 from codabench.results import load_run
 from codabench.report.merge import merge
-from codabench.runner import RunExists, Runner
+from codabench.measure import Measurer
+from codabench.runner import Runner
+from codabench.writer import RunExists
 from codabench.timing import TimingConfig
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 from workloads.models import get_model
@@ -101,17 +103,17 @@ def test_resume_after_an_interrupted_run(registry, tmp_path, monkeypatch):
     ops = ["gemm_out", "gemm_down", "rmsnorm_linear"]
     total = len(make_runner(tmp_path, ops=ops).cells)
     calls = []
-    original = Runner.run_cell
+    original = Measurer.first
 
-    def interrupted(self, cell, group, planned):
+    def interrupted(self, cell):
         if len(calls) == 3:
             raise KeyboardInterrupt
         calls.append(cell.key)
-        return original(self, cell, group, planned)
+        return original(self, cell)
 
-    monkeypatch.setattr(Runner, "run_cell", interrupted)
+    monkeypatch.setattr(Measurer, "first", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        make_runner(tmp_path, ops=ops).run()
+        make_runner(tmp_path, ops=ops, isolate=False).run()
     assert len(load_run(tmp_path)[0]) == 3
     with open(tmp_path / "results.csv", "a") as f:  # a row cut off by the kill
         f.write("gemm_down,torch-eager,ti")
@@ -119,8 +121,8 @@ def test_resume_after_an_interrupted_run(registry, tmp_path, monkeypatch):
         make_runner(tmp_path, ops=ops).run()
 
     calls.clear()
-    monkeypatch.setattr(Runner, "run_cell", lambda self, c, g, p: (calls.append(c.key), original(self, c, g, p))[1])
-    make_runner(tmp_path, ops=ops, resume=True).run()
+    monkeypatch.setattr(Measurer, "first", lambda self, c: (calls.append(c.key), original(self, c))[1])
+    make_runner(tmp_path, ops=ops, resume=True, isolate=False).run()
     df, _, env = load_run(tmp_path)
     assert len(calls) == total - 3
     assert len(df) == total and not df.duplicated(["op", "model", "mode", "dtype", "impl"]).any()
@@ -175,23 +177,24 @@ def test_check_tokens_and_env(registry, tmp_path):
 
 def test_rounds_interleave_a_groups_cells_and_gemms_and_pool_samples(registry, tmp_path, monkeypatch):
     """--rounds: every round times each cell of the group in turn, then the group's speed-of-light GEMMs; a cell's
-    samples are pooled over the rounds; a cell that fails in a later round becomes an error row."""
+    samples are pooled over the rounds (and kept per round); a cell that fails in a later round becomes an error
+    row."""
     load_plugin_file(PLUGINS / "good.py")
     register("gemm_out", "test-flaky", dtypes=("fp32",))(lambda x, w: {"out": torch.nn.functional.linear(x, w)})
     order = []
-    time_cell, gemm_samples = Runner.time_cell, GemmTimer.samples
+    time_cell, gemm_samples = Measurer._time, GemmTimer.samples
 
-    def logged_time_cell(self, cell, model, group, cfg=None):
+    def logged_time(self, cell, group, cfg):
         order.append(cell.impl)
         if cell.impl == "test-flaky" and order.count(cell.impl) == 2:
             raise RuntimeError("flaky device")
-        return time_cell(self, cell, model, group, cfg)
+        return time_cell(self, cell, group, cfg)
 
-    monkeypatch.setattr(Runner, "time_cell", logged_time_cell)
+    monkeypatch.setattr(Measurer, "_time", logged_time)
     monkeypatch.setattr(GemmTimer, "samples", lambda self, g, dtype, cfg=None: (order.append("gemm"),
                                                                                 gemm_samples(self, g, dtype, cfg))[1])
     runner = make_runner(tmp_path, modes=("fwd",), impls=["torch-eager", "test-good", "test-flaky"],
-                         timing=TimingConfig(rounds=3, cpu_reps=2))
+                         timing=TimingConfig(rounds=3, cpu_reps=2), isolate=False)
     impls = [c.impl for c in runner.cells]
     runner.run()
     assert order == [*impls, "gemm", *impls, "gemm", *[i for i in impls if i != "test-flaky"], "gemm"]
@@ -203,3 +206,4 @@ def test_rounds_interleave_a_groups_cells_and_gemms_and_pool_samples(registry, t
     assert bad["status"] == "error" and "round 2" in bad["message"] and "flaky device" in bad["message"]
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert sorted(len(s["samples_ms"]) for s in samples) == [6, 6]
+    assert all([len(r) for r in s["rounds"]] == [2, 2, 2] and sum(s["rounds"], []) == s["samples_ms"] for s in samples)

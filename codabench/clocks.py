@@ -1,0 +1,84 @@
+"""The GPU's SM clock, power and temperature sampled by NVML during each cell's timed region (read only, never set).
+
+A background thread reads NVML every :data:`PERIOD_S` while :meth:`ClockSampler.sampling` is active. Each cell gets
+the SM clock samples of its timed region (the results' ``sm_clock_min_mhz`` and ``sm_clock_median_mhz``); the run
+keeps a thinned trace of (wall time, SM MHz) for env.json and the report's clock plot. Without NVML (no GPU, no
+``nvidia-ml-py``) nothing is sampled and the columns stay empty.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+PERIOD_S = 0.01
+TRACE_EVERY_S = 0.5
+"""Spacing of the run's clock trace (the per-cell samples are kept whole)."""
+
+
+@dataclass
+class Sampled:
+    """NVML readings of one timed region."""
+
+    sm_mhz: list[float] = field(default_factory=list)
+    power_w: list[float] = field(default_factory=list)
+
+
+class ClockSampler:
+    def __init__(self, device: torch.device):
+        self.trace: list[tuple[float, float]] = []
+        """(time.time(), SM MHz), one point per TRACE_EVERY_S at most."""
+        self._nv = self._handle = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nv, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            except Exception:  # no NVML: the clock columns stay empty
+                self._nv = None
+
+    @property
+    def available(self) -> bool:
+        return self._nv is not None
+
+    def read(self) -> tuple[float, float]:
+        nv, h = self._nv, self._handle
+        return float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)), nv.nvmlDeviceGetPowerUsage(h) / 1000.0
+
+    @contextmanager
+    def sampling(self, into: Sampled) -> Iterator[Sampled]:
+        """Append NVML readings to ``into`` every PERIOD_S until the block ends (at least one reading)."""
+        if not self.available:
+            yield into
+            return
+        stop = threading.Event()
+
+        def loop():
+            while True:
+                self._record(into)
+                if stop.wait(PERIOD_S):
+                    return
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        try:
+            yield into
+        finally:
+            stop.set()
+            thread.join()
+
+    def _record(self, into: Sampled) -> None:
+        try:
+            sm, power = self.read()
+        except Exception:
+            return
+        into.sm_mhz.append(sm)
+        into.power_w.append(power)
+        now = time.time()
+        if not self.trace or now - self.trace[-1][0] >= TRACE_EVERY_S:
+            self.trace.append((now, sm))

@@ -1,0 +1,53 @@
+"""The settings of one run, shared by the parent process (plan, writer, progress) and its cell worker."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from codabench.matrix import Selection
+from codabench.timing import TimingConfig
+from workloads.models import ModelShape, get_model
+
+DEFAULT_CELL_TIMEOUT_S = 1200.0
+"""``--cell-timeout``: one request to the worker (a cell's correctness pass, checks and first timing round, or one later
+round) may take this long. Generous: a cold first call on a GPU compiles (torch.compile), JIT-builds (FlashInfer:
+about 130 s on 16 cores) and autotunes (CODA's block: up to a few minutes) before any sample."""
+
+
+@dataclass
+class RunConfig:
+    out_dir: Path
+    selection: Selection
+    device: torch.device
+    suite: str = "custom"
+    tokens: int | None = None
+    vocab: int | None = None
+    check_tokens: int | None = None
+    """Tokens of the correctness pass (default: the timing's)."""
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    cuda_graph: bool = False
+    resume: bool = False
+    shard: tuple[int, int] | None = None
+    cooldown_s: float = 0.05
+    """Pause between cells on the GPU."""
+    show_progress: bool = True
+    fp8_accum: str = "fast"
+    """fp8 tensor-core accumulation of every fp8 cell (``--fp8-accum``): ``fast`` or ``promoted``."""
+    cell_timeout_s: float = DEFAULT_CELL_TIMEOUT_S
+    isolate: bool = True
+    """Run cells in a worker process (the default); False runs them in this process (``--inline``, for debuggers)."""
+    plugin_files: tuple[str, ...] = ()
+    """``--plugin`` files, loaded again by the worker."""
+    entry_points: bool = True
+    models: dict[str, ModelShape] = field(default_factory=dict)
+    """Model shapes defined for this run (``--model``, ``--model-config``), beside the presets; the worker gets them
+    through this config."""
+
+    def model(self, name: str, check: bool = False) -> ModelShape:
+        """The model shape of a cell: the preset with the run's token and vocab overrides (``check``: the correctness
+        pass's tokens)."""
+        m = self.models[name].with_(tokens=self.tokens, vocab=self.vocab) if name in self.models else \
+            get_model(name, self.tokens, self.vocab)
+        return m.with_(tokens=self.check_tokens) if check else m

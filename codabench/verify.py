@@ -1,0 +1,178 @@
+"""Anti-cheat checks of a timed cell, in the worker, after its timed calls (benchmarking.md, "Verdicts that hold up").
+
+A cell's time counts only if the calls it timed computed what they claim. The correctness pass checks one untimed
+call on other inputs; these checks look at the timed closure itself, at the timing shape, on the native inputs
+``A`` that ``prepare`` built from the timing inputs:
+
+1. *same buffers*: one more call on ``A`` after the timed calls (round after round: calls later in the run);
+2. *refilled in place*: ``A``'s tensors are overwritten with the native form of new inputs ``B`` (another seed, every
+   floating input x2, an exact scaling that also moves scale-free outputs such as a loss), then one call on ``A``;
+3. *new buffers*: ``prepare`` on new inputs ``C``, one call.
+
+Each call's outputs (and gradients) must match PyTorch's own results (torch-eager in the cell's dtype) on the same
+inputs: ``rel_err(out, torch) <= VERIFY_FACTOR x max(torch's error, the cell's error) + 2 x floor``, errors taken
+from the correctness pass against float64. An honest kernel is within its error plus PyTorch's of PyTorch's result;
+an output computed from other inputs (a result computed once, a cache keyed on buffer addresses, shapes or call
+counts, outputs that stop being computed after the first calls) is O(1) away.
+
+On the GPU two more checks: the outputs must be ready on the calling stream (they are copied on it right after the
+call returns, before any synchronization, and the copies must equal the outputs after a device synchronize), and
+the CUDA-event time on the calling stream must not fall far below the device-synchronized wall time of the same
+call (work left on a side stream makes the events stop early).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, fields, is_dataclass, replace
+
+import torch
+
+from codabench.case import Case
+from codabench.correctness import compared
+from codabench.execute import CellError, Timed, run_native
+from codabench.metrics import FLOOR, error_stats
+from codabench.registry import Implementation, Tensors
+from codabench.timing import Event, elapsed_ms, perf_counter, record, synchronize
+from workloads.op import Op
+
+VERIFY_FACTOR = 4.0
+REFILL_SEED, FRESH_SEED = 101, 102
+"""Seeds of the inputs B (refilled into the timed buffers) and C (new buffers)."""
+STREAM_CALLS = 3
+STREAM_SLACK_MS = 0.2
+"""Event time may fall short of synchronized wall time by this much plus half the wall time (launch latency)."""
+
+
+@dataclass
+class Expected:
+    """PyTorch's results (compared outputs and gradients, canonical) on one set of inputs, and those inputs."""
+
+    case: Case
+    outputs: dict[str, torch.Tensor]
+
+
+def verification_inputs(op: Op, case: Case, seed: int) -> Case:
+    """``case`` with new inputs: another seed, every floating input x2 (exact in every float format, fp8's grid
+    included), then the op's derived inputs (saved statistics) recomputed."""
+    inp = op.inputs(case.model, case.dtype, case.device, seed)
+    inp = {k: v * 2 if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inp.items()}
+    return replace(case, inputs=op.derived_inputs(inp, case.model))
+
+
+def refill(dst: object, src: object, where: str = "native") -> None:
+    """Copy ``src``'s tensors into ``dst``'s in place (dicts, tuples, lists and dataclasses walked alike)."""
+    if isinstance(dst, torch.Tensor):
+        if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.dtype != dst.dtype:
+            raise CellError(f"prepare() gave {where} another shape or dtype for other inputs of the same shape")
+        with torch.no_grad():
+            dst.copy_(src)
+    elif isinstance(dst, dict):
+        for k in dst:
+            refill(dst[k], src[k], f"{where}[{k!r}]")
+    elif isinstance(dst, (tuple, list)):
+        for i, (d, s) in enumerate(zip(dst, src)):
+            refill(d, s, f"{where}[{i}]")
+    elif is_dataclass(dst) and not isinstance(dst, type):
+        for f in fields(dst):
+            refill(getattr(dst, f.name), getattr(src, f.name), f"{where}.{f.name}")
+
+
+def mismatch(op: Op, mode: str, result: dict[str, torch.Tensor], expected: Expected, allowed: dict[str, float]
+             ) -> str | None:
+    """The first compared tensor of ``result`` that is missing, misshapen or too far from PyTorch's, as a message."""
+    for name, ref in expected.outputs.items():
+        out = result.get(name)
+        if out is None:
+            if name in op.side_outputs:
+                continue
+            return f"{name} is missing"
+        if tuple(out.shape) != tuple(ref.shape):
+            return f"{name} has shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+        rel = error_stats(out, ref).rel_err
+        if not rel <= allowed[name]:  # NaN fails too
+            return f"{name} is {rel:.3g} away from PyTorch's result on the same inputs (allowed {allowed[name]:.3g})"
+    return None
+
+
+def allowed_error(torch_err: dict[str, float | None], cell_err: dict[str, float | None], dtype: str
+                  ) -> dict[str, float]:
+    """Per compared tensor: VERIFY_FACTOR x max(PyTorch's error, the cell's error) + 2 x floor."""
+    out = {}
+    for name in set(torch_err) | set(cell_err):
+        errs = [e for e in (torch_err.get(name), cell_err.get(name)) if e is not None and e == e]
+        out[name] = VERIFY_FACTOR * max(errs, default=0.0) + 2 * FLOOR[dtype]
+    return out
+
+
+def check_same_buffers(op: Op, impl: Implementation, native: Tensors, mode: str, grads: Tensors | None,
+                       expected: Expected, allowed: dict[str, float]) -> str | None:
+    """Check 1: one more call on the timed buffers."""
+    bad = mismatch(op, mode, compared(op, mode, run_native(op, impl, native, mode, grads)), expected, allowed)
+    return f"a timed call's output is wrong: {bad}" if bad else None
+
+
+def check_refilled(op: Op, impl: Implementation, native: Tensors, mode: str, grads: Tensors | None,
+                   expected: Expected, allowed: dict[str, float]) -> str | None:
+    """Check 2: the timed buffers refilled in place with the native form of ``expected.case``'s inputs."""
+    refill(native, impl.prepare(expected.case))
+    bad = mismatch(op, mode, compared(op, mode, run_native(op, impl, native, mode, grads)), expected, allowed)
+    return (f"outputs do not follow the inputs: with the timed buffers refilled in place with new values, {bad} "
+            "(a result reused, or cached by buffer address, shape or call count?)") if bad else None
+
+
+def check_new_buffers(op: Op, impl: Implementation, mode: str, grads: Tensors | None, expected: Expected,
+                      allowed: dict[str, float]) -> str | None:
+    """Check 3: a fresh ``prepare`` on ``expected.case``'s inputs."""
+    native = impl.prepare(expected.case)
+    bad = mismatch(op, mode, compared(op, mode, run_native(op, impl, native, mode, grads)), expected, allowed)
+    return f"outputs are wrong on new input buffers: {bad}" if bad else None
+
+
+def check_stream(op: Op, impl: Implementation, native: Tensors, mode: str, grads: Tensors | None,
+                 device: torch.device) -> str | None:
+    """GPU: the call's outputs are complete on the calling stream when it returns (copied there before any sync)."""
+    synchronize(device)
+    result = compared(op, mode, run_native(op, impl, native, mode, grads))
+    copies = {k: v.clone() for k, v in result.items()}  # enqueued on the calling stream, no synchronization
+    synchronize(device)
+    for k, v in result.items():
+        if not torch.equal(copies[k].nan_to_num(), v.nan_to_num()):
+            return (f"{k} was not ready on the calling stream when the call returned (work left on a side stream "
+                    "without the calling stream waiting for it)")
+    return None
+
+
+def check_event_time(timed: Timed, device: torch.device) -> str | None:
+    """GPU: CUDA-event time of the timed closure on the calling stream vs its device-synchronized wall time."""
+    events, walls = [], []
+    for _ in range(STREAM_CALLS):
+        state = timed.setup() if timed.setup else None
+        synchronize(device)
+        start, end = Event(enable_timing=True), Event(enable_timing=True)
+        t0 = perf_counter()
+        record(start)
+        with timed.context:
+            timed.fn(state)
+        record(end)
+        synchronize(device)
+        walls.append((perf_counter() - t0) * 1e3)
+        events.append(elapsed_ms(start, end))
+    ev, wall = statistics.median(events), statistics.median(walls)
+    if wall - ev > STREAM_SLACK_MS + 0.5 * wall:
+        return (f"the calling stream's events saw {ev:.3g} ms of a call that takes {wall:.3g} ms with the device "
+                "synchronized: work left on another stream")
+    return None
+
+
+def peak_memory_mib(op: Op, impl: Implementation, native: Tensors, mode: str, grads: Tensors | None,
+                    device: torch.device) -> float | None:
+    """GPU: the peak memory one call allocates above what is allocated before it (its inputs), in MiB."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    result = run_native(op, impl, native, mode, grads)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del result
+    return peak / 2**20

@@ -1,0 +1,194 @@
+"""The cell worker: a child process that runs cells for the parent, and the parent's handle on it.
+
+The parent (:mod:`codabench.runner`) owns the plan, the result files, progress and the report; every call into an
+implementation happens in the worker, a ``python -m codabench.worker`` process (a socket pair carries pickled
+requests and answers; stdout and stderr stay the terminal's) that is kept alive across cells (compile, JIT and
+autotuning caches stay warm) and replaced when it dies. Each request (a cell's first round, a later round, a
+group's GEMMs, the environment) has a deadline (``--cell-timeout``): a worker that misses it is killed and the
+request fails with "timed out after N s"; a worker that exits or is killed by a signal (``sys.exit``, ``os._exit``,
+a segfault, a lost CUDA context) fails its request with the exit code or the signal's name. The next request starts a
+fresh worker. The worker ignores SIGINT: Ctrl-C reaches the parent, which stops the worker and writes the report.
+
+:class:`InlineWorker` runs the same requests in the parent process (``--inline``): for debuggers, and for tests
+that patch the harness; there a crash or a hang ends the run.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from codabench import guard
+from codabench.config import RunConfig
+from codabench.measure import Measurer, describe_exception
+from codabench.registry import Registry, discover
+
+DEVICE_LOST_EXIT = 75
+"""Exit code of a worker whose CUDA context broke (the request that broke it has its answer)."""
+POLL_S = 0.1
+
+
+@dataclass
+class Failure:
+    """A request that got no answer from the implementation: the reason, as the cell's error message."""
+
+    message: str
+
+
+def exit_message(code: int | None) -> str:
+    """What ended a worker, for an error row."""
+    if code is None:
+        return "the worker process stopped answering"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the worker process was killed by {name}" + (" (a crash in native code)" if name in (
+            "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT") else "")
+    if code == DEVICE_LOST_EXIT:
+        return "the worker process left: its CUDA context is unusable"
+    return f"the worker process exited with code {code} (sys.exit or os._exit in the implementation?)"
+
+
+def dispatch(measurer: Measurer, method: str, args: tuple) -> Any:
+    """Run one request; an exception of the harness itself, or a replaced clock or torch function, is a Failure."""
+    try:
+        value = getattr(measurer, method)(*args)
+    except Exception as e:
+        value = Failure(describe_exception(e))
+    bad = guard.restore()
+    return Failure(guard.tamper_message(bad)) if bad else value
+
+
+def serve(conn: Connection) -> None:
+    """The worker process's main loop: receive the run's config, load the implementations, then answer requests
+    until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cfg: RunConfig = conn.recv()
+    guard.snapshot()
+    registry = discover(cfg.plugin_files, entry_points=cfg.entry_points)
+    measurer = Measurer(cfg, registry)
+    conn.send(("ready", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            return
+        if method == "stop":
+            return
+        conn.send(("done", dispatch(measurer, method, args)))
+        if measurer.device_lost:
+            conn.close()
+            os._exit(DEVICE_LOST_EXIT)
+
+
+class WorkerProcess:
+    """The parent's handle on the worker process: requests with a deadline; a dead worker is replaced lazily."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.timeout_s = cfg.cell_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self.starts = 0
+
+    def call(self, method: str, *args: Any) -> Any:
+        """The worker's answer to ``method(*args)``, or a :class:`Failure` (timeout, exit, signal, harness error)."""
+        if self._proc is None or self._proc.poll() is not None:
+            failure = self._start()
+            if failure is not None:
+                return failure
+        try:
+            self._conn.send((method, args))
+        except OSError:
+            return self._dead()
+        return self._receive(time.monotonic() + self.timeout_s)
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            if self._proc.poll() is None:
+                self._conn.send(("stop", ()))
+                self._proc.wait(2)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self._kill()
+
+    def _start(self) -> Failure | None:
+        self._kill()
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+        self._proc = subprocess.Popen([sys.executable, "-m", "codabench.worker", str(theirs.fileno())],
+                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self.starts += 1
+        try:
+            self._conn.send(self.cfg)
+        except OSError:
+            return Failure(f"starting the worker: {self._dead().message}")
+        answer = self._receive(time.monotonic() + self.timeout_s)
+        return Failure(f"starting the worker: {answer.message}") if isinstance(answer, Failure) else None
+
+    def _receive(self, deadline: float) -> Any:
+        while True:
+            if self._conn.poll(POLL_S):
+                try:
+                    return self._conn.recv()[1]
+                except (EOFError, OSError):
+                    return self._dead()
+            if self._proc.poll() is not None:
+                return self._dead()
+            if time.monotonic() > deadline:
+                self._kill()
+                return Failure(f"timed out after {self.timeout_s:g} s (the worker was stopped; the run goes on in a "
+                               "new one)")
+
+    def _dead(self) -> Failure:
+        try:
+            code = self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._kill()
+        return Failure(exit_message(code))
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class InlineWorker:
+    """The worker's requests run in this process (``--inline``): no isolation, no timeout."""
+
+    def __init__(self, cfg: RunConfig, registry: Registry):
+        guard.snapshot()
+        self.measurer = Measurer(cfg, registry)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return dispatch(self.measurer, method, args)
+
+    def close(self) -> None:
+        pass
+
+
+if __name__ == "__main__":  # the worker process: python -m codabench.worker FD
+    from codabench.bootstrap import select_device
+
+    select_device()
+    import codabench.worker  # the classes it sends must pickle as codabench.worker's, not __main__'s
+
+    codabench.worker.serve(Connection(int(sys.argv[1])))

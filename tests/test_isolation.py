@@ -1,0 +1,137 @@
+"""Cells in a worker process: hangs, exits and crashes cost one row; cheats are caught before a time counts."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch.nn.functional as F
+
+from codabench import guard
+from codabench.ceilings import floor_ms
+from codabench.matrix import Cell
+from codabench.measure import RoundResult
+from codabench.registry import load_plugin_file
+from codabench.results import load_run
+from codabench.runner import Runner, _Pending
+from harness_helpers import PLUGINS, isolated_registry, make_runner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def registry():
+    with isolated_registry() as reg:
+        yield reg
+
+
+def rows(run_dir):
+    df, _, _ = load_run(run_dir)
+    return {r["impl"]: r for _, r in df.iterrows()}
+
+
+def test_hangs_exits_and_crashes_cost_one_row_each(registry, tmp_path):
+    load_plugin_file(PLUGINS / "crashers.py")
+    load_plugin_file(PLUGINS / "good.py")
+    impls = ["torch-eager", "test-exits-later", "test-good", "test-hangs", "test-os-exit", "test-segfault",
+             "test-sys-exit"]
+    runner = make_runner(tmp_path, modes=("fwd",), impls=impls, cell_timeout_s=8)
+    assert [c.impl for c in runner.cells] == impls  # baselines first, then by name: good cells after crashes
+    runner.run()
+    got = rows(tmp_path)
+    expect = {"test-hangs": "timed out after 8 s", "test-sys-exit": "exited with code 3",
+              "test-os-exit": "exited with code 1", "test-segfault": "killed by SIGSEGV",
+              "test-exits-later": "exited with code 4"}
+    for impl, text in expect.items():
+        assert got[impl]["status"] == "error" and text in got[impl]["message"], (impl, got[impl]["message"])
+    for impl in ("torch-eager", "test-good"):  # test-good runs in a new worker after test-exits-later's crash
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, impl
+    assert (tmp_path / "env.json").exists()
+
+
+def test_a_plugin_that_exits_at_import_is_an_error_row(registry, tmp_path):
+    load_plugin_file(PLUGINS / "exits_at_import.py")
+    load_plugin_file(PLUGINS / "good.py")
+    make_runner(tmp_path, modes=("fwd",), impls=["test-good"]).run()
+    got = rows(tmp_path)
+    assert got["test-good"]["status"] == "ok"
+    load = got[str((PLUGINS / "exits_at_import.py").resolve())]
+    assert load["status"] == "error" and "SystemExit" in load["message"]
+
+
+def test_cheats_are_caught_and_honest_cells_keep_their_times(registry, tmp_path):
+    load_plugin_file(PLUGINS / "cheaters.py")
+    load_plugin_file(PLUGINS / "good.py")
+    impls = ["torch-eager", "cheat-address-cache", "cheat-baseline", "cheat-call-count", "cheat-clock",
+             "cheat-first-result", "cheat-shape-cache", "test-good"]
+    make_runner(tmp_path, modes=("fwd",), impls=impls).run()
+    got = rows(tmp_path)
+    expect = {"cheat-first-result": "a timed call's output is wrong",
+              "cheat-shape-cache": "a timed call's output is wrong",
+              "cheat-address-cache": "outputs do not follow the inputs",
+              "cheat-call-count": "outputs do not follow the inputs",
+              "cheat-clock": "tampered with time.perf_counter",
+              "cheat-baseline": "tampered with torch.nn.functional.rms_norm"}
+    for impl, text in expect.items():
+        assert got[impl]["status"] == "error" and text in got[impl]["message"], (impl, got[impl]["message"])
+        assert pd.isna(got[impl]["median_ms"]), impl  # a cheating cell has no time
+    for impl in ("torch-eager", "test-good"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, impl
+    # test-good ran after both tampering plugins: its time is a real wall time, not a tenth of it
+    assert got["test-good"]["median_ms"] > 0.2 * got["torch-eager"]["median_ms"]
+
+
+def test_the_guard_notices_and_restores_replaced_functions():
+    guard.snapshot()
+    clock, norm = time.perf_counter, F.rms_norm
+    try:
+        time.perf_counter = lambda: 0.0
+        F.rms_norm = lambda *a, **k: None
+        assert set(guard.tampered()) >= {"time.perf_counter", "torch.nn.functional.rms_norm"}
+        assert set(guard.restore()) >= {"time.perf_counter", "torch.nn.functional.rms_norm"}
+        assert time.perf_counter is clock and F.rms_norm is norm and guard.tampered() == []
+    finally:
+        time.perf_counter, F.rms_norm = clock, norm
+
+
+def test_a_time_below_the_physical_floor_is_an_error(registry, tmp_path):
+    """With ceilings of an H100-like GPU, a 7B gemm_out cell claiming 1 us cannot be true."""
+    runner = make_runner(tmp_path, models=("llama-7b",), modes=("fwd",), impls=["torch-eager"])
+    runner.ceilings = {"copy_gbps": 3000.0, "bf16_tflops": 700.0}
+    cell = Cell("gemm_out", "llama-7b", "fwd", "bf16", "torch-eager")
+    flops = 2 * 16384 * 4096 * 4096
+    assert floor_ms(flops, 1e9, runner.ceilings, "bf16") == pytest.approx(max(1e9 / 3e12, flops / 700e12) * 1e3)
+    for median, status in ((0.001, "error"), (0.45, "error"), (0.8, "ok")):  # hard floor 0.49 ms
+        p = _Pending(cell, runner._base_row(cell) | {"_min_bytes": 1e9}, [], [RoundResult([median] * 3, "cuda-events")])
+        runner._finish(p, ({}, ""))
+        assert p.row["status"] == status, (median, p.row["message"])
+    assert "faster than the hardware allows" not in p.row["message"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="signals")
+def test_ctrl_c_writes_the_report(tmp_path):
+    """SIGINT in the middle of a hanging cell: exit 130, the finished rows kept, the report written."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    proc = subprocess.Popen([sys.executable, "run_bench.py", "--ops", "gemm_out", "--modes", "fwd", "--impls",
+                             "torch-eager,test-hangs", "--plugin", str(PLUGINS / "crashers.py"), "--out", str(out),
+                             "--no-entry-points", "--quiet"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+
+    def rows_written() -> int:
+        path = out / "results.csv"
+        return len(path.read_text().splitlines()) - 1 if path.exists() else 0
+
+    while rows_written() < 1:  # torch-eager's row
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.5)
+    time.sleep(2)  # the next cell hangs in the worker
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and (out / "report.html").exists()
+    assert rows(out)["torch-eager"]["status"] == "ok"
