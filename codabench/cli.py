@@ -86,6 +86,16 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _use_compile_cache(folder: Path) -> None:
+    """torch.compile's caches (compiled graphs, CPU compiler probes) live beside the runs, so a second run does not
+    pay the compile time again. A TORCHINDUCTOR_CACHE_DIR of the user's wins; torch's own default does not (importing
+    torch._dynamo writes that default into the environment)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder.resolve())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
@@ -95,14 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     suite = get_suite(args.suite or ("quick" if device.type == "cuda" else "smoke"))
     if device.type == "cpu":
         print(f"codabench: {INTERPRETER_NOTE}", file=sys.stderr)
+    out = args.out or _default_out(suite.name, args.resume, args.shard)
+    _use_compile_cache(out.parent / ".cache" / "torchinductor")
     registry = discover(args.plugin, entry_points=not args.no_entry_points)
     sel = Selection.from_suite(suite, ops=args.ops, models=args.models, modes=args.modes, dtypes=args.dtypes,
                                impls=args.impls)
     _check_names(sel, registry)
-    out = args.out or _default_out(suite.name, args.resume, args.shard)
-    # torch.compile's caches (compiled graphs, CPU compiler probes) live beside the runs, so a second
-    # run does not pay the compile time again; an explicit TORCHINDUCTOR_CACHE_DIR wins.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str((out.parent / ".cache" / "torchinductor").resolve()))
     cfg = run_config(args, suite, sel, device, out)
     runner = Runner(cfg, registry)
     if args.list:
