@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"codabench: {suite.name} suite, {len(runner.cells)} cells -> {out}", file=sys.stderr)
     code = 0
+    # Ctrl-C must raise KeyboardInterrupt here even if a plugin's import changed SIGINT's handler (seen on a GPU
+    # machine: the run died of the signal, without its report)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         runner.run()
     except RunExists as e:

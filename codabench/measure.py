@@ -314,7 +314,8 @@ class Measurer:
         updates["peak_mem_mib"] = verify.peak_memory_mib(op, impl, t.native, mode, t.grads, dev)
         checks = [lambda: verify.check_same_buffers(op, impl, t.native, mode, t.grads, expected_a, allowed)]
         if dev.type == "cuda":
-            checks.append(lambda: verify.check_stream(op, impl, t.native, mode, t.grads, dev))
+            checks.append(lambda: verify.check_stream(
+                op, impl, t.native, mode, t.grads, dev, self._expected(cell, group, t.case, verify.REFILL_SEED).case))
             if t.timed is not None:
                 checks.append(lambda: verify.check_event_time(t.timed, dev))
         checks += [

@@ -32,6 +32,9 @@ from codabench.registry import Registry, discover
 DEVICE_LOST_EXIT = 75
 """Exit code of a worker whose CUDA context broke (the request that broke it has its answer)."""
 POLL_S = 0.1
+START_TIMEOUT_S = 300.0
+"""Deadline of a worker's start (imports of torch, Triton and every plugin, CUDA initialisation), when it exceeds
+the cell timeout."""
 
 
 @dataclass
@@ -74,6 +77,7 @@ def serve(conn: Connection) -> None:
     cfg: RunConfig = conn.recv()
     guard.snapshot()
     registry = discover(cfg.plugin_files, entry_points=cfg.entry_points)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: a plugin's import may have set its own handler
     measurer = Measurer(cfg, registry)
     conn.send(("ready", None))
     while True:
@@ -109,7 +113,7 @@ class WorkerProcess:
             self._conn.send((method, args))
         except OSError:
             return self._dead()
-        return self._receive(time.monotonic() + self.timeout_s)
+        return self._receive(self.timeout_s)
 
     def close(self) -> None:
         if self._proc is None:
@@ -135,10 +139,11 @@ class WorkerProcess:
             self._conn.send(self.cfg)
         except OSError:
             return Failure(f"starting the worker: {self._dead().message}")
-        answer = self._receive(time.monotonic() + self.timeout_s)
+        answer = self._receive(max(self.timeout_s, START_TIMEOUT_S))
         return Failure(f"starting the worker: {answer.message}") if isinstance(answer, Failure) else None
 
-    def _receive(self, deadline: float) -> Any:
+    def _receive(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
         while True:
             if self._conn.poll(POLL_S):
                 try:
@@ -149,7 +154,7 @@ class WorkerProcess:
                 return self._dead()
             if time.monotonic() > deadline:
                 self._kill()
-                return Failure(f"timed out after {self.timeout_s:g} s (the worker was stopped; the run goes on in a "
+                return Failure(f"timed out after {timeout_s:g} s (the worker was stopped; the run goes on in a "
                                "new one)")
 
     def _dead(self) -> Failure:
