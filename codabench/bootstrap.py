@@ -6,6 +6,7 @@ torch and calling ``torch.cuda.is_available()`` does not import triton (``torch.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -19,6 +20,9 @@ def select_device() -> str:
 
     if torch.cuda.is_available():
         return "cuda"
+    # torch.utils.cpp_extension warns "No CUDA runtime is found" when it is imported on a machine with a CUDA toolkit
+    # but no GPU: the interpreter note printed by the entry points already says so
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     if os.environ.get("TRITON_INTERPRET") != "1":
         if "triton" in sys.modules:
             raise RuntimeError("triton was imported before codabench.bootstrap.select_device(); "

@@ -23,6 +23,7 @@ from codabench.report.compare import compare, format_compare
 from codabench.report.merge import merge
 from codabench.config import DEFAULT_CELL_TIMEOUT_S, RunConfig
 from codabench.runner import DeviceLost, Runner
+from codabench.worker import WorkerProcess
 from codabench.writer import RunExists
 from codabench.timing import TimingConfig
 from workloads.models import PRESETS
@@ -34,14 +35,56 @@ REPORTS = Path("reports")
 GPU_ROUNDS = 3
 """Default timing rounds on the GPU (benchmarking.md: interleave providers or repeat rounds)."""
 SUBCOMMANDS = ("merge", "compare", "report", "wheelhouse", "install-offline")
+EXIT_OK, EXIT_CELL_ERRORS, EXIT_USAGE, EXIT_DEVICE_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+"""Exit codes of a run: finished with every cell ok (and correct), n/a or skipped; finished with error rows or cells
+that fail the error rule (the report is written all the same); bad flags, names or paths (nothing ran); the CUDA
+context broke (``--inline`` only); interrupted (Ctrl-C; the report is written)."""
+
+
+class UsageError(Exception):
+    """Bad input on the command line: one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one line for bad input (no usage block): ``prog: message (see --help)``, exit code 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
 
 
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _number(kind: type, minimum: float, what: str):
+    """An argparse type: ``kind`` (int or float) at least ``minimum``."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= minimum:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = _number(int, 1, "a whole number >= 1")
+COUNT = _number(int, 0, "a whole number >= 0")
+SECONDS = _number(float, 1e-3, "a number of seconds > 0")
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        return parse_shard(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="run_bench.py", description="Run a codabench suite: (op x model x mode x dtype x impl) cells, "
         "each checked against a float64 reference and timed; writes reports/<run>/. Other commands: "
         "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR', 'wheelhouse ...', "
@@ -52,9 +95,9 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", type=_csv, help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--dtypes", type=_csv, help=f"comma-separated: {', '.join(DTYPES)}")
     p.add_argument("--impls", type=_csv, help="comma-separated implementation names (default: all registered)")
-    p.add_argument("--tokens", type=int, help="M, tokens per step (default: the preset's, 16384 for llama-*)")
-    p.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's, 32768 for llama-*)")
-    p.add_argument("--check-tokens", type=int,
+    p.add_argument("--tokens", type=POSITIVE_INT, help="M, tokens per step (default: the preset's, 16384 for llama-*)")
+    p.add_argument("--vocab", type=POSITIVE_INT, help="vocabulary size (default: the preset's, 32768 for llama-*)")
+    p.add_argument("--check-tokens", type=POSITIVE_INT,
                    help="tokens of the correctness pass (default: the suite's, 2048 for full; else as timing)")
     p.add_argument("--out", type=Path, help="run directory (default: reports/<suite>-<date>-<time>)")
     p.add_argument("--plugin", action="append", default=[], metavar="FILE",
@@ -63,20 +106,20 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out (default: the newest reports/<suite>-*), skipping finished cells")
     p.add_argument("--list", action="store_true", help="print the cells and their status, run nothing")
-    p.add_argument("--shard", type=parse_shard, metavar="I/N", help="run shard I of N (1-based; whole groups)")
+    p.add_argument("--shard", type=_shard, metavar="I/N", help="run shard I of N (1-based; whole groups)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time fwd/direct cells as CUDA-graph replays over rotating input sets")
-    p.add_argument("--warmup", type=int, default=TimingConfig.warmup, help="warm-up calls before sampling")
-    p.add_argument("--reps", type=int, help="samples per cell (default: the suite's, 20 for full; else adaptive, "
+    p.add_argument("--warmup", type=COUNT, default=TimingConfig.warmup, help="warm-up calls before sampling")
+    p.add_argument("--reps", type=POSITIVE_INT, help="samples per cell (default: the suite's, 20 for full; else adaptive, "
                    "20-200 on the GPU; 1 on the CPU)")
-    p.add_argument("--rounds", type=int,
+    p.add_argument("--rounds", type=POSITIVE_INT,
                    help="timing rounds per group: its cells and its speed-of-light GEMMs take turns, each round "
                    f"taking 1/ROUNDS of the samples (default: {GPU_ROUNDS} on the GPU, 1 on the CPU)")
     p.add_argument("--no-l2-flush", action="store_true", help="keep L2 warm between samples (not the default)")
     p.add_argument("--fp8-accum", choices=("fast", "promoted"), default="fast",
                    help="fp8 tensor-core accumulation of every provider in fp8 cells: 'fast' (like "
                    "_scaled_mm's use_fast_accum=True, the default) or 'promoted' (fp32 promotion per K block)")
-    p.add_argument("--cell-timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S, metavar="SECONDS",
+    p.add_argument("--cell-timeout", type=SECONDS, default=DEFAULT_CELL_TIMEOUT_S, metavar="SECONDS",
                    help="a cell's request to the worker process (correctness, checks and a timing round, or a later "
                    "round) that takes longer is stopped: the cell gets an error row and the run goes on in a new "
                    f"worker (default {DEFAULT_CELL_TIMEOUT_S:g}: room for cold compiles, JIT builds and autotuning)")
@@ -98,49 +141,104 @@ def _use_compile_cache(folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit code (:data:`EXIT_OK` ...)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in SUBCOMMANDS:
-        return _subcommand(argv[0], argv[1:])
-    args = run_parser().parse_args(argv)
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            return _subcommand(argv[0], argv[1:])
+        return _run(run_parser().parse_args(argv))
+    except UsageError as e:
+        print(f"codabench: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace) -> int:
     device = torch.device(select_device())
     suite = get_suite(args.suite or ("quick" if device.type == "cuda" else "smoke"))
     if device.type == "cpu":
         print(f"codabench: {INTERPRETER_NOTE}", file=sys.stderr)
+    missing = [f for f in args.plugin if not Path(f).is_file()]
+    if missing:
+        raise UsageError(f"--plugin {missing[0]}: no such file")
     out = args.out or _default_out(suite.name, args.resume, args.shard)
     _use_compile_cache(out.parent / ".cache" / "torchinductor")
-    registry = discover(args.plugin, entry_points=not args.no_entry_points)
     sel = Selection.from_suite(suite, ops=args.ops, models=args.models, modes=args.modes, dtypes=args.dtypes,
                                impls=args.impls)
-    _check_names(sel, registry)
     cfg = run_config(args, suite, sel, device, out)
-    runner = Runner(cfg, registry)
+    worker = WorkerProcess(cfg) if cfg.isolate and not args.list else None
+    if worker is not None:
+        worker.spawn()  # it imports torch, Triton and the plugins while this process does the same for the plan
+    try:
+        runner = _runner(args, cfg, worker)
+    except UsageError:
+        if worker is not None:
+            worker.close()
+        raise
     if args.list:
         return _list(runner, out if args.resume else None)
-    if suite.needs_gpu and device.type != "cuda" and not (args.models and args.dtypes):
-        print(f"codabench: suite {suite.name!r} needs a CUDA GPU (use --suite smoke, or give --models and "
-              "--dtypes to run a custom slice on the CPU)", file=sys.stderr)
-        return 2
     print(f"codabench: {suite.name} suite, {len(runner.cells)} cells -> {out}", file=sys.stderr)
-    code = 0
+    code = EXIT_OK
     # Ctrl-C must raise KeyboardInterrupt here even if a plugin's import changed SIGINT's handler (seen on a GPU
     # machine: the run died of the signal, without its report)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         runner.run()
     except RunExists as e:
-        print(f"codabench: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     except DeviceLost as e:
         print(f"codabench: {e}", file=sys.stderr)
-        code = 3
+        code = EXIT_DEVICE_LOST
     except KeyboardInterrupt:
         print("codabench: interrupted; finished cells are saved, rerun with --resume to go on", file=sys.stderr)
-        code = 130
+        code = EXIT_INTERRUPTED
     html = finalize(out)
     df, _, _ = load_run(out)
     counts = ", ".join(f"{v} {k}" for k, v in df["status"].value_counts().items())
-    print(f"codabench: {counts}\ncodabench: report {html}\ncodabench: table  {out / 'results.csv'}")
-    return code
+    failed = int((df["status"] == "error").sum() + (df["correct"] == False).sum())  # noqa: E712
+    print(f"codabench: {counts}" + (f" ({failed} cells with errors or failing the error rule: exit code "
+                                    f"{EXIT_CELL_ERRORS})" if failed and code == EXIT_OK else "") +
+          f"\ncodabench: report {html}\ncodabench: table  {out / 'results.csv'}")
+    return EXIT_CELL_ERRORS if failed and code == EXIT_OK else code
+
+
+def _runner(args: argparse.Namespace, cfg: RunConfig, worker: WorkerProcess | None) -> Runner:
+    """The plan of the run, after the checks that need the registry (names, an empty selection, the device, --out)."""
+    registry = discover(args.plugin, entry_points=not args.no_entry_points)
+    for source, err in registry.load_errors:
+        print(f"codabench: plugin {source} failed to load: {err}", file=sys.stderr)
+    _check_names(cfg.selection, registry)
+    runner = Runner(cfg, registry, worker)
+    if args.list:
+        return runner
+    if not runner.cells:
+        raise UsageError(f"the selection has no cells: {_selection_text(cfg.selection)} (--impls from: "
+                         + ", ".join(registry.names()) + ")")
+    suite = get_suite(cfg.suite)
+    if suite.needs_gpu and cfg.device.type != "cuda" and not (args.models and args.dtypes):
+        raise UsageError(f"suite {suite.name!r} needs a CUDA GPU (use --suite smoke, or give --models and --dtypes to "
+                         "run a custom slice on the CPU)")
+    _check_out(cfg.out_dir, args.resume)
+    return runner
+
+
+def _selection_text(sel: Selection) -> str:
+    return "; ".join(f"{k} {','.join(v)}" for k, v in (("ops", sel.ops), ("models", sel.models), ("modes", sel.modes),
+                                                       ("dtypes", sel.dtypes), ("impls", sel.impls or ("all",))))
+
+
+def _check_out(out: Path, resume: bool) -> None:
+    """The run directory must be a directory this process can create and write into."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".codabench-write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    if resume and not (out / "results.csv").exists():
+        print(f"codabench: --resume: {out} holds no results yet; starting the run there", file=sys.stderr)
 
 
 def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: torch.device, out: Path) -> RunConfig:
@@ -158,15 +256,10 @@ def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: t
 
 def _check_names(sel: Selection, registry) -> None:
     for kind, given, known in (("op", sel.ops, OPS), ("model", sel.models, PRESETS), ("mode", sel.modes, MODES),
-                               ("dtype", sel.dtypes, DTYPES)):
+                               ("dtype", sel.dtypes, DTYPES), ("implementation", sel.impls or (), registry.names())):
         bad = [g for g in given if g not in known]
         if bad:
-            raise SystemExit(f"codabench: unknown {kind}(s) {', '.join(bad)}; known: {', '.join(known)}")
-    if sel.impls:
-        unknown = [i for i in sel.impls if i not in registry.names()]
-        if unknown:
-            print(f"codabench: warning: no implementation named {', '.join(unknown)} is registered "
-                  f"(registered: {', '.join(registry.names())})", file=sys.stderr)
+            raise UsageError(f"unknown {kind}(s) {', '.join(bad)}; known: {', '.join(known)}")
 
 
 def _default_out(suite: str, resume: bool, shard: tuple[int, int] | None) -> Path:
@@ -189,9 +282,22 @@ def _list(runner: Runner, resume_dir: Path | None) -> int:
         counts[shown.split(":")[0]] = counts.get(shown.split(":")[0], 0) + 1
         print(f"{cell.op:16} {cell.model:10} {cell.mode:8} {cell.dtype:7} {cell.impl:18} {shown}")
     for source, err in runner.registry.load_errors:
-        print(f"plugin {source} failed to load: {err.strip().splitlines()[-1]}")
+        print(f"plugin {source} failed to load: {err}")
     print(f"{len(runner.cells)} cells: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     return 0
+
+
+def run_dir_arg(text: str) -> Path:
+    """A run directory given to report/compare/merge: it must hold a results.csv with at least one row."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    csv = path / "results.csv"
+    if not csv.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: not a run directory (no results.csv)")
+    if len(csv.read_text().strip().splitlines()) < 2:
+        raise argparse.ArgumentTypeError(f"{text}: results.csv has no rows")
+    return path
 
 
 def _subcommand(name: str, argv: list[str]) -> int:
@@ -199,15 +305,17 @@ def _subcommand(name: str, argv: list[str]) -> int:
         from codabench import wheelhouse
 
         return (wheelhouse.main_wheelhouse if name == "wheelhouse" else wheelhouse.main_install_offline)(argv)
-    p = argparse.ArgumentParser(prog=f"codabench {name}")
+    p = _Parser(prog=f"codabench {name}")
     if name == "merge":
-        p.add_argument("out", type=Path, help="new run directory for the merged report")
-        p.add_argument("shards", type=Path, nargs="+", help="the shards' run directories")
+        p.add_argument("out", type=Path, help="new run directory for the merged report (must not exist)")
+        p.add_argument("shards", type=run_dir_arg, nargs="+", help="the shards' run directories")
         a = p.parse_args(argv)
+        if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
+            raise UsageError(f"merge: {a.out} exists and is not empty; merge into a new directory")
         print(f"codabench: merged report {merge(a.out, a.shards) / 'report.html'}")
     elif name == "compare":
-        p.add_argument("run_a", type=Path)
-        p.add_argument("run_b", type=Path)
+        p.add_argument("run_a", type=run_dir_arg)
+        p.add_argument("run_b", type=run_dir_arg)
         p.add_argument("--csv", type=Path, help="also write the joined table here")
         a = p.parse_args(argv)
         m = compare(a.run_a, a.run_b)
@@ -215,7 +323,7 @@ def _subcommand(name: str, argv: list[str]) -> int:
         if a.csv:
             m.to_csv(a.csv, index=False)
     else:
-        p.add_argument("run_dir", type=Path)
+        p.add_argument("run_dir", type=run_dir_arg)
         a = p.parse_args(argv)
         print(f"codabench: report {finalize(a.run_dir)}")
-    return 0
+    return EXIT_OK

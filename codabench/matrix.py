@@ -102,7 +102,7 @@ def parse_shard(text: str) -> tuple[int, int]:
     try:
         i, n = (int(p) for p in text.split("/"))
     except ValueError:
-        raise ValueError(f"--shard expects I/N (e.g. 1/4), got {text!r}") from None
+        raise ValueError(f"expected I/N (e.g. 1/4), got {text!r}") from None
     if not 1 <= i <= n:
-        raise ValueError(f"--shard {text}: need 1 <= I <= N")
+        raise ValueError(f"{text}: need 1 <= I <= N")
     return i, n

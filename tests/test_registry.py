@@ -76,7 +76,7 @@ def test_requirements():
 
 def test_plugin_file_registers_its_implementations(registry):
     load_plugin_file(PLUGINS / "good.py")
-    assert registry.get("gemm_out", "test-good").source == "codabench_plugin_good"
+    assert registry.get("gemm_out", "test-good").source.startswith("codabench_plugin_good_")
     assert registry.get("rmsnorm_linear", "test-good-autograd").modes == ("fwd", "bwd", "fwd_bwd")
     assert not [e for e in registry.load_errors if "good.py" in e[0]]
 
@@ -88,7 +88,25 @@ def test_broken_plugin_is_recorded_not_raised(registry):
     assert any(s.endswith("broken.py") for s in sources)
     assert any(s.endswith("does_not_exist.py") for s in sources)
     err = dict(registry.load_errors)[str((PLUGINS / "broken.py").resolve())]
-    assert "this plugin is broken on purpose" in err
+    assert err == f"ImportError: this plugin is broken on purpose ({(PLUGINS / 'broken.py').resolve()}:2)"
+
+
+def test_a_misspelled_op_is_a_load_error_at_its_line(registry):
+    load_plugin_file(PLUGINS / "misspelled_op.py")
+    err = dict(registry.load_errors)[str((PLUGINS / "misspelled_op.py").resolve())]
+    assert "registers op 'gemm_outt', which does not exist" in err and err.endswith("misspelled_op.py:7)"), err
+    assert "test-misspelled" not in registry.names()
+
+
+def test_same_named_plugin_files_of_two_folders_both_load(registry, tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "kernels_mine.py").write_text(
+            "import torch.nn.functional as F\nfrom codabench.registry import register\n"
+            f"register('gemm_out', 'test-same-name-{folder}', dtypes=('fp32',))(lambda x, w: {{'out': F.linear(x, w)}})\n")
+        load_plugin_file(tmp_path / folder / "kernels_mine.py")
+    assert {"test-same-name-a", "test-same-name-b"} <= set(registry.names())
+    assert not registry.load_errors or all("kernels_mine" not in s for s, _ in registry.load_errors)
 
 
 def test_entry_points_are_loaded_and_failures_recorded(registry, monkeypatch):

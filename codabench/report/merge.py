@@ -1,6 +1,12 @@
-"""Merge the run directories of the shards of one run (``--shard I/N``) into one report."""
+"""Merge the run directories of the shards of one run (``--shard I/N``) into one report.
+
+The merged directory is built under a temporary name beside its destination and renamed into place once its report
+is written, so a merge that fails leaves nothing behind and can simply be run again.
+"""
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 from codabench import results as tables
@@ -10,11 +16,24 @@ from codabench.results import load_run, records
 
 def merge(out_dir: str | Path, shard_dirs: list[str | Path]) -> Path:
     """Concatenate the shards' rows (a cell present twice: the later directory wins), keep every
-    shard's env.json under ``shards``, and build the report in ``out_dir``."""
+    shard's env.json under ``shards``, and build the report in ``out_dir`` (which must not exist, or be empty)."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if (out_dir / tables.RESULTS).exists():
-        raise FileExistsError(f"{out_dir} already holds results; merge into a new directory")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} is not empty; merge into a new directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging-", dir=out_dir.parent))
+    try:
+        built = _merge_into(staging / out_dir.name, shard_dirs)
+        if out_dir.exists():
+            out_dir.rmdir()
+        built.rename(out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _merge_into(out_dir: Path, shard_dirs: list[str | Path]) -> Path:
+    out_dir.mkdir()
     results = tables.AppendWriter(out_dir / tables.RESULTS, tables.RESULT_COLUMNS)
     errors = tables.AppendWriter(out_dir / tables.ERRORS, tables.ERROR_COLUMNS)
     envs = []

@@ -4,7 +4,10 @@ import os
 import sys
 import time
 
+import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from codabench.registry import register
 
@@ -35,4 +38,17 @@ def exits_later(x, w, _calls=[0]):
     _calls[0] += 1
     if _calls[0] > 2:
         os._exit(4)
+    return {"out": F.linear(x, w)}
+
+
+@triton.jit
+def _poke(ptr, offset):
+    tl.store(ptr + offset, 1.0)
+
+
+@register("gemm_out", "test-illegal-address", dtypes=("bf16",), requires=("cuda",))
+def illegal_address(x, w):
+    """GPU: a store far outside any allocation; the CUDA context is lost (an illegal memory access)."""
+    _poke[(1,)](torch.empty(1, device=x.device, dtype=torch.float32), 1 << 40)
+    torch.cuda.synchronize(x.device)
     return {"out": F.linear(x, w)}
