@@ -195,13 +195,15 @@ def test_state_dict_and_save_pretrained_keep_the_hf_layout(tmp_path):
                            model(ids, attention_mask=mask, labels=labels).loss)
 
 
-def _lora_like(model: nn.Module) -> nn.Module:
-    class LoRALinear(nn.Linear):
-        pass
-
-    attn = model.model.layers[1].self_attn
-    attn.q_proj = LoRALinear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
+def _with(model: nn.Module, name: str, value) -> nn.Module:
+    """The model with the attribute at the dotted ``name`` replaced by ``value``."""
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attr, value)
     return model
+
+
+class LoRALinear(nn.Linear):
+    """Stands in for an adapter or quantized layer: a subclass of nn.Linear whose forward is not F.linear."""
 
 
 @pytest.mark.parametrize("make, apply, message", [
@@ -215,7 +217,10 @@ def _lora_like(model: nn.Module) -> nn.Module:
                                    "original_max_position_embeddings": 16}), apply_coda, "rope_type='yarn'"),
     (lambda: tiny(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), apply_coda,
      "rope_type='dynamic'"),
-    (lambda: _lora_like(tiny()), apply_coda, "not a plain nn.Linear"),
+    (lambda: _with(tiny(), "model.layers.1.self_attn.q_proj", LoRALinear(64, 64, bias=False)), apply_coda,
+     "not a plain nn.Linear"),
+    (lambda: _with(tiny(), "loss_function", lambda **kwargs: 0.0), apply_coda, "a custom loss_function"),
+    (lambda: _with(tiny(), "model.norm", nn.LayerNorm(64)), apply_coda, "a norm is not a LlamaRMSNorm"),
 ])
 def test_unsupported_models_are_refused_with_one_line(make, apply, message):
     model = make()

@@ -159,7 +159,7 @@ def _plan(model: nn.Module) -> _Plan:
     norms = [base.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if any(type(n).__name__ != norm_cls for n in norms):
         raise _refuse(f"a norm is not a {norm_cls}")
-    if any(m.bias is not None for m in linears[0:1] + [layer.self_attn.o_proj for layer in layers]
+    if any(m.bias is not None for m in [model.lm_head] + [layer.self_attn.o_proj for layer in layers]
            + [p for layer in layers for p in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]):
         raise _refuse("biases on the LM head, o_proj or the MLP (mlp_bias / attention_bias) are not fused")
     has_bias = {(a.q_proj.bias is not None, a.k_proj.bias is not None, a.v_proj.bias is not None)
