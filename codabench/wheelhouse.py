@@ -1,14 +1,15 @@
-"""Wheels of the baseline packages for GPU nodes without internet.
+"""Wheels of the baseline packages and of transformers for GPU nodes without internet.
 
 On a connected machine::
 
     python -m codabench wheelhouse --dest DIR --python-version 3.12 --platform manylinux_2_28_x86_64
 
-downloads (``pip download --no-deps --only-binary=:all:``) liger-kernel, flashinfer-python and
-apache-tvm-ffi for the node's Python and platform, and rewrites the flashinfer wheel so that its
-``data/`` keeps only what the norm, activation and RoPE modules JIT-compile: ``data/include``,
-``data/cutlass``, ``data/cccl``, ``data/spdlog`` and, of ``data/csrc``, ``norm.cu``, ``rope.cu``,
-their two ``flashinfer_*_binding.cu`` files and every ``*.h``/``*.cuh`` header (62 MB -> ~35 MB).
+downloads (``pip download --no-deps --only-binary=:all:``) liger-kernel, flashinfer-python, apache-tvm-ffi,
+and transformers with what it imports (``HF_SPECS``, for :mod:`kernels.coda.hf`), for the node's Python and
+platform. It rewrites the flashinfer wheel so that its ``data/`` keeps only what the norm, activation and
+RoPE modules JIT-compile: ``data/include``, ``data/cutlass``, ``data/cccl``, ``data/spdlog`` and, of
+``data/csrc``, ``norm.cu``, ``rope.cu``, their two ``flashinfer_*_binding.cu`` files and every
+``*.h``/``*.cuh`` header (62 MB -> ~35 MB).
 The rewritten wheel keeps its name; its ``RECORD`` lists exactly the files it holds, so pip
 installs it. ``DIR/wheelhouse.json`` records every file's size and sha256. A file larger than
 ``--max-part-mib`` is split into ``NAME.part00``, ``NAME.part01``, ... (join by hand with
@@ -20,6 +21,11 @@ joins any split files (checking their sha256), then runs ``pip install --no-inde
 every wheel in DIR. ``--no-deps``: the node already has flashinfer's import-time needs (torch,
 nvidia-ml-py, cuda-bindings, tqdm, packaging, requests, ninja); flashinfer's other declared
 dependencies (cutlass-dsl, cudnn-frontend, nccl, ...) serve kernels this suite does not call.
+transformers: ``HF_SPECS`` are the distributions that ``import transformers``, building a
+LlamaForCausalLM, its forward/backward and ``save_pretrained``/``from_pretrained`` from a local folder
+import beyond torch's and codabench's own requirements (tokenizers, safetensors, regex and pyyaml are
+platform wheels). Its other declared dependencies (typer, click, fsspec, hf-xet) serve the command line
+and hub downloads. The pins are versions tested together (``tests/test_wheelhouse.py`` checks the set).
 quack is not in the default set (it needs nvidia-cutlass-dsl, about 100 MB); add it with
 ``--extra quack-kernels==0.6.1 --extra nvidia-cutlass-dsl==... --extra ...``.
 """
@@ -42,6 +48,9 @@ from pathlib import Path
 LIGER_VERSION = "0.8.5"
 FLASHINFER_VERSION = "0.7.2.post1"
 TVM_FFI_SPEC = "apache-tvm-ffi>=0.1.11,<0.2"  # flashinfer 0.7.2.post1's requirement
+HF_SPECS = ("transformers==5.24.0", "huggingface-hub==2.4.0", "tokenizers==0.23.3", "safetensors==0.8.0",
+            "regex==2026.11.19", "pyyaml==6.0.4", "httpx2==2.16.2", "httpcore2==2.16.2", "h11==0.16.0",
+            "anyio==4.16.0", "idna==3.20", "truststore==0.10.5")
 MANIFEST = "wheelhouse.json"
 
 FLASHINFER_DATA_DIRS = ("include", "cutlass", "cccl", "spdlog")
@@ -156,7 +165,7 @@ def pip_download_command(specs: list[str], dest: Path, python_version: str, plat
 
 
 def default_specs(liger_version: str = LIGER_VERSION, flashinfer_version: str = FLASHINFER_VERSION) -> list[str]:
-    return [f"liger-kernel=={liger_version}", f"flashinfer-python=={flashinfer_version}", TVM_FFI_SPEC]
+    return [f"liger-kernel=={liger_version}", f"flashinfer-python=={flashinfer_version}", TVM_FFI_SPEC, *HF_SPECS]
 
 
 def build(dest: Path, python_version: str, platform: str, specs: list[str], max_part_bytes: int) -> dict:

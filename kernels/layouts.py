@@ -103,13 +103,20 @@ def qkv_cols_to_halfsplit(t: torch.Tensor, heads: int, kv_heads: int, head_dim: 
     return t[..., inv]
 
 
-def rope_adjacent(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Adjacent-pair RoPE on x of shape (M, heads, dh): rotate ``(x_2i, x_2i+1)`` by ``angle_i``.
+def rotate_adjacent(t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent column pair ``(t_2p, t_2p+1)`` of t (..., 2P) by ``angles`` (..., P), broadcast.
 
-    ``out_2i = x_2i cos - x_2i+1 sin``, ``out_2i+1 = x_2i+1 cos + x_2i sin``; angles as in
-    :func:`workloads.reference.rope_angles` (cos/sin cast to x.dtype, like the canonical reference).
+    ``out_2p = t_2p cos - t_2p+1 sin``, ``out_2p+1 = t_2p+1 cos + t_2p sin``; cos/sin cast to t.dtype first, as
+    Hugging Face casts its RoPE tables.
     """
-    ang = R.rope_angles(positions, x.shape[-1], theta, x.dtype)
-    cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
-    xe, xo = x[..., 0::2], x[..., 1::2]
-    return torch.stack([xe * cos - xo * sin, xo * cos + xe * sin], dim=-1).reshape(x.shape)
+    cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
+    te, to = t[..., 0::2], t[..., 1::2]
+    return torch.stack([te * cos - to * sin, to * cos + te * sin], dim=-1).flatten(-2)
+
+
+def rope_adjacent(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Adjacent-pair RoPE on x of shape (M, heads, dh): :func:`rotate_adjacent` by ``angle_i`` per head.
+
+    Angles as in :func:`workloads.reference.rope_angles` (cos/sin cast to x.dtype, like the canonical reference).
+    """
+    return rotate_adjacent(x, R.rope_angles(positions, x.shape[-1], theta, x.dtype)[:, None, :])

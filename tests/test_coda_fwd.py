@@ -23,7 +23,7 @@ from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.mainloop import tile_desc
 from kernels.coda.producer import gemm_residual_norm, norm_input
 from kernels.coda.reduce import finish_col_sum, finish_row_sum, finish_rstd
-from kernels.coda.rope import gemm_rope
+from kernels.coda.rope import gemm_rope, rope_freq_table
 from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.swiglu import gemm_swiglu
 from workloads import reference as R
@@ -170,6 +170,20 @@ def test_gemm_rope(dtype):
     check("qkv", L.qkv_cols_to_halfsplit(qkv, H, HKV, DH), ref, R.qkv_rope(F.linear(nt, w), pos, H, HKV, DH, THETA))
     if dtype == torch.float32:  # the reduced angle: far below the error of a plain fp32 angle (~2e-3 here)
         assert (L.qkv_cols_to_halfsplit(qkv, H, HKV, DH).double() - ref).abs().max() < 1e-4
+
+
+def test_rope_freq_table_takes_a_scaled_ropes_frequencies():
+    """``inv_freq`` replaces theta^(-2i/dh) per head (q and k heads), v pairs stay at 0; hi + lo carries f to
+    about 32 significant bits."""
+    f = (THETA ** (-2.0 * torch.arange(DH // 2, dtype=torch.float64) / DH)).tolist()
+    cpu = torch.device("cpu")
+    assert torch.equal(rope_freq_table(H, HKV, DH, THETA, cpu), rope_freq_table(H, HKV, DH, THETA, cpu, tuple(f)))
+    scaled = [x / (1 + i) for i, x in enumerate(f)]  # not a function of any theta
+    table = rope_freq_table(H, HKV, DH, THETA, cpu, tuple(scaled))
+    want = torch.tensor(scaled * (H + HKV) + [0.0] * (HKV * DH // 2), dtype=torch.float64)
+    assert torch.allclose(table.double().sum(0), want, rtol=2.0 ** -31, atol=0.0)
+    with pytest.raises(ValueError, match="head_dim / 2"):
+        rope_freq_table(H, HKV, DH, THETA, cpu, tuple(f[:-1]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -4,9 +4,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import subprocess
 import sys
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -111,8 +113,64 @@ def test_download_and_install_commands():
         assert flag in cmd
     assert cmd[cmd.index("--python-version") + 1] == "3.12"
     assert cmd[cmd.index("--platform") + 1] == "manylinux_2_28_x86_64"
-    assert {"liger-kernel==0.8.5", "flashinfer-python==0.7.2.post1"} <= set(cmd)
-    assert any(c.startswith("apache-tvm-ffi") for c in cmd)
+    assert {"liger-kernel==0.8.5", "flashinfer-python==0.7.2.post1", "transformers==5.24.0"} <= set(cmd)
+    assert any(c.startswith("apache-tvm-ffi") for c in cmd) and set(W.HF_SPECS) <= set(cmd)
+
+
+def _dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _closure(names: set[str]) -> set[str]:
+    """The distributions and, transitively, their unconditional requirements (those installed here)."""
+    seen, todo = set(), [_dist(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [_dist(re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0]) for r in reqs if ";" not in r]
+    return seen
+
+
+IMPORTS_OF_HF = """
+import json, sys, tempfile
+from importlib import metadata
+import torch
+before = {m.split(".")[0] for m in sys.modules}
+from transformers import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=32, num_hidden_layers=1))
+ids = torch.zeros(1, 4, dtype=torch.long)
+model(ids, labels=ids).loss.backward()
+folder = tempfile.mkdtemp()
+model.save_pretrained(folder)
+LlamaForCausalLM.from_pretrained(folder)
+dists = metadata.packages_distributions()
+print(json.dumps(sorted({d for m in {m.split(".")[0] for m in sys.modules} - before for d in dists.get(m, [])})))
+"""
+
+
+def test_hf_specs_carry_what_transformers_imports_beyond_torch_and_codabench():
+    """Every distribution that a Llama forward/backward/save/load imports is in HF_SPECS or already on a node.
+
+    A node has torch and codabench's requirements (pyproject.toml) with their own requirements; ``install-offline``
+    installs with ``--no-deps``, so anything else transformers imports must be a wheel of the wheelhouse.
+    """
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
+    tomllib = pytest.importorskip("tomllib", reason="tomllib (Python 3.11+) reads pyproject.toml")
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    node = _closure({re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0] for r in project["dependencies"]})
+    proc = subprocess.run([sys.executable, "-c", IMPORTS_OF_HF], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {_dist(d) for d in json.loads(proc.stdout.strip().splitlines()[-1])}
+    carried = {_dist(spec.split("==")[0]) for spec in W.HF_SPECS}
+    assert "transformers" in imported and imported - node - carried == set()
+    assert carried <= imported  # no wheel is carried that nothing imports
 
 
 def test_install_offline_dry_run_joins_parts_and_prints_the_command(tmp_path, capsys):

@@ -94,21 +94,26 @@ class SwiGLU(Consumer):
 
 @dataclass(frozen=True, eq=False)
 class RoPE(Consumer):
-    """Packed qkv with RoPE on q and k (adjacent-pair layout); keeps the rotated qkv."""
+    """Packed qkv with RoPE on q and k (adjacent-pair layout); keeps the rotated qkv.
+
+    Frequencies ``theta^(-2i/dh)``, or the dh/2 values ``inv_freq`` of a scaled RoPE when given.
+    """
 
     positions: torch.Tensor
     heads: int
     kv_heads: int
     head_dim: int
     theta: float
+    inv_freq: tuple[float, ...] | None = None
 
     def forward(self, h, w_qkv, rstd, save, promote=False):
         qkv = gemm_rope(h, w_qkv, rstd, self.positions, self.heads, self.kv_heads, self.head_dim, self.theta,
-                        promote)
+                        promote, self.inv_freq)
         return qkv, (), (qkv,) if save else ()
 
     def backward(self, dqkv, saved):
-        dz, zdz = rope_bwd(dqkv, saved[0], self.positions, self.heads, self.kv_heads, self.head_dim, self.theta)
+        dz, zdz = rope_bwd(dqkv, saved[0], self.positions, self.heads, self.kv_heads, self.head_dim, self.theta,
+                           self.inv_freq)
         return dz, zdz, 1.0
 
 

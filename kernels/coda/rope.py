@@ -6,8 +6,9 @@ head's rotary pairs are adjacent columns. Epilogue, for pair p = (column 2p, col
     z = rstd[:, None] * (h @ w_qkv^T)
     (x, y) = (z_2p, z_2p+1) -> (x cos - y sin, y cos + x sin),   angle = pos_m * theta^(-2i/dh)
 
-with i = p mod (dh / 2) the pair's index within its head; v columns have frequency 0 (cos 1, sin 0).
-This equals Hugging Face's half-split RoPE after the layout permutation.
+with i = p mod (dh / 2) the pair's index within its head; v columns have frequency 0 (cos 1, sin 0). A scaled
+RoPE (linear, llama3) replaces ``theta^(-2i/dh)`` by its own frequencies ``inv_freq_i``. This equals Hugging
+Face's half-split RoPE after the layout permutation.
 """
 from __future__ import annotations
 
@@ -25,14 +26,20 @@ from workloads.fp8 import Fp8
 
 
 @functools.lru_cache(maxsize=32)
-def rope_freq_table(heads: int, kv_heads: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """fp32 [2, q/2] (q = (H + 2 Hkv) dh): per column pair, ``f = theta^(-2i/dh)`` as ``hi + lo``.
+def rope_freq_table(heads: int, kv_heads: int, head_dim: int, theta: float, device: torch.device,
+                    inv_freq: tuple[float, ...] | None = None) -> torch.Tensor:
+    """fp32 [2, q/2] (q = (H + 2 Hkv) dh): per column pair, its head's frequency ``f_i`` as ``hi + lo``.
 
-    f is computed in fp64; ``hi`` keeps its 8 leading significant bits (exact in fp32, and ``pos * hi`` is
-    exact in fp32 for pos < 2^16), ``lo`` is the rest rounded to fp32. v pairs get f = 0.
+    ``f_i = theta^(-2i/dh)``, or ``inv_freq[i]`` when given (the dh/2 frequencies of a scaled RoPE, e.g. a Hugging
+    Face model's ``rotary_emb.inv_freq``). f is taken in fp64; ``hi`` keeps its 8 leading significant bits (exact in
+    fp32, and ``pos * hi`` is exact in fp32 for pos < 2^16), ``lo`` is the rest rounded to fp32. v pairs get f = 0.
     """
-    i = torch.arange(head_dim // 2, dtype=torch.float64)
-    f = theta ** (-2.0 * i / head_dim)
+    if inv_freq is None:
+        f = theta ** (-2.0 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)
+    elif len(inv_freq) == head_dim // 2:
+        f = torch.tensor(inv_freq, dtype=torch.float64)
+    else:
+        raise ValueError(f"inv_freq has {len(inv_freq)} frequencies; expected head_dim / 2 = {head_dim // 2}")
     per_pair = torch.cat([f.repeat(heads + kv_heads), torch.zeros(kv_heads * head_dim // 2, dtype=torch.float64)])
     mant, exp = torch.frexp(per_pair)
     hi = torch.ldexp(torch.floor(mant * 256) / 256, exp)
@@ -60,11 +67,13 @@ def gemm_rope_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, pos_ptr, freq_ptr, 
 
 
 def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tensor, positions: torch.Tensor,
-              heads: int, kv_heads: int, head_dim: int, theta: float, promote: bool = False) -> torch.Tensor:
+              heads: int, kv_heads: int, head_dim: int, theta: float, promote: bool = False,
+              inv_freq: tuple[float, ...] | None = None) -> torch.Tensor:
     """Packed qkv [M, (H + 2 Hkv) dh] in h's dtype (bf16 for fp8 h, w_qkv), RoPE'd q and k in the adjacent-pair
     layout.
 
-    w_qkv: nn.Linear layout with q/k rows in the adjacent-pair order; rstd fp32 [M]; positions [M] (integer).
+    w_qkv: nn.Linear layout with q/k rows in the adjacent-pair order; rstd fp32 [M]; positions [M] (integer);
+    inv_freq: the head's dh/2 frequencies instead of ``theta^(-2i/dh)`` (:func:`rope_freq_table`).
     """
     h, w_qkv, sa, sb, scaling = dequant_args(h, w_qkv)
     M, K = h.shape
@@ -72,7 +81,7 @@ def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tens
     (a_s, a_t), (w_s, w_t) = operand(h), operand(w_qkv.T)
     if N != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
         raise ValueError(f"w_qkv has {N} rows; expected (heads + 2 kv_heads) * head_dim with an even head_dim")
-    freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), h.device)
+    freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), h.device, inv_freq)
     out = torch.empty(M, N, device=h.device, dtype=result_dtype(h))
     gemm_rope_kernel[persistent_grid(M, N, h.device)](
         a_s, w_s, sa, sb, rstd, positions.contiguous(), freq, out, M, N, K, a_s.stride(0), w_s.stride(0),

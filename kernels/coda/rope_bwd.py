@@ -39,18 +39,19 @@ def rope_bwd_kernel(dq_ptr, q_ptr, pos_ptr, freq_ptr, dz_ptr, zdz_ptr, M, N, str
 
 
 def rope_bwd(dqkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int,
-             head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+             head_dim: int, theta: float, inv_freq: tuple[float, ...] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dz, zdz)``: dz [M, q] = R^T dqkv in dqkv's dtype, zdz fp32 [M] = <qkv, dqkv> per row.
 
     dqkv and qkv (the saved rotated output of :func:`kernels.coda.rope.gemm_rope`) are in the adjacent-pair
-    layout; positions [M] integer; heads, kv_heads, head_dim, theta as in the forward.
+    layout; positions [M] integer; heads, kv_heads, head_dim, theta, inv_freq as in the forward.
     """
     M, N = dqkv.shape
     if qkv.shape != dqkv.shape or N != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
         raise ValueError(f"dqkv {tuple(dqkv.shape)} / qkv {tuple(qkv.shape)} do not match "
                          f"(heads + 2 kv_heads) * head_dim = {(heads + 2 * kv_heads) * head_dim}")
     dqkv, qkv = dqkv.contiguous(), qkv.contiguous()
-    freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), dqkv.device)
+    freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), dqkv.device, inv_freq)
     dz = torch.empty_like(dqkv)
     zdz = torch.empty(M, device=dqkv.device, dtype=torch.float32)
     bm, bn = (16, 32) if INTERPRET else (16, 256)

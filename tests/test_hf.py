@@ -1,0 +1,300 @@
+"""``apply_coda`` on Hugging Face models: the patched model equals the unpatched one (kernels.coda.hf).
+
+CPU: tiny configs in fp32 in the Triton interpreter. Every compared tensor (loss, logits, every parameter's
+gradient, parameters after optimizer steps) passes the suite's rule (:mod:`codabench.metrics`) against the
+unpatched model in float64: rel_err(patched fp32) <= 2 x rel_err(unpatched fp32) + 1e-6. GPU (only where CUDA
+is available): bf16 at the Llama-3.2-1B and Llama-3-8B shapes with two layers, under the same rule with
+the bf16 floor.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from codabench.metrics import error_stats, passes
+from kernels.coda.hf import CodaUnsupportedError, apply_coda, apply_coda_to_mistral, apply_coda_to_qwen2
+
+from kernel_helpers import launches
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
+
+BATCH, SEQ, VOCAB, PAD = 2, 24, 256, 6  # the second row's first PAD tokens are padding
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+# Llama: tied embeddings and llama3 RoPE like Llama-3.2-1B, SDPA. Mistral: a sliding window shorter than the
+# sequence, untied, SDPA. Qwen2: q/k/v biases, tied, SDPA. (Eager attention: the dropout test; HF's eager
+# attention gives NaN in float64 on the fully masked rows of left padding.)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+}
+
+
+FUSED = {"norm_input_kernel", "gemm_rope_kernel", "gemm_residual_norm_kernel", "gemm_swiglu_kernel",  # forward
+         "gemm_cross_entropy_kernel", "dgrad_rmsnorm_kernel", "dgrad_swiglu_kernel", "rope_bwd_kernel"}  # backward
+
+
+def tiny(arch: str = "llama", seed: int = 0, **overrides) -> nn.Module:
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = getattr(transformers, config_cls)(
+        **{"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "vocab_size": VOCAB, "num_hidden_layers": 2, "max_position_embeddings": 64,
+           "rms_norm_eps": 1e-5, "initializer_range": 0.2, **extra, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config)
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels): left padding on row 1 (labels -100 there), a quarter more -100.
+
+    Left padding, so that the mask changes what the other tokens of the row attend to."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, :PAD] = 0
+    labels = ids.clone()
+    labels[(mask == 0) | (torch.rand(BATCH, SEQ, generator=g) < 0.25)] = -100
+    return ids, mask, labels
+
+
+def assert_passes(name: str, ours: torch.Tensor, torch_out: torch.Tensor, ref: torch.Tensor) -> None:
+    torch_err = error_stats(torch_out, ref).rel_err
+    stats = error_stats(ours, ref)
+    assert passes(stats, torch_err, "fp32"), f"{name}: rel_err {stats.rel_err:.2e} vs unpatched fp32 {torch_err:.2e}"
+
+
+def loss_and_grads(model: nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor], object]:
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}, out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_loss_and_every_gradient_match_the_unpatched_model(arch):
+    model = tiny(arch)
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    loss64, grads64, _ = loss_and_grads(copy.deepcopy(model).double(), **inputs)
+    loss32, grads32, _ = loss_and_grads(model, **inputs)
+    assert apply_coda(model) is model
+    with launches() as names:
+        loss, grads, out = loss_and_grads(model, **inputs)
+    assert out.logits is None  # the fused cross-entropy wrote no logits: the CODA forward ran
+    assert FUSED <= set(names), sorted(set(names))
+    assert set(grads) == set(grads64) and all(g is not None for g in grads.values())
+    assert_passes("loss", loss, loss32, loss64)
+    for name in grads64:
+        assert_passes(name, grads[name], grads32[name], grads64[name])
+
+
+def test_padding_and_ignored_labels_change_the_loss():
+    """The fixture's padding mask and -100 labels are not no-ops: the patched loss follows both as HF's does."""
+    model = apply_coda(tiny())
+    ids, mask, labels = batch()
+    ref = tiny()
+    with torch.no_grad():
+        base = model(ids, attention_mask=mask, labels=labels).loss
+        for m, lab in [(torch.ones_like(mask), labels), (mask, torch.where(labels == -100, ids, labels))]:
+            ours, theirs = model(ids, attention_mask=m, labels=lab).loss, ref(ids, attention_mask=m, labels=lab).loss
+            assert abs(ours - base) > 1e-3 and abs(ours - theirs) < 1e-5 * abs(theirs)
+
+
+@pytest.mark.parametrize("rope", ["default", "linear", "llama3"])
+def test_logits_without_labels(rope):
+    params = {"default": {"rope_type": "default", "rope_theta": 10000.0},
+              "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, "llama3": LLAMA3_ROPE}[rope]
+    model = tiny(rope_parameters=params, tie_word_embeddings=False)
+    ids, mask, _ = batch()
+    ref = copy.deepcopy(model).double()
+    with torch.no_grad():
+        logits64, logits32 = ref(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+        apply_coda(model)
+        out = model(ids, attention_mask=mask)
+        last = model(ids, attention_mask=mask, logits_to_keep=5).logits
+    assert out.loss is None and out.logits.shape == (BATCH, SEQ, VOCAB)
+    assert_passes("logits", out.logits, logits32, logits64)
+    assert torch.equal(last, out.logits[:, -5:])
+
+
+def test_loss_options_num_items_shift_labels_and_inputs_embeds():
+    model = tiny()
+    ids, mask, labels = batch()
+    n_items = torch.tensor(int((labels[:, 1:] != -100).sum()) + 3)  # as the Trainer passes it, over micro-batches
+    other = torch.where(labels == -100, -100, (labels + 1) % VOCAB)  # HF uses shift_labels as given when passed
+    calls = [{"labels": labels, "num_items_in_batch": n_items}, {"labels": labels, "shift_labels": other}]
+    ref = copy.deepcopy(model).double()
+    with torch.no_grad():
+        expected = [(ref(ids, attention_mask=mask, **c).loss, model(ids, attention_mask=mask, **c).loss) for c in calls]
+        apply_coda(model)
+        for c, (loss64, loss32) in zip(calls, expected):
+            out = model(ids, attention_mask=mask, **c)
+            assert out.logits is None
+            assert_passes(str(list(c)), out.loss, loss32, loss64)
+        embeds = model.model.embed_tokens(ids)
+        assert torch.equal(model(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss,
+                           model(ids, attention_mask=mask, labels=labels).loss)
+
+
+def test_attention_dropout_is_the_models_own():
+    """In training, the model's attention applies its dropout: same seed, same masks, same loss as unpatched."""
+    model = tiny(attention_dropout=0.5, attn_implementation="eager").train()
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        torch.manual_seed(7)
+        theirs = model(ids, attention_mask=mask, labels=labels).loss
+        apply_coda(model)
+        torch.manual_seed(7)
+        ours = model(ids, attention_mask=mask, labels=labels).loss
+        no_dropout = model.eval()(ids, attention_mask=mask, labels=labels).loss
+    assert abs(ours - theirs) < 1e-5 * abs(theirs) and abs(ours - no_dropout) > 1e-3
+
+
+def test_adamw_steps_track_the_unpatched_model():
+    """Three AdamW steps on the HF parameters: each step's loss and the final parameters follow fp64 training."""
+    ids, mask, labels = batch()
+    models = {"ours": apply_coda(tiny()), "fp32": tiny(), "fp64": tiny().double()}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2) for k, m in models.items()}
+    losses: dict[str, list[torch.Tensor]] = {k: [] for k in models}
+    for _ in range(3):
+        for k, m in models.items():
+            loss = m(ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            opts[k].step()
+            opts[k].zero_grad()
+            losses[k].append(loss.detach())
+    for step, (ours, fp32, fp64) in enumerate(zip(*losses.values())):
+        assert_passes(f"loss at step {step}", ours, fp32, fp64)
+    assert losses["ours"][2] < losses["ours"][1] < losses["ours"][0]  # the steps reached the CODA forward
+    params = {k: dict(m.named_parameters()) for k, m in models.items()}
+    for name, p64 in params["fp64"].items():
+        assert_passes(name, params["ours"][name].detach(), params["fp32"][name].detach(), p64.detach())
+
+
+def test_state_dict_and_save_pretrained_keep_the_hf_layout(tmp_path):
+    model = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    apply_coda(model)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert all(p is params[n] for n, p in model.named_parameters())  # the same nn.Parameter objects
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in before.items()}
+    assert all(torch.equal(loaded.state_dict()[k], before[k]) for k in before)
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        assert torch.equal(apply_coda(loaded)(ids, attention_mask=mask, labels=labels).loss,
+                           model(ids, attention_mask=mask, labels=labels).loss)
+
+
+def _with(model: nn.Module, name: str, value) -> nn.Module:
+    """The model with the attribute at the dotted ``name`` replaced by ``value``."""
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attr, value)
+    return model
+
+
+class LoRALinear(nn.Linear):
+    """Stands in for an adapter or quantized layer: a subclass of nn.Linear whose forward is not F.linear."""
+
+
+@pytest.mark.parametrize("make, apply, message", [
+    (lambda: transformers.LlamaForSequenceClassification(tiny().config), apply_coda,
+     "LlamaForSequenceClassification is not supported"),
+    (lambda: tiny("llama"), apply_coda_to_mistral, "expected a MistralForCausalLM, got LlamaForCausalLM"),
+    (lambda: tiny(hidden_act="gelu"), apply_coda, "hidden_act='gelu'"),
+    (lambda: tiny(mlp_bias=True), apply_coda, "biases on the LM head, o_proj or the MLP"),
+    (lambda: tiny(attention_bias=True), apply_coda, "biases on the LM head, o_proj or the MLP"),
+    (lambda: tiny(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                   "original_max_position_embeddings": 16}), apply_coda, "rope_type='yarn'"),
+    (lambda: tiny(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), apply_coda,
+     "rope_type='dynamic'"),
+    (lambda: _with(tiny(), "model.layers.1.self_attn.q_proj", LoRALinear(64, 64, bias=False)), apply_coda,
+     "not a plain nn.Linear"),
+    (lambda: _with(tiny(), "loss_function", lambda **kwargs: 0.0), apply_coda, "a custom loss_function"),
+    (lambda: _with(tiny(), "model.norm", nn.LayerNorm(64)), apply_coda, "a norm is not a LlamaRMSNorm"),
+])
+def test_unsupported_models_are_refused_with_one_line(make, apply, message):
+    model = make()
+    with pytest.raises(CodaUnsupportedError, match=message) as err:
+        apply(model)
+    assert "\n" not in str(err.value) and str(err.value).startswith("apply_coda: ")
+    assert not hasattr(model, "_coda_plan")  # not patched
+
+
+@pytest.mark.parametrize("call, message", [
+    ({"use_cache": True}, "a KV cache"),
+    ({"past_key_values": transformers.DynamicCache()}, "a KV cache"),
+    ({"output_hidden_states": True}, "output_hidden_states=True"),
+    ({"return_dict": False}, "return_dict=False"),
+])
+def test_unsupported_calls_are_refused_with_one_line(call, message):
+    model = apply_coda(tiny())
+    ids, _, labels = batch()
+    with pytest.raises(CodaUnsupportedError, match=message) as err:
+        model(ids, labels=labels, **call)
+    assert "\n" not in str(err.value)
+
+
+def test_activation_checkpointing_is_refused_in_training():
+    model = apply_coda(tiny())
+    model.activation_checkpointing_enable()
+    ids, _, labels = batch()
+    with pytest.raises(CodaUnsupportedError, match=r"activation \(gradient\) checkpointing"):
+        model.train()(ids, labels=labels)
+
+
+def test_qwen2_alias_patches_qwen2_once():
+    model = tiny("qwen2")
+    assert apply_coda_to_qwen2(model) is model and model._coda_plan.qkv_bias
+    plan, forward = model._coda_plan, model.forward
+    assert apply_coda(model) is model and model._coda_plan is plan and model.forward == forward
+
+
+# ---- GPU: bf16 at the real shapes ----------------------------------------------------------------------
+
+GPU_SHAPES = {  # two layers each, the real vocabulary
+    "llama-3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+                     "max_position_embeddings": 131072,
+                     "rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 8192}},
+    "llama-3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False,
+                   "max_position_embeddings": 8192,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="bf16 agreement at the Llama-3 shapes needs a CUDA GPU and compiled kernels")
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_bf16_loss_and_grads_at_llama3_shapes_gpu(shape):
+    config = transformers.LlamaConfig(vocab_size=128256, num_hidden_layers=2, rms_norm_eps=1e-5, **GPU_SHAPES[shape])
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        ref = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float64)
+        model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(ref.state_dict())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (2, 1024), generator=g, device="cuda")
+    labels = torch.where(torch.rand(ids.shape, generator=g, device="cuda") < 0.1, -100, ids)
+    loss64, grads64, _ = loss_and_grads(ref, input_ids=ids, labels=labels)
+    del ref
+    loss16, grads16, _ = loss_and_grads(model, input_ids=ids, labels=labels)  # zero_grad(set_to_none) keeps these
+    loss, grads, out = loss_and_grads(apply_coda(model), input_ids=ids, labels=labels)
+    assert out.logits is None
+    bad = []
+    for name, ours, theirs, ref64 in [("loss", loss, loss16, loss64)] + [
+            (n, grads[n], grads16[n], grads64[n]) for n in grads64]:
+        torch_err, stats = error_stats(theirs, ref64).rel_err, error_stats(ours, ref64)
+        if not passes(stats, torch_err, "bf16"):
+            bad.append((name, stats.rel_err, torch_err))
+    assert not bad, bad
