@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from pathlib import Path
 import torch
 
 from codabench.bootstrap import INTERPRETER_NOTE, select_device
-from codabench.matrix import Selection, parse_shard
+from codabench import distributed
+from codabench.matrix import Selection, build_cells, parse_shard
 from codabench.registry import discover
 from codabench.report import finalize
 from codabench.results import load_run
@@ -26,7 +28,7 @@ from codabench.runner import DeviceLost, Runner
 from codabench.worker import WorkerProcess
 from codabench.writer import RunExists
 from codabench.timing import TimingConfig
-from workloads.models import PRESETS
+from workloads.models import INLINE_KEYS, PRESETS, ModelShape, from_hf_config, parse_model_spec
 from workloads.op import DTYPES, MODES
 from workloads.ops import OPS
 from workloads.suites import SUITES, Suite, get_suite
@@ -35,6 +37,8 @@ REPORTS = Path("reports")
 GPU_ROUNDS = 3
 """Default timing rounds on the GPU (benchmarking.md: interleave providers or repeat rounds)."""
 SUBCOMMANDS = ("merge", "compare", "report", "wheelhouse", "install-offline")
+LIST_MODELS = ["?"]
+"""``--models`` given without a value: list the presets."""
 EXIT_OK, EXIT_CELL_ERRORS, EXIT_USAGE, EXIT_DEVICE_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 """Exit codes of a run: finished with every cell ok (and correct), n/a or skipped; finished with error rows or cells
 that fail the error rule (the report is written all the same); bad flags, names or paths (nothing ran); the CUDA
@@ -91,7 +95,14 @@ def run_parser() -> argparse.ArgumentParser:
         "'install-offline DIR'.")
     p.add_argument("--suite", choices=list(SUITES), help="default: smoke without a GPU, quick with one")
     p.add_argument("--ops", type=_csv, help="comma-separated op names (default: the suite's)")
-    p.add_argument("--models", type=_csv, help=f"comma-separated presets: {', '.join(PRESETS)}")
+    p.add_argument("--models", type=_csv, nargs="?", const=LIST_MODELS,
+                   help="comma-separated model names: presets or models defined by --model/--model-config (default: "
+                   "the suite's, or the defined models); alone, lists the presets with their shapes")
+    p.add_argument("--model", action="append", default=[], metavar="NAME:hidden=H,ffn=F,heads=N,vocab=V[,...]",
+                   help="define a model shape inline (repeatable); keys: " + ", ".join(INLINE_KEYS) +
+                   " (kv_heads defaults to heads, head_dim to hidden/heads)")
+    p.add_argument("--model-config", action="append", default=[], metavar="PATH",
+                   help="define a model shape from a Hugging Face config.json (or its folder; repeatable)")
     p.add_argument("--modes", type=_csv, help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--dtypes", type=_csv, help=f"comma-separated: {', '.join(DTYPES)}")
     p.add_argument("--impls", type=_csv, help="comma-separated implementation names (default: all registered)")
@@ -152,7 +163,37 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
 
+def _defined_models(args: argparse.Namespace) -> dict[str, ModelShape]:
+    """The shapes of ``--model`` and ``--model-config``, by name."""
+    try:
+        shapes = [parse_model_spec(s) for s in args.model] + [from_hf_config(p) for p in args.model_config]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out: dict[str, ModelShape] = {}
+    for shape in shapes:
+        if shape.name in out or shape.name in PRESETS:
+            raise UsageError(f"model {shape.name!r} is defined twice (or is a preset's name)")
+        out[shape.name] = shape
+    return out
+
+
+def _print_models() -> int:
+    print(f"{'preset':12} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} {'dh':>4} {'vocab':>7} {'tokens':>6} "
+          f"{'rope_theta':>10}")
+    for m in PRESETS.values():
+        print(f"{m.name:12} {m.hidden:6} {m.ffn:6} {m.heads:5} {m.kv_heads:3} {m.head_dim:4} {m.vocab:7} "
+              f"{m.tokens:6} {m.rope_theta:10g}")
+    print("define others with --model NAME:hidden=...,ffn=...,heads=...,vocab=... or --model-config config.json")
+    return EXIT_OK
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.models == LIST_MODELS:
+        return _print_models()
+    defined = _defined_models(args)
+    ranks = distributed.from_env()
+    if ranks is not None and args.shard:
+        raise UsageError("--shard and torchrun both split the cells among processes: give one of them")
     device = torch.device(select_device())
     suite = get_suite(args.suite or ("quick" if device.type == "cuda" else "smoke"))
     if device.type == "cpu":
@@ -161,10 +202,15 @@ def _run(args: argparse.Namespace) -> int:
     if missing:
         raise UsageError(f"--plugin {missing[0]}: no such file")
     out = args.out or _default_out(suite.name, args.resume, args.shard)
+    if ranks is not None:  # torchrun: rank 0 names the run, each rank runs its shard on its GPU
+        distributed.start(ranks)
+        out = distributed.agree(out)
+        args.shard, device = ranks.shard, ranks.device(device)
+    run_dir = ranks.run_dir(out) if ranks is not None else out
     _use_compile_cache(out.parent / ".cache" / "torchinductor")
-    sel = Selection.from_suite(suite, ops=args.ops, models=args.models, modes=args.modes, dtypes=args.dtypes,
-                               impls=args.impls)
-    cfg = run_config(args, suite, sel, device, out)
+    sel = Selection.from_suite(suite, ops=args.ops, models=args.models or list(defined) or None, modes=args.modes,
+                               dtypes=args.dtypes, impls=args.impls)
+    cfg = run_config(args, suite, sel, device, run_dir, defined)
     worker = WorkerProcess(cfg) if cfg.isolate and not args.list else None
     if worker is not None:
         worker.spawn()  # it imports torch, Triton and the plugins while this process does the same for the plan
@@ -175,8 +221,30 @@ def _run(args: argparse.Namespace) -> int:
             worker.close()
         raise
     if args.list:
-        return _list(runner, out if args.resume else None)
-    print(f"codabench: {suite.name} suite, {len(runner.cells)} cells -> {out}", file=sys.stderr)
+        return _list(runner, run_dir if args.resume else None)
+    if runner.cells:
+        code = _execute(runner, suite.name)
+    else:  # torchrun with more ranks than groups: this rank's shard is empty
+        if worker is not None:
+            worker.close()
+        code = EXIT_OK
+    if ranks is None:
+        return code
+    dirs, code = distributed.collect(ranks, run_dir, code, out)
+    distributed.stop()
+    if ranks.rank == 0:
+        if (out / "env.json").exists() and "merged_from" in load_run(out)[2]:  # --resume: the last merge goes
+            shutil.rmtree(out)
+        merge(out, [d for d in dirs if (d / "results.csv").exists()])
+        print(f"codabench: {ranks.world} ranks merged into {out}", file=sys.stderr)
+        code = max(code, _summary(out, code))
+    return code
+
+
+def _execute(runner: Runner, suite: str) -> int:
+    """Run the cells and write the report; the exit code."""
+    out = runner.cfg.out_dir
+    print(f"codabench: {suite} suite, {len(runner.cells)} cells -> {out}", file=sys.stderr)
     code = EXIT_OK
     # Ctrl-C must raise KeyboardInterrupt here even if a plugin's import changed SIGINT's handler (seen on a GPU
     # machine: the run died of the signal, without its report)
@@ -191,13 +259,18 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("codabench: interrupted; finished cells are saved, rerun with --resume to go on", file=sys.stderr)
         code = EXIT_INTERRUPTED
-    html = finalize(out)
+    finalize(out)
+    return _summary(out, code)
+
+
+def _summary(out: Path, code: int) -> int:
+    """Print the counts of a written run and where its report is; the exit code (1 when cells failed)."""
     df, _, _ = load_run(out)
     counts = ", ".join(f"{v} {k}" for k, v in df["status"].value_counts().items())
     failed = int((df["status"] == "error").sum() + (df["correct"] == False).sum())  # noqa: E712
     print(f"codabench: {counts}" + (f" ({failed} cells with errors or failing the error rule: exit code "
                                     f"{EXIT_CELL_ERRORS})" if failed and code == EXIT_OK else "") +
-          f"\ncodabench: report {html}\ncodabench: table  {out / 'results.csv'}")
+          f"\ncodabench: report {out / 'report.html'}\ncodabench: table  {out / 'results.csv'}")
     return EXIT_CELL_ERRORS if failed and code == EXIT_OK else code
 
 
@@ -206,15 +279,15 @@ def _runner(args: argparse.Namespace, cfg: RunConfig, worker: WorkerProcess | No
     registry = discover(args.plugin, entry_points=not args.no_entry_points)
     for source, err in registry.load_errors:
         print(f"codabench: plugin {source} failed to load: {err}", file=sys.stderr)
-    _check_names(cfg.selection, registry)
+    _check_names(cfg.selection, registry, cfg.models)
     runner = Runner(cfg, registry, worker)
     if args.list:
         return runner
-    if not runner.cells:
+    if not build_cells(cfg.selection, registry):  # the whole selection: a rank's or shard's part may be empty
         raise UsageError(f"the selection has no cells: {_selection_text(cfg.selection)} (--impls from: "
                          + ", ".join(registry.names()) + ")")
     suite = get_suite(cfg.suite)
-    if suite.needs_gpu and cfg.device.type != "cuda" and not (args.models and args.dtypes):
+    if suite.needs_gpu and cfg.device.type != "cuda" and not ((args.models or cfg.models) and args.dtypes):
         raise UsageError(f"suite {suite.name!r} needs a CUDA GPU (use --suite smoke, or give --models and --dtypes to "
                          "run a custom slice on the CPU)")
     _check_out(cfg.out_dir, args.resume)
@@ -241,10 +314,11 @@ def _check_out(out: Path, resume: bool) -> None:
         print(f"codabench: --resume: {out} holds no results yet; starting the run there", file=sys.stderr)
 
 
-def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: torch.device, out: Path) -> RunConfig:
+def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: torch.device, out: Path,
+               models: dict[str, ModelShape] | None = None) -> RunConfig:
     """The runner's settings from the flags; flags left out take the suite's defaults, then the device's."""
     return RunConfig(out_dir=out, selection=sel, device=device, suite=suite.name, tokens=args.tokens,
-                     vocab=args.vocab, check_tokens=args.check_tokens or suite.check_tokens,
+                     vocab=args.vocab, models=models or {}, check_tokens=args.check_tokens or suite.check_tokens,
                      cuda_graph=args.cuda_graph, resume=args.resume, shard=args.shard,
                      show_progress=not args.quiet, fp8_accum=args.fp8_accum, cell_timeout_s=args.cell_timeout,
                      isolate=not args.inline, plugin_files=tuple(str(Path(f).resolve()) for f in args.plugin),
@@ -254,8 +328,9 @@ def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: t
                                          rounds=args.rounds or (GPU_ROUNDS if device.type == "cuda" else 1)))
 
 
-def _check_names(sel: Selection, registry) -> None:
-    for kind, given, known in (("op", sel.ops, OPS), ("model", sel.models, PRESETS), ("mode", sel.modes, MODES),
+def _check_names(sel: Selection, registry, defined: dict[str, ModelShape]) -> None:
+    for kind, given, known in (("op", sel.ops, OPS), ("model", sel.models, [*PRESETS, *defined]),
+                               ("mode", sel.modes, MODES),
                                ("dtype", sel.dtypes, DTYPES), ("implementation", sel.impls or (), registry.names())):
         bad = [g for g in given if g not in known]
         if bad:

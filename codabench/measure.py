@@ -124,6 +124,8 @@ class _Timed:
 class Measurer:
     def __init__(self, cfg: RunConfig, registry: Registry):
         self.cfg, self.registry, self.device = cfg, registry, cfg.device
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # kernels launch on the current device (torchrun: cuda:LOCAL_RANK)
         fp8.recipe(fp8.FP8_DTYPES[0], cfg.fp8_accum)  # an unknown accumulation mode fails here, not per cell
         self.gemm_timer = GemmTimer(self.device, cfg.timing, cfg.fp8_accum)
         self.clocks = ClockSampler(self.device)

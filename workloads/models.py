@@ -5,7 +5,9 @@ dh = head dim, q = (H + 2 Hkv) dh (packed QKV width), V = vocab.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,32 @@ class ModelShape:
     def with_(self, **changes) -> "ModelShape":
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
+    def check(self) -> "ModelShape":
+        """The shape itself, or ValueError naming the first field that is out of range or inconsistent."""
+        for f in ("hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "tokens", "seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"model {self.name}: {f} must be a whole number >= 1, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads "
+                             f"({self.kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"model {self.name}: head_dim ({self.head_dim}) must be even (RoPE rotates pairs)")
+        if not self.rope_theta > 0 or not self.eps > 0:
+            raise ValueError(f"model {self.name}: rope_theta and eps must be > 0")
+        return self
+
+    def describe(self) -> str:
+        return (f"hidden={self.hidden},ffn={self.ffn},heads={self.heads},kv_heads={self.kv_heads},"
+                f"head_dim={self.head_dim},vocab={self.vocab}")
+
 
 def _paper(d: int, heads: int) -> ModelShape:
     ffn = -(-(8 * d // 3) // 256) * 256  # round_up(8d/3, 256)
     return ModelShape(f"paper-{ {2048: '1b', 4096: '7b', 8192: '70b'}[d] }", d, ffn, heads, heads, 128)
 
+
+LLAMA3_VOCAB = 128256
 
 PRESETS: dict[str, ModelShape] = {
     # Tiny shapes for the CPU interpreter. Every dim is a multiple of 16 (16-byte rows for TMA down to
@@ -48,6 +71,10 @@ PRESETS: dict[str, ModelShape] = {
     "llama-1b": ModelShape("llama-1b", 2048, 8192, 32, 8, 64, rope_theta=500000.0),
     "llama-7b": ModelShape("llama-7b", 4096, 11008, 32, 32, 128),
     "llama-70b": ModelShape("llama-70b", 8192, 28672, 64, 8, 128, rope_theta=500000.0),
+    # The Llama 3 shapes with the real vocabulary (the llama-* presets keep the paper's 32768).
+    "llama3-1b": ModelShape("llama3-1b", 2048, 8192, 32, 8, 64, vocab=LLAMA3_VOCAB, rope_theta=500000.0),
+    "llama3-8b": ModelShape("llama3-8b", 4096, 14336, 32, 8, 128, vocab=LLAMA3_VOCAB, rope_theta=500000.0),
+    "llama3-70b": ModelShape("llama3-70b", 8192, 28672, 64, 8, 128, vocab=LLAMA3_VOCAB, rope_theta=500000.0),
     "paper-1b": _paper(2048, 16),
     "paper-7b": _paper(4096, 32),
     "paper-70b": _paper(8192, 64),
@@ -58,3 +85,90 @@ def get_model(name: str, tokens: int | None = None, vocab: int | None = None) ->
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
     return PRESETS[name].with_(tokens=tokens, vocab=vocab)
+
+
+INLINE_KEYS = {"hidden": int, "ffn": int, "heads": int, "kv_heads": int, "head_dim": int, "vocab": int,
+               "rope_theta": float, "eps": float, "tokens": int, "seq_len": int}
+"""``--model NAME:key=value,...`` keys; hidden, ffn, heads and vocab are required, kv_heads defaults to heads and
+head_dim to hidden / heads."""
+
+
+def parse_model_spec(spec: str) -> ModelShape:
+    """A shape from ``NAME:hidden=4096,ffn=14336,heads=32,kv_heads=8,head_dim=128,vocab=128256`` (ValueError with one
+    line when a key is unknown, missing or not a number, or the shape is inconsistent)."""
+    name, sep, body = spec.partition(":")
+    if not sep or not name.strip():
+        raise ValueError(f"--model {spec!r}: expected NAME:hidden=...,ffn=...,heads=...,vocab=...")
+    name = name.strip()
+    if name in PRESETS:
+        raise ValueError(f"--model {name}: that name is a preset; choose another")
+    values: dict[str, int | float] = {}
+    for item in filter(None, (t.strip() for t in body.split(","))):
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if key not in INLINE_KEYS or not eq:
+            raise ValueError(f"--model {name}: {item!r} is not key=value with a key of {', '.join(INLINE_KEYS)}")
+        try:
+            values[key] = INLINE_KEYS[key](text.strip())
+        except ValueError:
+            raise ValueError(f"--model {name}: {key}={text.strip()!r} is not a number") from None
+    return _shape(name, values, f"--model {name}")
+
+
+# Hugging Face config.json field -> ModelShape field; a default of None marks a required field.
+HF_FIELDS = {"hidden_size": ("hidden", None), "intermediate_size": ("ffn", None),
+             "num_attention_heads": ("heads", None), "vocab_size": ("vocab", None),
+             "num_key_value_heads": ("kv_heads", "heads"), "head_dim": ("head_dim", "hidden / heads"),
+             "rope_theta": ("rope_theta", 10000.0), "rms_norm_eps": ("eps", 1e-6)}
+"""What is read from a config.json. ``rope_theta`` may sit in ``rope_parameters`` or ``rope_scaling`` (newer
+transformers); missing optional fields take the defaults of transformers' LlamaConfig."""
+
+
+def from_hf_config(path: str | Path) -> ModelShape:
+    """A shape from a Hugging Face ``config.json`` (or the folder holding one); ValueError with one line when the file
+    cannot be read or a field is missing, not a number or inconsistent. The name is the folder's (or the
+    ``_name_or_path``'s last part)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(file.read_text())
+    except OSError as e:
+        raise ValueError(f"--model-config {path}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-config {file}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--model-config {file}: not a config object")
+    for nested in ("rope_parameters", "rope_scaling"):
+        if "rope_theta" not in config and isinstance(config.get(nested), dict) and "rope_theta" in config[nested]:
+            config["rope_theta"] = config[nested]["rope_theta"]
+    values: dict[str, int | float] = {}
+    for key, (field, default) in HF_FIELDS.items():
+        if config.get(key) is None:
+            if default is None:
+                raise ValueError(f"--model-config {file}: the field {key} is missing")
+            continue
+        v = config[key]
+        want = int if INLINE_KEYS[field] is int else float
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not float(v).is_integer()):
+            raise ValueError(f"--model-config {file}: {key} must be a number, got {v!r}")
+        values[field] = want(v)
+    origin = str(config.get("_name_or_path") or "").rstrip("/")
+    name = origin.rsplit("/", 1)[-1] if origin else (file.parent.name if file.name == "config.json" else file.stem)
+    return _shape(name or file.stem, values, f"--model-config {file}")
+
+
+def _shape(name: str, values: dict[str, int | float], where: str) -> ModelShape:
+    for key in ("hidden", "ffn", "heads", "vocab"):
+        if key not in values:
+            raise ValueError(f"{where}: {key} is missing")
+    values.setdefault("kv_heads", values["heads"])
+    if "head_dim" not in values:
+        if values["hidden"] % values["heads"]:
+            raise ValueError(f"{where}: head_dim is missing and hidden ({values['hidden']}) is not a multiple of "
+                             f"heads ({values['heads']})")
+        values["head_dim"] = values["hidden"] // values["heads"]
+    known = {f.name for f in fields(ModelShape)}
+    try:
+        return ModelShape(name, **{k: v for k, v in values.items() if k in known}).check()
+    except ValueError as e:
+        raise ValueError(f"{where}: {str(e).split(': ', 1)[-1]}") from None

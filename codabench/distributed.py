@@ -1,0 +1,91 @@
+"""Runs that outgrow one GPU: ``torchrun --nproc-per-node N run_bench.py ...`` (one node or several).
+
+torchrun starts one process per GPU and gives each its ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (and the
+rendezvous address). Each rank runs shard ``RANK + 1`` of ``WORLD_SIZE`` (whole groups, as ``--shard`` deals them)
+on GPU ``LOCAL_RANK``, into its own run directory ``<out>-rank<R>of<N>`` beside ``<out>``; rank 0 chooses ``<out>``
+for all. When every rank is done, the ranks send their run files to rank 0 over a gloo process group (the files
+travel, so nodes need no shared file system), and rank 0 merges them into ``<out>``: one report
+(:func:`codabench.report.merge.merge`). The process group only carries these small messages; the cells never
+communicate.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from codabench import results as tables
+
+RUN_FILES = (tables.RESULTS, tables.ERRORS, tables.SAMPLES, tables.ENV)
+WAIT = datetime.timedelta(days=2)
+"""How long a rank waits for the others at the end (a rank's shard can take hours)."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world: int
+    local_rank: int
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """This rank's shard, 1-based as ``--shard I/N``."""
+        return self.rank + 1, self.world
+
+    def device(self, device: torch.device) -> torch.device:
+        """The rank's GPU (``cuda:LOCAL_RANK``), or ``device`` itself on the CPU."""
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+
+    def run_dir(self, out: Path) -> Path:
+        return out.parent / f"{out.name}-rank{self.rank + 1}of{self.world}"
+
+
+def from_env() -> Ranks | None:
+    """The ranks torchrun describes in the environment, or None outside torchrun (or with one process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "RANK" not in os.environ:
+        return None
+    return Ranks(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+
+
+def start(ranks: Ranks) -> None:
+    """Join torchrun's process group (gloo: it runs on every machine and carries Python objects)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=ranks.rank, world_size=ranks.world, timeout=WAIT)
+
+
+def agree(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def collect(ranks: Ranks, run_dir: Path, code: int, out: Path) -> tuple[list[Path], int]:
+    """Wait for every rank, send this rank's run files to rank 0 and (rank 0) write every rank's files into its run
+    directory beside ``out``. Returns (the ranks' run directories, the largest exit code) on rank 0, ([], code)
+    elsewhere."""
+    files = {name: (run_dir / name).read_bytes() for name in RUN_FILES if (run_dir / name).exists()}
+    gathered: list[Any] | None = [None] * ranks.world if ranks.rank == 0 else None
+    dist.gather_object((code, files), gathered, dst=0)
+    if ranks.rank != 0:
+        return [], code
+    dirs = []
+    for r, (_, rank_files) in enumerate(gathered):
+        d = Ranks(r, ranks.world, r).run_dir(out)
+        d.mkdir(parents=True, exist_ok=True)
+        for name, data in rank_files.items():
+            if not (d / name).exists() or (d / name).read_bytes() != data:  # a shared file system has them already
+                (d / name).write_bytes(data)
+        dirs.append(d)
+    return dirs, max(c for c, _ in gathered)
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
