@@ -123,6 +123,25 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def sample_rounds(run_dir: Path, env: dict[str, Any]) -> dict[tuple[str, ...], list[list[float]]]:
+    """Each timed cell's samples (``samples.jsonl``) by timing round, keyed like :data:`KEY`.
+
+    Runs from before the rounds were stored kept only the pooled samples, in round order; where their ``--reps``
+    was fixed every round took the same number, so env.json's ``timing.rounds`` splits them back. Otherwise the
+    samples count as one round."""
+    timing = env.get("timing") or {}
+    legacy = (timing.get("rounds") or 1) if timing.get("reps") else 1
+    out = {}
+    for s in read_samples(run_dir / SAMPLES):
+        pooled = s.get("samples_ms") or []
+        rounds = s.get("rounds")
+        if rounds is None:
+            n = legacy if len(pooled) % legacy == 0 else 1
+            rounds = [pooled[i * len(pooled) // n:(i + 1) * len(pooled) // n] for i in range(n)]
+        out[tuple(str(s[k]) for k in KEY)] = rounds
+    return out
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Strict JSON, indented, except that each element of a list of dicts (a row) takes one line."""
     path.write_text(_dumps(_json_safe(obj), 0) + "\n")
