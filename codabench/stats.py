@@ -12,10 +12,10 @@ pooled samples (> 1: the cell is faster than the reference). Its 95% interval is
 2. **Between rounds: Student's t on the per-round log ratios** (two rounds or more). The bootstrap holds the rounds
    fixed, so it misses drift that falls on one cell's round and not on the other's (clock or temperature changes
    that affect a memory-bound and a compute-bound kernel differently, other tenants). On the committed H200 run
-   (3 rounds x 7 samples) the per-round ratio of two cells of a group varies by 1.7% (standard deviation of its
-   log) where within-round noise alone explains about 0.8%. With R rounds that spread is known from R values
-   only, hence t with R - 1 degrees of freedom (4.30 for 3 rounds; a bootstrap over 3 rounds has 10 distinct
-   resamples and cannot express that uncertainty). Paired (one run, same rounds): ``d_r = log(median(ref_r) /
+   (3 rounds x 7 samples) the per-round ratio of a cell to torch-compile varies by 2.1% (median over the cells of
+   the standard deviation of its log) where the noise within rounds explains 1.2%. With R rounds that spread is
+   known from R values only, hence t with R - 1 degrees of freedom (4.30 for 3 rounds; a bootstrap over 3 rounds has
+   10 distinct resamples and cannot express that uncertainty). Paired (one run, same rounds): ``d_r = log(median(ref_r) /
    median(cell_r))``, half-width ``t(R-1) sd(d) / sqrt(R)``. Unpaired (two runs, ``compare``): Welch's interval of the
    difference of the mean per-round log medians. The interval is ``ratio * exp(+-half-width)``.
 
@@ -35,7 +35,7 @@ import math
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -149,7 +149,12 @@ def speed_figures(df: pd.DataFrame, rounds: dict[tuple, list[list[float]]]) -> p
     with ``speedup_lo``/``speedup_hi``; ``vs_best`` = the median of the fastest *other* ok implementation whose
     outputs were not judged wrong (``correct`` False), over this median, with ``vs_best_lo``/``vs_best_hi`` and
     ``verdict`` against it (``n/a`` without one, or without an interval). The point figures come from ``median_ms``,
-    the intervals from the samples, paired by round (:func:`ratio`)."""
+    the intervals from the samples, paired by round (:func:`ratio`).
+
+    The fastest other is picked by its median, and the interval is that pair's. Where several others lie within
+    noise of each other the pick among them is a coin toss, but the verdict stays sound: ``faster`` means faster
+    than the one with the lowest median (so, within noise, than all), ``slower`` means slower than that one (not
+    necessarily than each of the others), and a cell within noise of it is a ``tie``."""
     med = pd.to_numeric(df["median_ms"], errors="coerce").to_numpy()
     keys = [tuple(map(str, k)) for k in df[GROUP + ["impl"]].itertuples(index=False)]
     ok = ((df["status"] == "ok").to_numpy() & (med > 0))
