@@ -89,7 +89,7 @@ class Runner:
             progress.close()
             writer.update_env(wall_s=time.time() - start,
                               clock_trace=[] if isinstance(trace, Failure) else
-                              [[round(t - start, 3), mhz] for t, mhz in trace])
+                              [[round(t - start, 3), *state] for t, *state in trace])
         return cfg.out_dir
 
     # ---- one group ---------------------------------------------------------------------------------
