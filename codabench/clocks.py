@@ -94,10 +94,17 @@ class ClockSampler:
             self.trace.append((now, sm, power, temp))
 
 
+def run_clock_mhz(df: pd.DataFrame) -> float | None:
+    """The run's median SM clock: the median of the ok rows' ``sm_clock_median_mhz`` (each cell one vote); None
+    without clock readings."""
+    med = pd.to_numeric(df.loc[df["status"] == "ok", "sm_clock_median_mhz"], errors="coerce").median()
+    return None if pd.isna(med) else float(med)
+
+
 def clock_dips(df: pd.DataFrame) -> pd.Series:
-    """True for the ok rows whose ``sm_clock_min_mhz`` lies more than CLOCK_DIP below the run's median clock (the
-    median of the ok rows' ``sm_clock_median_mhz``: each cell one vote); False elsewhere and without clock columns."""
-    ok = df["status"] == "ok"
-    low = pd.to_numeric(df["sm_clock_min_mhz"], errors="coerce")
-    run = pd.to_numeric(df.loc[ok, "sm_clock_median_mhz"], errors="coerce").median()
-    return ok & (low < (1 - CLOCK_DIP) * run)
+    """True for the ok rows whose ``sm_clock_min_mhz`` lies more than CLOCK_DIP below :func:`run_clock_mhz`; False
+    elsewhere and without clock readings."""
+    run = run_clock_mhz(df)
+    if run is None:
+        return pd.Series(False, index=df.index)
+    return (df["status"] == "ok") & (pd.to_numeric(df["sm_clock_min_mhz"], errors="coerce") < (1 - CLOCK_DIP) * run)

@@ -31,7 +31,7 @@ def finalize(run_dir: str | Path) -> Path:
     for r in rows:
         r["samples_ms"] = samples.get(tuple(r[k] for k in tables.KEY))
     tables.write_json(run_dir / JSON, {"env": env, "results": rows, "errors": records(err)})
-    plots = make_plots(df, run_dir / PLOTS)
+    plots = make_plots(df, run_dir / PLOTS, env)
     path = run_dir / HTML
     path.write_text(render(df, err, env, plots, run_dir))
     return path
