@@ -44,7 +44,7 @@ img{max-width:100%;border:1px solid #eee;margin:6px 0}details{margin:4px 0 12px}
 .v{display:inline-block;padding:0 4px;border-radius:3px;font-size:11px;margin-right:3px}
 .v-faster{background:#1b7f3b;color:#fff;font-weight:600}.v-tie{background:#d6e4f5;color:#173a63}
 .v-slower{color:#555;border:1px solid #bbb}.v-na{color:#888}
-#headline td.best{outline:2px solid #1b7f3b;outline-offset:-2px}
+#headline{font-size:11px}#headline td.best{outline:2px solid #1b7f3b;outline-offset:-2px}
 td.bar{min-width:64px}table.perop{font-size:11px}table.perop td,table.perop th{padding:2px 4px}
 """
 
@@ -201,10 +201,9 @@ def _headline(df: pd.DataFrame, impls: list[str], colors: dict[str, str], perf: 
                 mark = {True: "&#10003;", False: "&#10007;"}.get(r.get("correct"), "?")
                 text = mark
                 if perf and r.get("timing") != "cpu-wall":
-                    speed = _interval(r, "speedup")
-                    text = f"{speed}<br>{_verdict(r)}{mark}"
+                    vs = " ".join(_ratio(r, "vs_best")).strip()  # the verdict's own ratio and interval
+                    text = f"{_interval(r, 'speedup')} {mark}<br>{_verdict(r)}<span class='ci'>{vs.replace('×', '')}</span>"
                     cls += " best" if r.get("verdict") == "faster" else ""
-                    vs = " ".join(_ratio(r, "vs_best")).strip()
                     title = "; ".join(t for t in (vs and f"vs the fastest other: {vs}", title) if t)
                 if dips[idx]:
                     text += " &#9888;"
@@ -326,7 +325,8 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
                   "pass/fail</h2>",
                   f"<p>{(ok['verdict'] == 'faster').sum()} cells faster than every other implementation of their row, "
                   f"{ties} within noise of the fastest (tie), {(ok['verdict'] == 'slower').sum()} slower; the fastest "
-                  "beyond noise is outlined. Hover a cell for its ratio to the fastest other.</p>"]
+                  "beyond noise is outlined. First line: the speedup against torch-compile [95% interval]; second: "
+                  "the verdict with its own ratio, to the fastest other implementation of the row [95% interval].</p>"]
     else:
         parts.append("<h2>Headline: pass/fail</h2>")
     parts.append(_headline(df, impls, colors, perf, dips))
