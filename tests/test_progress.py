@@ -4,6 +4,7 @@ import fcntl
 import io
 import json
 import os
+import select
 import struct
 import termios
 
@@ -96,6 +97,14 @@ def test_cells_that_do_not_run_cost_nothing_and_the_finish_reports_the_split():
                          "rest) for 2 cells run")
 
 
+def _read_all(fd: int) -> str:
+    """What was written to the terminal (a pseudo-terminal hands it over in pieces)."""
+    out = b""
+    while select.select([fd], [], [], 0.5)[0]:
+        out += os.read(fd, 65536)
+    return out.decode()
+
+
 def _pty(columns: int):
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
@@ -113,7 +122,7 @@ def test_a_bar_only_where_a_terminal_can_draw_it():
             assert (p.bar is not None) == drawn
             p.update(cells(["torch-eager"])[0], "ok", True, 1.0)
             p.finish()
-            out = os.read(master, 65536).decode()
+            out = _read_all(master)
             assert ("[1/1] gemm_out llama-1b fwd bf16 torch-eager: ok" in out) != drawn
             assert "codabench: wall time" in out
         finally:
