@@ -26,7 +26,7 @@ rounds or runs. More rounds narrow part 2 (t falls from 4.30 at 3 rounds to 2.78
 
 A verdict comes from where the interval lies: above 1 the cell is ``faster``, below 1 ``slower``, across 1 a
 ``tie`` (``same`` between runs). No interval, and ``n/a`` (``unknown`` between runs), for CPU wall times (not
-performance figures) and for fewer than :data:`MIN_SAMPLES` samples. Every replicate's random numbers come from a
+performance figures), for fewer than :data:`MIN_SAMPLES` samples, and between runs for a run of one round. Every replicate's random numbers come from a
 generator seeded by :data:`SEED` and the cell's key, so a report rebuilt from the same samples is identical.
 """
 from __future__ import annotations
