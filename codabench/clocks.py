@@ -1,9 +1,12 @@
 """The GPU's SM clock, power and temperature sampled by NVML during each cell's timed region (read only, never set).
 
 A background thread reads NVML every :data:`PERIOD_S` while :meth:`ClockSampler.sampling` is active. Each cell gets
-the SM clock samples of its timed region (the results' ``sm_clock_min_mhz`` and ``sm_clock_median_mhz``); the run
-keeps a thinned trace of (wall time, SM MHz) for env.json and the report's clock plot. Without NVML (no GPU, no
-``nvidia-ml-py``) nothing is sampled and the columns stay empty.
+the readings of its timed region (the results' ``sm_clock_min_mhz`` and ``sm_clock_median_mhz``); the run keeps a
+thinned trace of (wall time, SM MHz, power W, temperature C) for env.json and the report's clock plot. Without NVML
+(no GPU, no ``nvidia-ml-py``) nothing is sampled and the columns stay empty.
+
+A cell whose clock fell more than :data:`CLOCK_DIP` below the run's median clock (:func:`clock_dips`) ran on a slower
+GPU than its neighbours: the report flags it.
 """
 from __future__ import annotations
 
@@ -13,11 +16,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import pandas as pd
 import torch
 
 PERIOD_S = 0.01
 TRACE_EVERY_S = 0.5
 """Spacing of the run's clock trace (the per-cell samples are kept whole)."""
+CLOCK_DIP = 0.10
+"""A cell's minimum SM clock this far below the run's median clock is flagged."""
 
 
 @dataclass
@@ -26,12 +32,13 @@ class Sampled:
 
     sm_mhz: list[float] = field(default_factory=list)
     power_w: list[float] = field(default_factory=list)
+    temp_c: list[float] = field(default_factory=list)
 
 
 class ClockSampler:
     def __init__(self, device: torch.device):
-        self.trace: list[tuple[float, float]] = []
-        """(time.time(), SM MHz), one point per TRACE_EVERY_S at most."""
+        self.trace: list[tuple[float, float, float, float]] = []
+        """(time.time(), SM MHz, power W, temperature C), one point per TRACE_EVERY_S at most."""
         self._nv = self._handle = None
         if device.type == "cuda":
             try:
@@ -46,9 +53,11 @@ class ClockSampler:
     def available(self) -> bool:
         return self._nv is not None
 
-    def read(self) -> tuple[float, float]:
+    def read(self) -> tuple[float, float, float]:
+        """SM MHz, power W, temperature C."""
         nv, h = self._nv, self._handle
-        return float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)), nv.nvmlDeviceGetPowerUsage(h) / 1000.0
+        return (float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)), nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)))
 
     @contextmanager
     def sampling(self, into: Sampled) -> Iterator[Sampled]:
@@ -74,11 +83,28 @@ class ClockSampler:
 
     def _record(self, into: Sampled) -> None:
         try:
-            sm, power = self.read()
+            sm, power, temp = self.read()
         except Exception:
             return
         into.sm_mhz.append(sm)
         into.power_w.append(power)
+        into.temp_c.append(temp)
         now = time.time()
         if not self.trace or now - self.trace[-1][0] >= TRACE_EVERY_S:
-            self.trace.append((now, sm))
+            self.trace.append((now, sm, power, temp))
+
+
+def run_clock_mhz(df: pd.DataFrame) -> float | None:
+    """The run's median SM clock: the median of the ok rows' ``sm_clock_median_mhz`` (each cell one vote); None
+    without clock readings."""
+    med = pd.to_numeric(df.loc[df["status"] == "ok", "sm_clock_median_mhz"], errors="coerce").median()
+    return None if pd.isna(med) else float(med)
+
+
+def clock_dips(df: pd.DataFrame) -> pd.Series:
+    """True for the ok rows whose ``sm_clock_min_mhz`` lies more than CLOCK_DIP below :func:`run_clock_mhz`; False
+    elsewhere and without clock readings."""
+    run = run_clock_mhz(df)
+    if run is None:
+        return pd.Series(False, index=df.index)
+    return (df["status"] == "ok") & (pd.to_numeric(df["sm_clock_min_mhz"], errors="coerce") < (1 - CLOCK_DIP) * run)

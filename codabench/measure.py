@@ -147,7 +147,7 @@ class Measurer:
         """Provider metadata again once cells ran: what ``prepare`` learned (JIT warm-up times, resolved backends)."""
         return provider_metadata([self.registry.get(op, name) for op, name in impl_names])
 
-    def clock_trace(self) -> list[tuple[float, float]]:
+    def clock_trace(self) -> list[tuple[float, float, float, float]]:
         return list(self.clocks.trace)
 
     def gemms(self, cell: Cell, fresh: bool) -> tuple[dict[Gemm, list[float] | None], str]:

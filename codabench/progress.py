@@ -1,57 +1,122 @@
-"""Progress with an ETA: a tqdm bar on a terminal, one plain line per cell otherwise.
+"""Progress with an ETA: a tqdm bar on a terminal that can draw it, one plain line per cell otherwise; the run's wall
+time at the end.
 
-The ETA counts only cells that will actually run (n/a and skipped cells take no time):
-``eta = (mean seconds per run cell so far) x (run cells left)``.
+**ETA.** The cells left to run (n/a and skipped cells take no time) each expect the measured cost of the cells most
+like them: the mean seconds of the finished cells of the same implementation, op, model and mode; else of the same
+implementation, op and model (the model size sets the cost more than the mode); else of any implementation of the
+same op, model and mode; else of the same implementation, op and mode; else of the same implementation; else of
+every finished cell. An implementation that has not run yet also pays, once, a cold start:
+the mean of the first-call seconds (compile, JIT build, autotuning: ``first_call_s``) of the first cell of each
+implementation seen so far. No ETA before the first cell has run.
+
+A cell's cost is its own seconds (from the start of its work to its row), but never more than the wall time since
+the row before it: with timing rounds a group's rows are written together at its end, so the first of them carries
+the group's time and the others the moments between them, and the costs add up to the run's time, not more.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
-from typing import TextIO
+from collections import defaultdict
+from typing import Callable, Iterable, TextIO
+
+from codabench.matrix import Cell
 
 
-def _hms(seconds: float) -> str:
+def hms(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def can_draw(stream: TextIO) -> bool:
+    """A terminal with a width: a bar can be drawn there. (A pseudo-terminal nobody sized reports 0 columns, and
+    ``shutil.get_terminal_size`` then falls back to 80, so the stream's own size is asked.)"""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _levels(c: Cell) -> list[tuple]:
+    """The keys of the cells like ``c``, most alike first."""
+    return [("impl-op-model-mode", c.impl, c.op, c.model, c.mode), ("impl-op-model", c.impl, c.op, c.model),
+            ("op-model-mode", c.op, c.model, c.mode), ("impl-op-mode", c.impl, c.op, c.mode), ("impl", c.impl),
+            ("all",)]
+
+
 class Progress:
-    def __init__(self, total: int, to_run: int, stream: TextIO | None = None, enabled: bool = True):
-        self.total, self.to_run, self.stream, self.enabled = total, to_run, stream or sys.stderr, enabled
+    def __init__(self, total: int, to_run: Iterable[Cell], stream: TextIO | None = None, enabled: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        self.left = list(to_run)
+        """Cells still to run, in order."""
+        self.total, self.to_run, self.stream, self.enabled = total, len(self.left), stream or sys.stderr, enabled
+        self.clock = clock
+        self.start = self.last = clock()
         self.done = self.ran = 0
-        self.run_seconds = 0.0
-        self.start = time.monotonic()
+        self.costs: dict[tuple, list[float]] = defaultdict(list)
+        self.cold: dict[str, float] = {}
+        """Per implementation seen: the first-call seconds of its first cell."""
+        self.first_calls_s = 0.0
         self.bar = None
-        if enabled and self.stream.isatty():
+        if enabled and can_draw(self.stream):
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=to_run, file=self.stream, unit="cell", dynamic_ncols=True)
+                self.bar = tqdm(total=self.to_run, file=self.stream, unit="cell", dynamic_ncols=True,
+                                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
             except ImportError:
                 pass
 
-    def eta(self) -> float | None:
-        if not self.ran:
-            return None
-        return self.run_seconds / self.ran * (self.to_run - self.ran)
+    def expected(self, cell: Cell) -> float | None:
+        """Seconds the cell is expected to take (module docstring), without the cold start; None before any cost."""
+        for key in _levels(cell):
+            if self.costs.get(key):
+                return sum(self.costs[key]) / len(self.costs[key])
+        return None
 
-    def update(self, label: str, outcome: str, ran: bool, seconds: float) -> None:
+    def eta(self) -> float | None:
+        if not self.costs:
+            return None
+        cold = sum(self.cold.values()) / len(self.cold) if self.cold else 0.0
+        unseen = {c.impl for c in self.left} - set(self.cold)
+        return sum(self.expected(c) for c in self.left) + cold * len(unseen)
+
+    def update(self, cell: Cell, outcome: str, ran: bool, seconds: float, first_call_s: float | None = None) -> None:
+        """A cell's row is written: ``ran`` (it was to run, so it cost time), ``seconds`` since its work began,
+        ``first_call_s`` of its row."""
+        now = self.clock()
         self.done += 1
         if ran:
+            cost = max(0.0, min(seconds, now - self.last))
+            for key in _levels(cell):
+                self.costs[key].append(cost)
+            self.cold.setdefault(cell.impl, first_call_s or 0.0)
+            self.first_calls_s += first_call_s or 0.0
             self.ran += 1
-            self.run_seconds += seconds
+            if cell in self.left:
+                self.left.remove(cell)
+        self.last = now
         if not self.enabled:
             return
+        eta = self.eta()
+        eta_text = f"ETA {hms(eta)}" if eta is not None else "ETA ?"
         if self.bar is not None:
             if ran:
                 self.bar.update(1)
-            self.bar.set_postfix_str(f"{label}: {outcome}"[:60])
+            self.bar.set_postfix_str(f"{eta_text} | {cell}: {outcome}"[:90])
             return
-        eta = self.eta()
-        print(f"[{self.done:>{len(str(self.total))}}/{self.total}] {label}: {outcome}"
-              f"  (elapsed {_hms(time.monotonic() - self.start)}, ETA {_hms(eta) if eta is not None else '?'})",
-              file=self.stream, flush=True)
+        print(f"[{self.done:>{len(str(self.total))}}/{self.total}] {cell}: {outcome}"
+              f"  (elapsed {hms(now - self.start)}, {eta_text})", file=self.stream, flush=True)
 
-    def close(self) -> None:
+    def finish(self) -> dict[str, float]:
+        """Close the bar, print the run's wall time and return it with its split for env.json: ``wall_s``,
+        ``first_calls_s`` (the sum of the cells' first calls: compile, JIT build, autotuning) and ``rest_s``."""
         if self.bar is not None:
             self.bar.close()
+        wall = self.clock() - self.start
+        times = {"wall_s": wall, "first_calls_s": self.first_calls_s, "rest_s": max(0.0, wall - self.first_calls_s)}
+        if self.enabled:
+            print(f"codabench: wall time {hms(wall)} ({hms(self.first_calls_s)} in first calls: compile, JIT, "
+                  f"autotune; {hms(times['rest_s'])} the rest) for {self.ran} cells run", file=self.stream, flush=True)
+        return times

@@ -40,8 +40,9 @@ measured GEMM ceiling of the dtype; ``floor_ms`` = the op's physical floor on th
 minimum bytes at the measured copy bandwidth and its FLOPs at the measured GEMM ceiling; ``peak_mem_mib`` = the
 peak memory one call allocates above its inputs. ``speedup_lo``/``speedup_hi`` = 95% confidence interval of the
 speedup; ``vs_best`` (with ``vs_best_lo``/``vs_best_hi``) = the fastest *other* implementation's median of the
-group over this one's; ``verdict`` = ``faster``, ``slower`` or ``tie`` against it (``n/a``: nothing to compare or
-too few samples). ``sm_clock_min_mhz``/``sm_clock_median_mhz`` = NVML SM clock sampled during the cell's timed
+group over this one's; ``verdict`` = ``faster``, ``slower`` or ``tie`` against it (``n/a``: nothing to compare, CPU
+wall times or too few samples); all of them recomputed by :func:`codabench.stats.speed_figures` when a report is
+built. ``sm_clock_min_mhz``/``sm_clock_median_mhz`` = NVML SM clock sampled during the cell's timed
 region; ``sm_clock_mhz``, ``power_w``, ``temp_c`` = the GPU's state when the row was written. ``rel_err``, ``max_abs_err`` and ``err_ratio`` are the worst over
 the compared outputs; ``correct`` is True when every compared output passes. fp8 cells only (empty
 otherwise): ``fp8_recipe`` (scaling and accumulation), ``cast_ms`` (median time of quantizing the
@@ -120,6 +121,25 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
             out.append(json.loads(line))
         except json.JSONDecodeError:  # a line cut off by a kill
             continue
+    return out
+
+
+def sample_rounds(run_dir: Path, env: dict[str, Any]) -> dict[tuple[str, ...], list[list[float]]]:
+    """Each timed cell's samples (``samples.jsonl``) by timing round, keyed like :data:`KEY`.
+
+    Runs from before the rounds were stored kept only the pooled samples, in round order; where their ``--reps``
+    was fixed every round took the same number, so env.json's ``timing.rounds`` splits them back. Otherwise the
+    samples count as one round."""
+    timing = env.get("timing") or {}
+    legacy = (timing.get("rounds") or 1) if timing.get("reps") else 1
+    out = {}
+    for s in read_samples(run_dir / SAMPLES):
+        pooled = s.get("samples_ms") or []
+        rounds = s.get("rounds")
+        if rounds is None:
+            n = legacy if len(pooled) % legacy == 0 else 1
+            rounds = [pooled[i * len(pooled) // n:(i + 1) * len(pooled) // n] for i in range(n)]
+        out[tuple(str(s[k]) for k in KEY)] = rounds
     return out
 
 

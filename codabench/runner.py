@@ -65,7 +65,7 @@ class Runner:
         writer = RunWriter(cfg.out_dir, cfg.resume)
         plan = [(c, s) for c, s in self.plan() if c.key not in writer.done]
         worker = self.worker or (WorkerProcess(cfg) if cfg.isolate else InlineWorker(cfg, self.registry))
-        progress = Progress(len(plan), sum(s == planning.RUN for _, s in plan), enabled=cfg.show_progress)
+        progress = Progress(len(plan), [c for c, s in plan if s == planning.RUN], enabled=cfg.show_progress)
         impls = list(dict.fromkeys((c.op, c.impl) for c in self.cells))
         start = time.time()
         try:
@@ -88,10 +88,9 @@ class Runner:
         finally:
             trace = worker.call("clock_trace") if self.cfg.device.type == "cuda" else []
             worker.close()
-            progress.close()
-            writer.update_env(wall_s=time.time() - start,
+            writer.update_env(**progress.finish(),  # wall_s and its split
                               clock_trace=[] if isinstance(trace, Failure) else
-                              [[round(t - start, 3), mhz] for t, mhz in trace])
+                              [[round(t - start, 3), *state] for t, *state in trace])
         return cfg.out_dir
 
     # ---- one group ---------------------------------------------------------------------------------
@@ -210,7 +209,7 @@ class Runner:
         samples = row.pop("_samples", None)
         row.update(finished_at=_now(), **gpu_state(self.cfg.device))
         writer.write(row, p.err_rows if row["status"] != "skipped" else [], samples, p.cell)
-        progress.update(str(p.cell), _outcome(row), ran, time.monotonic() - p.started)
+        progress.update(p.cell, _outcome(row), ran, time.monotonic() - p.started, row.get("first_call_s"))
         if ran and self.cfg.device.type == "cuda":
             time.sleep(self.cfg.cooldown_s)
 

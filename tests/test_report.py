@@ -15,7 +15,10 @@ from codabench import results as tables
 from codabench.report import finalize
 from codabench.results import load_run
 from codabench.report.compare import compare, format_compare
+from codabench.report.palette import FIXED, impl_colors
+from codabench.report.plots import log_ticks
 from harness_helpers import PLUGINS, isolated_registry, make_runner
+from synthetic_runs import noisy_rounds, write_run
 
 REQUIRED = ["op", "impl", "model", "mode", "dtype", "status", "message", "median_ms", "p20_ms", "p80_ms", "tflops",
             "speedup", "sol_ms", "sol_ratio", "rel_err", "max_abs_err", "err_ratio", "correct"]
@@ -39,8 +42,8 @@ def test_run_files_and_columns(run_dir):
     assert set(REQUIRED) <= set(df.columns)
     err = pd.read_csv(run_dir / "errors.csv")
     assert {"output", "rel_err", "max_abs", "cosine", "torch_rel_err", "ratio", "passed"} <= set(err.columns)
-    assert sorted(p.name for p in (run_dir / "plots").glob("*.png")) == \
-        ["median_ms_fp32.png", "rel_err_fp32.png", "sol_ratio_fp32.png", "speedup_fp32.png"]
+    # a CPU run: latency (captioned as wall time) and errors, no speed figures
+    assert sorted(p.name for p in (run_dir / "plots").glob("*.png")) == ["median_ms_fp32.png", "rel_err_fp32.png"]
     for png in (run_dir / "plots").glob("*.png"):  # palette PNGs keep the committed reports small
         assert Image.open(png).mode == "P", png.name
 
@@ -71,7 +74,10 @@ def test_results_json_is_strict_and_keeps_samples(run_dir):
 
 def test_html_is_offline_and_complete(run_dir):
     html = (run_dir / "report.html").read_text()
-    assert '<table id="headline">' in html and "not performance figures" in html
+    assert '<table id="headline">' in html and "every time in this report is a CPU wall time" in html
+    headline = html[html.index('<table id="headline">'):html.index("</table>", html.index('<table id="headline">'))]
+    assert "×" not in headline and "class='v " not in headline  # no speedups or verdicts from CPU wall times
+    assert "Blank vs n/a" in html
     for op in ("gemm_out", "rmsnorm_linear"):
         assert f"id='op-{op}'" in html
     assert "boom from the plugin" in html  # the error row's message
@@ -89,8 +95,9 @@ def test_compare_two_runs(run_dir, tmp_path):
     m = compare(run_dir, slower)
     timed = m.dropna(subset=["delta_pct"])
     assert len(timed) and np.allclose(timed["delta_pct"], 200.0)
+    assert (m["verdict"] == "unknown").all()  # CPU wall times are no evidence of a change
     text = format_compare(m)
-    assert "+200.0%" in text and "0 faster" in text
+    assert "+200.0%" in text and "0 faster, 0 slower, 0 same" in text
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (.ci/run installs it)")
@@ -106,6 +113,85 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     assert len(colors) > 50  # text, tables and status colours, not a blank page
     dom = subprocess.run(flags + ["--dump-dom", url], check=True, capture_output=True, text=True, timeout=180).stdout
     assert '<table id="headline">' in dom and "rmsnorm_linear" in dom and "test-inaccurate" in dom
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (.ci/run installs it)")
+def test_a_gpu_report_fits_a_1400_pixel_window(gpu_run, tmp_path):
+    """Nothing of the page (tables with every column, plots, the environment) runs past the right edge of a 1400 px
+    window: the margin beside it stays white."""
+    shot = tmp_path / "gpu.png"
+    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    "--window-size=1400,6000", f"--screenshot={shot}", (gpu_run / "report.html").resolve().as_uri()],
+                   check=True, capture_output=True, timeout=180)
+    img = np.asarray(Image.open(shot).convert("RGB"))
+    assert img.shape[1] == 1400 and (img[:, :100] < 250).any()  # the page is drawn
+    assert (img[:, -12:] >= 250).all()  # the right margin is untouched
+
+
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory):
+    """A made-up GPU run with every column filled: three implementations of a bf16 and an fp8 group (coda-triton ahead
+    in one, tied with liger in the other), memory, % of ceiling, NVML clocks (one cell's clock dipped), a note on an ok
+    cell, an n/a cell, and a clock trace."""
+    rng = np.random.default_rng(11)
+    cells, rows = {}, {}
+    for dtype in ("bf16", "fp8"):
+        liger = 2.0 if dtype == "bf16" else 1.8
+        for impl, ms, mib in (("torch-compile", 2.0, 300.0), ("coda-triton", 1.8, 256.0), ("liger", liger, 2800.0)):
+            key = ("rmsnorm_linear", "llama-70b", "fwd_bwd", dtype, impl)
+            cells[key] = noisy_rounds(rng, ms, noise=0.004, drift=0.003)
+            rows[key] = {"peak_mem_mib": mib, "pct_ceiling": 180 / ms, "sol_ms": ms / 1.1, "sol_ratio": 1.1,
+                         "first_call_s": 12.345, "tflops": 654.3, "rel_err": 3.21e-3, "err_ratio": 1.23,
+                         "sm_clock_median_mhz": 1980.0, "sm_clock_min_mhz": 1500.0 if (dtype, impl) == ("fp8", "liger")
+                         else 1950.0, **({"cast_ms": 0.8786, "rel_err_vs_bf16": 0.0466} if dtype == "fp8" else {})}
+    rows[key]["message"] = "timing the GEMMs failed: RuntimeError: a long note that a cell can carry " * 3
+    trace = [[t / 2, 1980.0 - t, 400.0 + t, 50.0 + t / 10] for t in range(40)]
+    run = write_run(tmp_path_factory.mktemp("gpu") / "run", cells, rows=rows,
+                    env={"clock_trace": trace, "wall_s": 300.0, "first_calls_s": 120.0, "rest_s": 180.0})
+    tables.AppendWriter(run / tables.RESULTS, tables.RESULT_COLUMNS).write([{
+        "op": "rmsnorm_linear", "impl": "flashinfer", "model": "llama-70b", "mode": "fwd_bwd", "dtype": "bf16",
+        "status": "n/a", "message": "n/a: FlashInfer's kernels are inference-only (no autograd), so no fwd_bwd"}])
+    finalize(run)
+    return run
+
+
+def test_a_gpu_report_shows_intervals_verdicts_clocks_memory_and_the_roofline(gpu_run):
+    html = (gpu_run / "report.html").read_text()
+    headline = html[html.index('<table id="headline">'):html.index("</table>", html.index('<table id="headline">'))]
+    assert "1.00× <span class='ci'>ref</span>" in headline  # torch-compile is the reference
+    verdicts = {v: headline.count(f"<span class='v v-{v}'>{v}</span>") for v in ("faster", "tie", "slower")}
+    assert verdicts == {"faster": 1, "tie": 2, "slower": 3}  # coda-triton ahead, then tied with liger
+    assert headline.count('class="pass best"') == 1
+    df, _, _ = load_run(gpu_run)
+    coda = df[df["impl"] == "coda-triton"].iloc[0]
+    assert f"{coda['speedup']:.2f}× <span class='ci'>[{coda['speedup_lo']:.2f}, {coda['speedup_hi']:.2f}]" in headline
+    assert "1 cell(s) ran with the clock more than 10% below it" in html and "llama-70b fwd_bwd fp8 liger" in html
+    assert headline.count("&#9888;") == 1 and 'class="dip">1500/1980' in html
+    assert '<table id="roofline">' in html and "0:05:00 (first calls: compile, JIT, autotune 0:02:00" in html
+    assert "every time in this report is a CPU wall time" not in html
+    plots = sorted(p.name for p in (gpu_run / "plots").glob("*.png"))
+    assert plots == sorted(["clock_trace.png"] + [f"{m}_{d}.png" for d in ("bf16", "fp8") for m in (
+        "median_ms", "pct_ceiling", "peak_mem_mib", "rel_err", "sol_ratio", "speedup")])
+
+
+def test_an_implementation_keeps_its_colour_in_every_plot(gpu_run):
+    """Each per-op figure draws liger and coda-triton in their fixed colours, and no colour of an implementation that
+    is not in the run (quantized PNGs keep a colour within a few levels)."""
+    def rgb(impl):
+        return np.array([int(FIXED[impl][i:i + 2], 16) for i in (1, 3, 5)])
+
+    for png in (p for p in (gpu_run / "plots").glob("*.png") if p.name != "clock_trace.png"):
+        pixels = np.asarray(Image.open(png).convert("RGB")).reshape(-1, 3).astype(int)
+        for impl, drawn in (("coda-triton", True), ("liger", True), ("flashinfer", False), ("quack", False)):
+            assert ((np.abs(pixels - rgb(impl)).max(axis=1) <= 6).sum() > 20) == drawn, (png.name, impl)
+    assert impl_colors(["my-plugin", "coda-triton", "zz"]) == impl_colors(["zz", "coda-triton", "my-plugin"])
+    assert len(set(impl_colors(list(FIXED) + ["a", "b", "c"]).values())) == len(FIXED) + 3
+
+
+@pytest.mark.parametrize("lo, hi", [(2.3e-3, 2.8e-3), (1e-6, 1e-2), (0.9, 1.2), (41.0, 47.0), (0.05, 50.0)])
+def test_log_axes_get_at_least_two_labelled_ticks(lo, hi):
+    ticks = log_ticks(lo, hi)
+    assert len(ticks) >= 2 and all(lo <= t <= hi for t in ticks) and len({f"{t:.3g}" for t in ticks}) == len(ticks)
 
 
 def test_a_truncated_results_file_still_reports(run_dir, tmp_path):

@@ -1,8 +1,10 @@
-"""``python -m codabench compare RUN_A RUN_B``: speed and error deltas of two runs, cell by cell.
+"""``python -m codabench compare RUN_A RUN_B``: speed and error changes of two runs, cell by cell.
 
-``delta_pct = 100 (median_B - median_A) / median_A`` (negative: B is faster). A delta no larger
-than the wider of the two p20-p80 spreads is marked ``noise``: benchmarking.md's rule that a
-difference smaller than the spread between runs is not a result. ``err_x = rel_err_B / rel_err_A``.
+``delta_pct = 100 (median_B - median_A) / median_A`` (negative: B is faster), with its 95% interval
+``delta_lo_pct``/``delta_hi_pct`` and ``verdict``: ``faster``/``slower`` (B against A) when the interval excludes
+0, ``same`` when it includes it, ``unknown`` without an interval (CPU wall times, too few samples, a run with one
+timing round, a cell not timed in both). The interval is :func:`codabench.stats.ratio` on the two runs' samples,
+unpaired. ``err_x = rel_err_B / rel_err_A``.
 """
 from __future__ import annotations
 
@@ -10,29 +12,51 @@ from pathlib import Path
 
 import pandas as pd
 
-from codabench.matrix import PLUGIN_OP
 from codabench import results as tables
+from codabench.matrix import PLUGIN_OP
 from codabench.results import load_run
+from codabench.stats import Timed, ratio
 
 NUM = ["median_ms", "p20_ms", "p80_ms", "rel_err"]
+VERDICTS = {"faster": "faster", "slower": "slower", "tie": "same"}
+"""Between runs a tie reads ``same``."""
 
 
 def compare(run_a: str | Path, run_b: str | Path) -> pd.DataFrame:
-    a, _, _ = load_run(Path(run_a))
-    b, _, _ = load_run(Path(run_b))
-    keep = tables.KEY + ["status", "correct", "timing"] + NUM
-    a, b = a[a["op"] != PLUGIN_OP][keep], b[b["op"] != PLUGIN_OP][keep]
-    m = a.merge(b, on=tables.KEY, how="outer", suffixes=("_a", "_b"))
+    """One row per cell of either run: both runs' figures (suffixes ``_a``, ``_b``), the change and its verdict."""
+    runs = []
+    for side, run in (("a", Path(run_a)), ("b", Path(run_b))):
+        df, _, env = load_run(run)
+        rounds = tables.sample_rounds(run, env)
+        df = df[df["op"] != PLUGIN_OP][tables.KEY + ["status", "correct", "timing"] + NUM].copy()
+        df["rounds"] = [rounds.get(k, []) for k in df[tables.KEY].itertuples(index=False, name=None)]
+        runs.append(df)
+    m = runs[0].merge(runs[1], on=tables.KEY, how="outer", suffixes=("_a", "_b"))
     for c in NUM:
         for s in ("_a", "_b"):
             m[c + s] = pd.to_numeric(m[c + s], errors="coerce")
     m["delta_pct"] = 100 * (m["median_ms_b"] - m["median_ms_a"]) / m["median_ms_a"]
-    spread = pd.concat([m["p80_ms_a"] - m["p20_ms_a"], m["p80_ms_b"] - m["p20_ms_b"]], axis=1).max(axis=1)
-    m["noise"] = (m["median_ms_b"] - m["median_ms_a"]).abs() <= spread
+    lo, hi, verdict = [], [], []
+    for _, r in m.iterrows():
+        x = _change(r)
+        lo.append(None if x is None else 100 * (1 / x.hi - 1))
+        hi.append(None if x is None else 100 * (1 / x.lo - 1))
+        verdict.append("unknown" if x is None else VERDICTS[x.verdict])
+    m["delta_lo_pct"], m["delta_hi_pct"], m["verdict"] = lo, hi, verdict
     m["err_x"] = m["rel_err_b"] / m["rel_err_a"]
     for s in ("_a", "_b"):
         m["status" + s] = m["status" + s].fillna("missing")
-    return m
+    return m.drop(columns=["rounds_a", "rounds_b"])
+
+
+def _change(r: pd.Series):
+    """B's speed against A's (median_A / median_B) with its interval; None where there is none."""
+    if not (r["status_a"] == r["status_b"] == "ok") or pd.isna(r["delta_pct"]):
+        return None
+    key = "|".join(str(r[k]) for k in tables.KEY)
+    a = Timed(r["rounds_a"], str(r["timing_a"]), key + "|A")
+    b = Timed(r["rounds_b"], str(r["timing_b"]), key + "|B")
+    return ratio(a, b, paired=False, value=r["median_ms_a"] / r["median_ms_b"])
 
 
 def format_compare(m: pd.DataFrame) -> str:
@@ -41,22 +65,23 @@ def format_compare(m: pd.DataFrame) -> str:
         return "" if pd.isna(v) else format(v, spec)
 
     lines = [f"{'op':16} {'impl':16} {'model':10} {'mode':8} {'dtype':7} {'A ms':>9} {'B ms':>9} {'delta':>8} "
-             f"{'':5} {'A err':>9} {'B err':>9} {'err x':>7}  A -> B"]
+             f"{'95% interval':>17} {'verdict':7} {'A err':>9} {'B err':>9} {'err x':>7}  A -> B"]
     for _, r in m.iterrows():
         delta = f(r["delta_pct"], "+.1f") + ("%" if not pd.isna(r["delta_pct"]) else "")
-        status = f"{_verdict(r['status_a'], r['correct_a'])} -> {_verdict(r['status_b'], r['correct_b'])}"
+        interval = "" if pd.isna(r["delta_lo_pct"]) else f"[{r['delta_lo_pct']:+.1f}, {r['delta_hi_pct']:+.1f}]"
+        status = f"{_status(r['status_a'], r['correct_a'])} -> {_status(r['status_b'], r['correct_b'])}"
         lines.append(f"{r['op']:16} {r['impl']:16} {r['model']:10} {r['mode']:8} {r['dtype']:7} "
-                     f"{f(r['median_ms_a'], '.4g'):>9} {f(r['median_ms_b'], '.4g'):>9} {delta:>8} "
-                     f"{'noise' if r['noise'] else '':5} {f(r['rel_err_a'], '.2e'):>9} {f(r['rel_err_b'], '.2e'):>9} "
+                     f"{f(r['median_ms_a'], '.4g'):>9} {f(r['median_ms_b'], '.4g'):>9} {delta:>8} {interval:>17} "
+                     f"{r['verdict']:7} {f(r['rel_err_a'], '.2e'):>9} {f(r['rel_err_b'], '.2e'):>9} "
                      f"{f(r['err_x'], '.2f'):>7}  {status}")
     both = m.dropna(subset=["delta_pct"])
-    real = both[~both["noise"]]
-    lines.append(f"{len(m)} cells, {len(both)} timed in both; beyond noise: {(real['delta_pct'] < 0).sum()} faster, "
-                 f"{(real['delta_pct'] > 0).sum()} slower in B")
+    counts = m["verdict"].value_counts()
+    lines.append(f"{len(m)} cells, {len(both)} timed in both; B vs A: "
+                 + ", ".join(f"{counts.get(v, 0)} {v}" for v in ("faster", "slower", "same", "unknown")))
     return "\n".join(lines)
 
 
-def _verdict(status, correct) -> str:
+def _status(status, correct) -> str:
     if status != "ok":
         return str(status)
     return {True: "pass", False: "FAIL"}.get(correct, "ok")

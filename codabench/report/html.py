@@ -1,49 +1,86 @@
 """report.html: one self-contained page (inline CSS, plots embedded as base64 PNG, no scripts).
 
-Sections: run facts, headline table (speedup vs torch-compile and pass/fail per op x model x mode x
-dtype, one column per implementation), failures, per-op tables with the per-output errors,
-plots, environment.
+Sections: run facts (wall time, clocks), how to read, headline table (speedup vs torch-compile with its 95% interval,
+the verdict against the fastest other implementation, pass/fail, per op x model x mode x dtype, one column per
+implementation), the roofline view (% of the measured GEMM ceiling), failures, per-op tables with the per-output
+errors, plots, the GPU clock trace, environment. A CPU run (wall times of the Triton interpreter) says so at the top
+and shows no speed figures or verdicts. Every implementation keeps the colour of :mod:`codabench.report.palette`.
 """
 from __future__ import annotations
 
 import base64
+import datetime
 import html
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 
+from codabench.clocks import CLOCK_DIP, clock_dips, run_clock_mhz
 from codabench.matrix import PLUGIN_OP, SPEED_BASELINE
+from codabench.report.palette import impl_colors, impl_order
+from codabench.stats import MIN_SAMPLES
 from workloads.fp8 import FP8_DTYPES
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1600px}
 h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
 table{border-collapse:collapse;margin:8px 0 16px;font-size:12px}
-th,td{border:1px solid #ccc;padding:3px 6px;text-align:right;white-space:nowrap}
-th{background:#f2f2f2}td.l,th.l{text-align:left}td.msg{text-align:left;white-space:normal;min-width:320px;max-width:640px}
+th,td{border:1px solid #ccc;padding:3px 5px;text-align:right;white-space:nowrap}
+th{background:#f2f2f2;white-space:normal;vertical-align:bottom}td.l,th.l{text-align:left}
+td.msg{text-align:left;white-space:normal;min-width:160px;max-width:300px;overflow-wrap:anywhere}
+td.msg[colspan]{max-width:none}td.note{color:#555;padding-left:24px}
+td.msg details{margin:0}td.msg summary{cursor:pointer}
 .pass{background:#dff3df}.fail{background:#f8d7d7}.err{background:#f3b6b6}.na{background:#eee;color:#777}
-.skip{background:#f6f0dc;color:#6b5a1e}.banner{background:#fff4ce;border:1px solid #e0c060;padding:8px 12px}
-img{max-width:100%;border:1px solid #eee;margin:6px 0}details{margin:4px 0 12px}
+.skip{background:#f6f0dc;color:#6b5a1e}.dip{background:#ffe08a}
+.banner{background:#fff4ce;border:1px solid #e0c060;padding:8px 12px}
+.cpu{background:#fde2c8;border:2px solid #d9822b;padding:10px 14px;font-size:16px}
+img{max-width:100%;border:1px solid #eee;margin:6px 0}details{margin:4px 0 12px}pre{white-space:pre-wrap;overflow-wrap:anywhere}
 .legend span{display:inline-block;padding:1px 6px;margin-right:6px;border:1px solid #ccc}
+.sw{display:inline-block;width:10px;height:10px;margin-right:4px;border-radius:2px;vertical-align:baseline}
+.ci{color:#555;font-size:11px}
+.v{display:inline-block;padding:0 4px;border-radius:3px;font-size:11px;margin-right:3px}
+.v-faster{background:#1b7f3b;color:#fff;font-weight:600}.v-tie{background:#d6e4f5;color:#173a63}
+.v-slower{color:#555;border:1px solid #bbb}.v-na{color:#888}
+#headline{font-size:11px}#headline td.best{outline:2px solid #1b7f3b;outline-offset:-2px}
+td.bar{min-width:64px}table.perop{font-size:11px}table.perop td,table.perop th{padding:2px 4px}
 """
 
-HOW_TO_READ = """<p>Each cell of the matrix is one implementation (<i>impl</i>) of one op, for one model size,
-mode (<code>fwd</code>, <code>bwd</code>: backward alone, <code>fwd_bwd</code>) and dtype. The headline
-table shows the speedup against torch-compile on the same cell (&gt;1 is faster) and whether every
-output and gradient passed the error rule: relative error &le; 2&times; PyTorch's own error in the
-same dtype + a small floor, against a float64 reference; NaN/Inf never passes. <code>n/a</code>: the
-impl has no such mode/dtype; <code>skipped</code>: it cannot run here (reason in the tooltip and the
-per-op tables); <code>error</code>: it raised, returned a wrong shape/dtype, NaN/Inf, or mutated its
-inputs. Timings: median of many samples with p20/p80, cold L2, CUDA events; <i>sol_ratio</i> is the
-time over the plain cuBLAS GEMMs the op must do (ideal 1.00).</p>
+HOW_TO_READ = f"""<p>Each cell of the matrix is one implementation (<i>impl</i>) of one op, for one model size,
+mode (<code>fwd</code>, <code>bwd</code>: backward alone, <code>fwd_bwd</code>) and dtype. The headline table shows
+the speedup against torch-compile on the same cell (&gt;1 is faster) with its 95% confidence interval, the
+<b>verdict</b> against the fastest <i>other</i> implementation of the row, and whether every output and gradient
+passed the error rule: relative error &le; 2&times; PyTorch's own error in the same dtype + a small floor, against a
+float64 reference; NaN/Inf never passes.</p>
+<p><b>Verdicts.</b> <span class="v v-faster">faster</span> the interval of this cell's speed over the fastest other
+implementation lies above 1: the fastest of the row beyond noise. <span class="v v-tie">tie</span> the interval
+contains 1: within noise of the fastest (ties for first). <span class="v v-slower">slower</span> the interval lies
+below 1. <span class="v v-na">n/a</span> no interval: CPU wall times, fewer than {MIN_SAMPLES} samples, or nothing
+to compare with. The interval: a bootstrap of the ratio of medians within each timing round, widened by Student's t
+over the per-round ratios (the rounds of a row's cells ran interleaved); see <code>codabench/stats.py</code>.</p>
+<p><b>Blank vs n/a.</b> A blank headline cell: no such cell in this run (the implementation does not register the op,
+or was not selected). <code>n/a</code> as a status: the implementation registers the op but has no such mode/dtype;
+<code>skipped</code>: it cannot run here (reason in the tooltip and the per-op tables); <code>error</code>: it raised,
+returned a wrong shape/dtype, NaN/Inf, mutated its inputs, or failed a check that makes a time count. A blank number
+in the per-op tables was not measured for that cell (fp8-only columns, clocks without NVML, memory on the CPU).</p>
+<p>Timings: median of many samples with p20/p80, cold L2, CUDA events; <i>time / GEMMs</i> is the time over the
+plain cuBLAS GEMMs the op must do (ideal 1.00); <i>% ceiling</i> its TFLOP/s as a share of the GEMM ceiling measured
+at the start of the run (the roofline of these GEMM-bound ops); <i>peak MiB</i> the memory one call allocates above
+its inputs; <i>SM MHz</i> the NVML clock during the cell's timed region (min / median), highlighted where it fell more
+than {100 * CLOCK_DIP:.0f}% below the run's median clock.</p>
 <p>fp8 cells (<code>fp8</code>: per-tensor scales, <code>fp8-row</code>: rowwise; forward and the dgrad ops)
 take bf16 inputs whose GEMM operands lie on the fp8 grid; quantizing them is untimed, and its time is the
 separate <i>cast ms</i> column. Their float64 reference is computed on those inputs, and PyTorch's error is
 that of its <code>torch._scaled_mm</code> composition under the same recipe. <i>err vs bf16</i> is the
 error against the unquantized bf16 computation (reported, not judged).</p>"""
+
+CPU_BANNER = ("<p class='cpu'><b>CPU run: every time in this report is a CPU wall time</b> of the Triton interpreter "
+              "(a functional check), <b>not a performance figure</b>. No speedups, intervals or verdicts are shown; "
+              "the correctness results are real.</p>")
+MESSAGE_FOLD = 70
+"""Longer messages fold into a <details> element."""
 
 
 def _fmt(v: Any, spec: str = ".3g") -> str:
@@ -60,21 +97,79 @@ def _esc(v: Any) -> str:
     return html.escape(str(v))
 
 
-def _table(df: pd.DataFrame, columns: list[tuple[str, str, str]], row_class=None) -> str:
-    """columns: (column, header, format spec or "l" for left-aligned text / "msg" for messages)."""
+def _num(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(x) else x
+
+
+def _ratio(r: pd.Series, column: str) -> tuple[str, str]:
+    """(``1.07×``, ``[1.01, 1.13]``) of a ratio column and its interval; blanks where missing."""
+    v, lo, hi = (_num(r.get(c)) for c in (column, column + "_lo", column + "_hi"))
+    if v is None:
+        return "", ""
+    if lo is None or hi is None:
+        return f"{v:.2f}×", ""
+    if lo == hi == v:  # torch-compile against itself
+        return f"{v:.2f}×", "ref"
+    d = 3 if "1.00" in (f"{lo:.2f}", f"{hi:.2f}") and 1.0 not in (lo, hi) else 2  # which side of 1 it lies
+    return f"{v:.{d}f}×", f"[{lo:.{d}f}, {hi:.{d}f}]"
+
+
+def _interval(r: pd.Series, column: str) -> str:
+    point, interval = _ratio(r, column)
+    return f"{point} <span class='ci'>{interval}</span>" if interval else point
+
+
+def _verdict(r: pd.Series) -> str:
+    v = r.get("verdict")
+    if not isinstance(v, str) or not v:
+        return ""
+    return f"<span class='v v-{'na' if v == 'n/a' else v}'>{_esc(v)}</span>"
+
+
+def _message(v: Any) -> str:
+    text = _fmt(v)
+    if len(text) <= MESSAGE_FOLD:
+        return _esc(text)
+    return f"<details><summary>{_esc(text[:MESSAGE_FOLD - 20])}&hellip;</summary>{_esc(text)}</details>"
+
+
+Column = tuple[str, str, "str | Callable[[pd.Series], str]"]
+"""(column, header, format): a format spec, ``l`` (left-aligned text), ``msg`` (a message) or a function of the row
+returning HTML."""
+
+
+def _table(df: pd.DataFrame, columns: list[Column], row_class=None, cell_class=None, css: str = "",
+           span_from: str | None = None) -> str:
+    """``cell_class(row, column)``: an extra class for one cell; ``css``: the table's class. ``span_from``: the
+    messages take no column: in rows that are not ``ok`` (no figures to show) the cells from that column on merge
+    into one that holds the message, and an ok row's message (a note) gets a row of its own below it."""
     head = "".join(f'<th class="{"l" if f in ("l", "msg") else ""}">{_esc(h)}</th>' for _, h, f in columns)
+    names = [c for c, _, _ in columns]
     body = []
     for _, r in df.iterrows():
         cls = f' class="{row_class(r)}"' if row_class else ""
+        span = span_from in names and r.get("status") != "ok"
         tds = []
         for col, _, f in columns:
-            v = r.get(col)
-            if f in ("l", "msg"):
-                tds.append(f'<td class="{f}">{_esc(_fmt(v))}</td>')
+            if span and col == span_from:
+                tds.append(f'<td class="msg" colspan="{len(names) - names.index(col)}">{_esc(r.get("message"))}</td>')
+                break
+            extra = (cell_class(r, col) if cell_class else "") or ""
+            if callable(f):
+                tds.append(f'<td class="{extra}">{f(r)}</td>')
+            elif f in ("l", "msg"):
+                tds.append(f'<td class="{f} {extra}">{_message(r.get(col)) if f == "msg" else _esc(_fmt(r.get(col)))}'
+                           "</td>")
             else:
-                tds.append(f"<td>{_esc(_fmt(v, f))}</td>")
+                tds.append(f'<td class="{extra}">{_esc(_fmt(r.get(col), f))}</td>')
         body.append(f"<tr{cls}>{''.join(tds)}</tr>")
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+        if span_from in names and not span and _fmt(r.get("message")):
+            body.append(f'<tr{cls}><td class="msg note" colspan="{len(names)}">&#8627; {_esc(r["message"])}</td></tr>')
+    return f"<table class='{css}'><tr>{head}</tr>{''.join(body)}</table>"
 
 
 def _status_class(r) -> str:
@@ -84,80 +179,177 @@ def _status_class(r) -> str:
     return {"error": "err", "n/a": "na", "skipped": "skip"}.get(s, "")
 
 
-def _headline(df: pd.DataFrame, impls: list[str]) -> str:
+def _impl_head(impl: str, colors: dict[str, str]) -> str:
+    return f"<span class='sw' style='background:{colors[impl]}'></span>{_esc(impl)}"
+
+
+def _headline(df: pd.DataFrame, impls: list[str], colors: dict[str, str], perf: bool, dips: pd.Series) -> str:
     cells = df[df["op"] != PLUGIN_OP]
-    head = "".join(f"<th>{_esc(i)}</th>" for i in impls)
+    head = "".join(f"<th>{_impl_head(i, colors)}</th>" for i in impls)
     rows = []
     for (op, model, mode, dtype), g in cells.groupby(["op", "model", "mode", "dtype"], sort=False):
-        by_impl = {r["impl"]: r for _, r in g.iterrows()}
+        by_impl = {r["impl"]: (idx, r) for idx, r in g.iterrows()}
         tds = []
         for impl in impls:
-            r = by_impl.get(impl)
-            if r is None:
+            if impl not in by_impl:
                 tds.append("<td></td>")
                 continue
+            idx, r = by_impl[impl]
             cls = _status_class(r)
+            title = r["message"]
             if r["status"] == "ok":
-                sp = r.get("speedup") if r.get("timing") != "cpu-wall" else None  # CPU times are no figures
                 mark = {True: "&#10003;", False: "&#10007;"}.get(r.get("correct"), "?")
-                text = (f"{_fmt(sp, '.2f')}&times; " if _fmt(sp) else "") + mark
+                text = mark
+                if perf and r.get("timing") != "cpu-wall":
+                    vs = " ".join(_ratio(r, "vs_best")).strip()  # the verdict's own ratio and interval
+                    text = f"{_interval(r, 'speedup')} {mark}<br>{_verdict(r)}<span class='ci'>{vs.replace('×', '')}</span>"
+                    cls += " best" if r.get("verdict") == "faster" else ""
+                    title = "; ".join(t for t in (vs and f"vs the fastest other: {vs}", title) if t)
+                if dips[idx]:
+                    text += " &#9888;"
+                    title = f"SM clock fell to {_fmt(r.get('sm_clock_min_mhz'), '.0f')} MHz; {title}"
             else:
                 text = _esc(r["status"])
-            tds.append(f'<td class="{cls}" title="{_esc(r["message"])}">{text}</td>')
+            tds.append(f'<td class="{cls}" title="{_esc(title)}">{text}</td>')
         rows.append(f'<tr><td class="l">{_esc(op)}</td><td class="l">{_esc(model)}</td>'
                     f'<td class="l">{_esc(mode)}</td><td class="l">{_esc(dtype)}</td>{"".join(tds)}</tr>')
     return (f'<table id="headline"><tr><th class="l">op</th><th class="l">model</th><th class="l">mode</th>'
             f'<th class="l">dtype</th>{head}</tr>{"".join(rows)}</table>')
 
 
-PER_OP_COLUMNS = [("impl", "impl", "l"), ("model", "model", "l"), ("mode", "mode", "l"), ("dtype", "dtype", "l"),
-                  ("status", "status", "l"), ("median_ms", "median ms", ".4g"), ("p20_ms", "p20", ".4g"),
-                  ("p80_ms", "p80", ".4g"), ("cv", "CV", ".2f"), ("first_call_s", "first call s", ".3g"),
-                  ("tflops", "TFLOP/s", ".4g"),
-                  ("speedup", f"speedup vs {SPEED_BASELINE}", ".3f"), ("sol_ratio", "time / GEMMs", ".3f"),
-                  ("pct_ceiling", "% ceiling", ".1f"), ("cast_ms", "cast ms", ".4g"), ("rel_err", "rel err", ".3g"),
-                  ("err_ratio", "err / torch err", ".3g"), ("rel_err_vs_bf16", "err vs bf16", ".3g"),
-                  ("correct", "correct", "l"), ("message", "message", "msg")]
-ERROR_TABLE_COLUMNS = [("impl", "impl", "l"), ("model", "model", "l"), ("mode", "mode", "l"),
-                       ("dtype", "dtype", "l"), ("output", "output", "l"), ("rel_err", "rel err", ".3g"),
-                       ("max_abs", "max abs", ".3g"), ("cosine", "cosine", ".9f"),
-                       ("torch_rel_err", "torch rel err", ".3g"), ("ratio", "ratio", ".3g"),
-                       ("rel_err_vs_bf16", "err vs bf16", ".3g"), ("passed", "passed", "l")]
+def _roofline(df: pd.DataFrame, impls: list[str], colors: dict[str, str]) -> str:
+    """% of the measured GEMM ceiling per cell, drawn as a bar inside the cell (the best of the row in bold)."""
+    cells = df[(df["op"] != PLUGIN_OP) & (df["status"] == "ok")]
+    pct = pd.to_numeric(cells["pct_ceiling"], errors="coerce")
+    cells = cells[pct.notna()]
+    if cells.empty:
+        return ""
+    shown = [i for i in impls if i in set(cells["impl"])]
+    head = "".join(f"<th>{_impl_head(i, colors)}</th>" for i in shown)
+    rows = []
+    for (op, model, mode, dtype), g in cells.groupby(["op", "model", "mode", "dtype"], sort=False):
+        p = dict(zip(g["impl"], pd.to_numeric(g["pct_ceiling"])))
+        best = max(p.values())
+        tds = []
+        for impl in shown:
+            if impl not in p:
+                tds.append("<td></td>")
+                continue
+            w = max(0.0, min(100.0, p[impl]))
+            style = f"background:linear-gradient(90deg,{colors[impl]}30 {w:.0f}%,transparent {w:.0f}%)"
+            text = f"<b>{p[impl]:.0f}</b>" if p[impl] == best else f"{p[impl]:.0f}"
+            tds.append(f'<td class="bar" style="{style}">{text}</td>')
+        rows.append(f'<tr><td class="l">{_esc(op)}</td><td class="l">{_esc(model)}</td>'
+                    f'<td class="l">{_esc(mode)}</td><td class="l">{_esc(dtype)}</td>{"".join(tds)}</tr>')
+    return (f'<table id="roofline"><tr><th class="l">op</th><th class="l">model</th><th class="l">mode</th>'
+            f'<th class="l">dtype</th>{head}</tr>{"".join(rows)}</table>')
+
+
+def _range(lo: str, hi: str, spec: str) -> Callable[[pd.Series], str]:
+    return lambda r: _esc(f"{_fmt(r.get(lo), spec)}–{_fmt(r.get(hi), spec)}") if _fmt(r.get(lo)) else ""
+
+
+def _clock(r: pd.Series) -> str:
+    lo, med = _fmt(r.get("sm_clock_min_mhz"), ".0f"), _fmt(r.get("sm_clock_median_mhz"), ".0f")
+    return f"{lo}/{med}" if lo else ""
+
+
+def _mib(r: pd.Series) -> str:
+    v = _num(r.get("peak_mem_mib"))
+    return "" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+PER_OP_COLUMNS: list[Column] = [
+    ("impl", "impl", "l"), ("model", "model", "l"), ("mode", "mode", "l"), ("dtype", "dtype", "l"),
+    ("status", "status", "l"), ("median_ms", "median ms", ".4g"), ("p20_ms", "p20–p80 ms", _range("p20_ms", "p80_ms", ".4g")),
+    ("cv", "CV", ".2f"), ("speedup", f"speedup vs {SPEED_BASELINE} [95%]", lambda r: _interval(r, "speedup")),
+    ("vs_best", "vs fastest other [95%], verdict", lambda r: f"{_interval(r, 'vs_best')} {_verdict(r)}".strip()),
+    ("sol_ratio", "time / GEMMs", ".3f"), ("pct_ceiling", "% ceiling", ".1f"),
+    ("peak_mem_mib", "peak MiB", _mib), ("sm_clock_min_mhz", "SM MHz min / med", _clock),
+    ("first_call_s", "first call s", ".3g"), ("cast_ms", "cast ms", ".4g"), ("rel_err", "rel err", ".3g"),
+    ("err_ratio", "err / torch err", ".3g"), ("rel_err_vs_bf16", "err vs bf16", ".3g"),
+    ("correct", "correct", "l")]
+"""A row's message spans the row, or a row below it (:func:`_table`)."""
+SPEED_COLUMNS = ("speedup", "vs_best", "sol_ratio", "pct_ceiling")
+"""Not shown for CPU wall times."""
+KEPT = ("impl", "model", "mode", "dtype", "status", "median_ms", "correct")
+"""Shown even when empty; any other column of a table is left out where every row is blank."""
+ERROR_TABLE_COLUMNS: list[Column] = [
+    ("impl", "impl", "l"), ("model", "model", "l"), ("mode", "mode", "l"), ("dtype", "dtype", "l"),
+    ("output", "output", "l"), ("rel_err", "rel err", ".3g"), ("max_abs", "max abs", ".3g"),
+    ("cosine", "cosine", ".9f"), ("torch_rel_err", "torch rel err", ".3g"), ("ratio", "ratio", ".3g"),
+    ("rel_err_vs_bf16", "err vs bf16", ".3g"), ("passed", "passed", "l")]
 FP8_ONLY = ("cast_ms", "rel_err_vs_bf16")
 """Columns shown only in tables that hold an fp8 cell."""
 
 
-def _columns(df: pd.DataFrame, columns: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
-    """``columns`` without the fp8-only ones when no row of ``df`` is an fp8 cell."""
+def _columns(df: pd.DataFrame, columns: list[Column], perf: bool = True) -> list[Column]:
+    """``columns`` without those blank in every row of ``df`` (fp8-only ones without an fp8 cell), and without the
+    speed columns in a CPU run."""
     has_fp8 = df["dtype"].isin(FP8_DTYPES).any()
-    return [c for c in columns if has_fp8 or c[0] not in FP8_ONLY]
+
+    def shown(c: str) -> bool:
+        if c in KEPT:
+            return True
+        if (c in FP8_ONLY and not has_fp8) or (c in SPEED_COLUMNS and not perf) or c not in df:
+            return False
+        return df[c].map(lambda v: _fmt(v) != "").any()
+    return [c for c in columns if shown(c[0])]
 
 
 def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: list[tuple[str, Path]],
            run_dir: Path) -> str:
-    impls = list(dict.fromkeys(df.loc[df["op"] != PLUGIN_OP, "impl"]))
+    cells = df[df["op"] != PLUGIN_OP]
+    impls = impl_order(cells["impl"])
+    colors = impl_colors(df["impl"])
     counts = df["status"].value_counts().to_dict()
     ok = df[df["status"] == "ok"]
+    perf = not ok.empty and (ok["timing"] != "cpu-wall").any()
+    cpu = not ok.empty and (ok["timing"] == "cpu-wall").any()
+    dips = clock_dips(df)
     n_pass = int((ok["correct"] == True).sum())  # noqa: E712 (pandas element-wise)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>codabench {_esc(run_dir.name)}</title>"
              f"<style>{CSS}</style></head><body>",
-             f"<h1>codabench report: {_esc(run_dir.name)}</h1>",
-             _facts(env, counts, n_pass, len(ok))]
-    if (ok["timing"] == "cpu-wall").any():
-        parts.append('<p class="banner">CPU run (Triton interpreter): the times below are wall-clock times of '
-                     "a functional check, <b>not performance figures</b>. Correctness results are real.</p>")
+             f"<h1>codabench report: {_esc(run_dir.name)}</h1>"]
+    if cpu:
+        parts.append(CPU_BANNER)
+    parts.append(_facts(env, counts, n_pass, len(ok)))
+    parts += _clock_summary(df, dips)
     parts += ["<h2>How to read this report</h2>", HOW_TO_READ,
               '<p class="legend"><span class="pass">pass</span><span class="fail">error above the rule</span>'
-              '<span class="err">error row</span><span class="skip">skipped</span><span class="na">n/a</span></p>',
-              "<h2>Headline: speedup vs torch-compile and pass/fail</h2>", _headline(df, impls)]
+              '<span class="err">error row</span><span class="skip">skipped</span><span class="na">n/a</span>'
+              '<span class="dip">clock dip &#9888;</span></p>']
+    if perf:
+        ties = ok["verdict"].eq("tie").sum()
+        parts += ["<h2>Headline: speedup vs torch-compile [95% interval], verdict against the fastest other, "
+                  "pass/fail</h2>",
+                  f"<p>{(ok['verdict'] == 'faster').sum()} cells faster than every other implementation of their row, "
+                  f"{ties} within noise of the fastest (tie), {(ok['verdict'] == 'slower').sum()} slower; the fastest "
+                  "beyond noise is outlined. First line: the speedup against torch-compile [95% interval]; second: "
+                  "the verdict with its own ratio, to the fastest other implementation of the row [95% interval].</p>"]
+    else:
+        parts.append("<h2>Headline: pass/fail</h2>")
+    parts.append(_headline(df, impls, colors, perf, dips))
+    roof = _roofline(df, impls, colors) if perf else ""
+    if roof:
+        parts += ["<h2>Roofline: % of the measured GEMM ceiling</h2>",
+                  "<p>Each op here is bound by its GEMMs, so the GEMM ceiling measured at the start of the run "
+                  "(bf16 <code>torch.mm</code>, fp8 <code>torch._scaled_mm</code> at 8192&sup3;) is its roof: the bar "
+                  "is the cell's TFLOP/s as a share of it, the row's best in bold. Shapes faster than the probe can "
+                  "pass 100.</p>", roof]
     bad = df[df["status"] == "error"]
     if not bad.empty:
         parts += ["<h2>Errors</h2>", _table(bad, [("op", "op", "l"), ("impl", "impl", "l"), ("model", "model", "l"),
                                                   ("mode", "mode", "l"), ("dtype", "dtype", "l"),
                                                   ("message", "message", "msg")], lambda r: "err")]
     parts.append("<h2>Per-op results</h2>")
-    for op, g in df[df["op"] != PLUGIN_OP].groupby("op", sort=False):
-        parts += [f"<h3 id='op-{_esc(op)}'>{_esc(op)}</h3>", _table(g, _columns(g, PER_OP_COLUMNS), _status_class)]
+
+    def flag(r, col):
+        return "dip" if col == "sm_clock_min_mhz" and dips[r.name] else ""
+
+    for op, g in cells.groupby("op", sort=False):
+        parts += [f"<h3 id='op-{_esc(op)}'>{_esc(op)}</h3>",
+                  _table(g, _columns(g, PER_OP_COLUMNS, perf), _status_class, flag, "perop", span_from="median_ms")]
         e = errors[errors["op"] == op]
         if not e.empty:
             parts += [f"<details><summary>per-output errors of {_esc(op)} ({len(e)} rows)</summary>",
@@ -169,17 +361,43 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
         parts.append(f"<h3>{_esc(title)}</h3><img alt='{_esc(title)}' src='data:image/png;base64,{data}'>")
     if not plots:
         parts.append("<p>No plots: no cell was timed.</p>")
-    parts += ["<h2>Environment</h2>", f"<pre>{_esc(json.dumps(env, indent=2, default=str))}</pre>",
+    shown = {k: (f"{len(v)} points, plotted above" if k == "clock_trace" and v else v) for k, v in env.items()}
+    parts += ["<h2>Environment</h2>", f"<pre>{_esc(json.dumps(shown, indent=2, default=str))}</pre>",
               "</body></html>"]
     return "\n".join(parts)
+
+
+def _clock_summary(df: pd.DataFrame, dips: pd.Series) -> list[str]:
+    run = run_clock_mhz(df)
+    if run is None:
+        return []
+    med = pd.to_numeric(df.loc[df["status"] == "ok", "sm_clock_median_mhz"], errors="coerce")
+    text = (f"<p>SM clock during the timed regions: run median {run:.0f} MHz (cells' medians "
+            f"{med.min():.0f}-{med.max():.0f}; the trace is plotted at the end). ")
+    if dips.any():
+        names = ", ".join(f"{r['op']} {r['model']} {r['mode']} {r['dtype']} {r['impl']}" for _, r in df[dips].iterrows())
+        text += (f"<b>{int(dips.sum())} cell(s) ran with the clock more than {100 * CLOCK_DIP:.0f}% below it</b> "
+                 f"(&#9888;; their times are suspect): {_esc(names)}.</p>")
+    else:
+        text += f"No cell's clock fell more than {100 * CLOCK_DIP:.0f}% below it.</p>"
+    return [text]
+
+
+def _hms(seconds: Any) -> str | None:
+    s = _num(seconds)
+    return None if s is None else str(datetime.timedelta(seconds=round(s)))
 
 
 def _facts(env: dict[str, Any], counts: dict[str, int], n_pass: int, n_ok: int) -> str:
     gpu = env.get("gpu", {}).get("name") if isinstance(env.get("gpu"), dict) else None
     ceil = env.get("ceilings") or {}
+    wall = _hms(env.get("wall_s"))
+    if wall and _num(env.get("first_calls_s")) is not None:
+        wall += f" (first calls: compile, JIT, autotune {_hms(env['first_calls_s'])}; the rest {_hms(env['rest_s'])})"
     facts = [("suite", env.get("suite")), ("device", gpu or env.get("device")), ("started", env.get("timestamp")),
-             ("git", env.get("git_sha")), ("torch", env.get("torch")), ("triton", env.get("triton")),
-             ("CUDA", env.get("cuda")), ("cells", ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))),
+             ("wall time", wall), ("git", env.get("git_sha")), ("torch", env.get("torch")),
+             ("triton", env.get("triton")), ("CUDA", env.get("cuda")),
+             ("cells", ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))),
              ("correct", f"{n_pass} of {n_ok} timed cells pass")]
     if ceil:
         facts.append(("ceilings", ", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in ceil.items())))

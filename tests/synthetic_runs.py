@@ -1,0 +1,39 @@
+"""Run directories written from made-up samples: realistic GPU noise without a GPU, for the statistics and reports."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from codabench import results as tables
+
+
+def noisy_rounds(rng: np.random.Generator, median_ms: float, rounds: int = 3, per_round: int = 7, noise: float = 0.015,
+                 drift: float = 0.015, slow_share: float = 0.05) -> list[list[float]]:
+    """Samples of one cell: each round at its own level (log-normal drift between rounds), log-normal noise within,
+    and a few slow samples (a GPU timing's right tail)."""
+    out = []
+    for level in np.exp(rng.normal(0.0, drift, rounds)):
+        x = median_ms * level * np.exp(rng.normal(0.0, noise, per_round))
+        x *= 1 + (rng.random(per_round) < slow_share) * rng.exponential(0.2, per_round)
+        out.append([float(v) for v in x])
+    return out
+
+
+def write_run(run_dir: Path, cells: dict[tuple[str, ...], list[list[float]]], timing: str = "cuda-events",
+              rows: dict[tuple[str, ...], dict[str, Any]] | None = None, env: dict[str, Any] | None = None) -> Path:
+    """A run directory holding ``cells`` (key (op, model, mode, dtype, impl) -> samples by round) as ok, correct
+    rows; ``rows`` overrides fields per cell."""
+    run_dir.mkdir(parents=True)
+    writer = tables.AppendWriter(run_dir / tables.RESULTS, tables.RESULT_COLUMNS)
+    for key, rounds in cells.items():
+        pooled = [s for r in rounds for s in r]
+        row = {**dict(zip(tables.KEY, key)), "status": "ok", "message": "", "median_ms": float(np.median(pooled)),
+               "p20_ms": float(np.quantile(pooled, 0.2)), "p80_ms": float(np.quantile(pooled, 0.8)),
+               "n_samples": len(pooled), "timing": timing, "correct": True, **(rows or {}).get(key, {})}
+        writer.write([row])
+        tables.append_jsonl(run_dir / tables.SAMPLES, {**dict(zip(tables.KEY, key)), "timing": timing,
+                                                        "samples_ms": pooled, "rounds": rounds})
+    tables.write_json(run_dir / tables.ENV, {"device": "cuda" if timing != "cpu-wall" else "cpu", **(env or {})})
+    return run_dir
