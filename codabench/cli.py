@@ -108,6 +108,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", type=_csv, help="comma-separated implementation names (default: all registered)")
     p.add_argument("--tokens", type=POSITIVE_INT, help="M, tokens per step (default: the preset's, 16384 for llama-*)")
     p.add_argument("--vocab", type=POSITIVE_INT, help="vocabulary size (default: the preset's, 32768 for llama-*)")
+    p.add_argument("--layers", type=POSITIVE_INT,
+                   help="decoder layers of the whole-model ops, e.g. train_step (default: the preset's, 4; tiny: 2)")
     p.add_argument("--check-tokens", type=POSITIVE_INT,
                    help="tokens of the correctness pass (default: the suite's, 2048 for full; else as timing)")
     p.add_argument("--out", type=Path, help="run directory (default: reports/<suite>-<date>-<time>)")
@@ -318,7 +320,8 @@ def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: t
                models: dict[str, ModelShape] | None = None) -> RunConfig:
     """The runner's settings from the flags; flags left out take the suite's defaults, then the device's."""
     return RunConfig(out_dir=out, selection=sel, device=device, suite=suite.name, tokens=args.tokens,
-                     vocab=args.vocab, models=models or {}, check_tokens=args.check_tokens or suite.check_tokens,
+                     vocab=args.vocab, layers=args.layers, models=models or {},
+                     check_tokens=args.check_tokens or suite.check_tokens,
                      cuda_graph=args.cuda_graph, resume=args.resume, shard=args.shard,
                      show_progress=not args.quiet, fp8_accum=args.fp8_accum, cell_timeout_s=args.cell_timeout,
                      isolate=not args.inline, plugin_files=tuple(str(Path(f).resolve()) for f in args.plugin),

@@ -24,6 +24,8 @@ class RunConfig:
     suite: str = "custom"
     tokens: int | None = None
     vocab: int | None = None
+    layers: int | None = None
+    """Decoder layers of the whole-model ops (``--layers``; default: the model's)."""
     check_tokens: int | None = None
     """Tokens of the correctness pass (default: the timing's)."""
     timing: TimingConfig = field(default_factory=TimingConfig)
@@ -46,8 +48,9 @@ class RunConfig:
     through this config."""
 
     def model(self, name: str, check: bool = False) -> ModelShape:
-        """The model shape of a cell: the preset with the run's token and vocab overrides (``check``: the correctness
-        pass's tokens)."""
+        """The model shape of a cell: the preset with the run's token, vocab and layer overrides (``check``: the
+        correctness pass's tokens)."""
         m = self.models[name].with_(tokens=self.tokens, vocab=self.vocab) if name in self.models else \
             get_model(name, self.tokens, self.vocab)
+        m = m.with_(layers=self.layers)
         return m.with_(tokens=self.check_tokens) if check else m

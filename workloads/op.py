@@ -68,6 +68,9 @@ class Op:
     """Inputs that get no gradient (targets, positions, saved statistics)."""
     fp8_operands: ClassVar[dict[str, fp8.Role]] = {}
     """Inputs that are GEMM operands, with their role in an fp8 recipe (no entry: the op has no fp8 cells)."""
+    whole_model: ClassVar[bool] = False
+    """A step of a whole model (``train_step``) rather than one kernel's pattern: it has its own suite (``train``)
+    and report section; the kernel suites (``quick``, ``full``) leave it out."""
 
     def make_inputs(self, model: ModelShape, dtype: torch.dtype, device: torch.device | str,
                     seed: int) -> dict[str, torch.Tensor]:

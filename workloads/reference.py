@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from workloads.models import ModelShape
+
 IGNORE_INDEX = -100
 
 
@@ -63,3 +65,61 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, reduction: str = "
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     lf = logits if logits.dtype == torch.float64 else logits.float()
     return torch.logsumexp(lf, -1)
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal LM targets of labels [batch, seq]: ``targets[b, t] = labels[b, t + 1]``, the last
+    position of each row ignored (-100)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def sequence_positions(batch: int, seq: int, device: torch.device | str) -> torch.Tensor:
+    """Position of each of the batch * seq token rows (row-major): ``m mod seq``."""
+    return torch.arange(seq, device=device).repeat(batch)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, heads: int, kv_heads: int,
+                     head_dim: int) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(dh) + causal mask) v`` per sequence and head, GQA (query head h reads kv head
+    ``h // (heads / kv_heads)``), by torch SDPA, on packed rows: q [M, heads * dh], k and v [M, kv_heads * dh],
+    M = batch * seq. Returns [M, heads * dh]."""
+    t = q.shape[0] // batch
+
+    def heads_first(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.reshape(batch, t, n, head_dim).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(heads_first(q, heads), heads_first(k, kv_heads), heads_first(v, kv_heads),
+                                       is_causal=True, enable_gqa=kv_heads != heads)
+    return o.transpose(1, 2).reshape(batch * t, heads * head_dim)
+
+
+LLAMA_LAYER_WEIGHTS = ("gamma_attn", "w_q", "w_k", "w_v", "w_o", "gamma_mlp", "w_gate", "w_up", "w_down")
+"""The weights of one Llama layer, as :func:`llama_loss` names them (nn.Linear layout ``W[out, in]``)."""
+
+
+def llama_loss(embed: torch.Tensor, layers: list[dict[str, torch.Tensor]], gamma_final: torch.Tensor,
+               w_lm: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor, shape: ModelShape,
+               reduction: str = "mean") -> torch.Tensor:
+    """The standard pre-norm Llama's loss on tokens and targets [batch, seq] (targets as given, not shifted)::
+
+        x = embed[tokens]
+        per layer:  h = rmsnorm(x; ga),  x += attn(rope(h Wq^T), rope(h Wk^T), h Wv^T) Wo^T
+                    h = rmsnorm(x; gm),  x += (silu(h Wg^T) * (h Wu^T)) Wd^T
+        loss = CE(rmsnorm(x; gf) Wlm^T, targets)   (ignore_index -100; mean over the other tokens, or sum)
+
+    with half-split RoPE at each token's position in its sequence and causal GQA attention
+    (:func:`causal_attention`); ``layers[i]`` holds layer i's :data:`LLAMA_LAYER_WEIGHTS`.
+    """
+    batch, seq = tokens.shape
+    pos = sequence_positions(batch, seq, tokens.device)
+    H, Hkv, dh, eps = shape.heads, shape.kv_heads, shape.head_dim, shape.eps
+    x = F.embedding(tokens.reshape(-1), embed)
+    for p in layers:
+        h = rmsnorm(x, p["gamma_attn"], eps)
+        q = rope(F.linear(h, p["w_q"]).reshape(-1, H, dh), pos, shape.rope_theta).reshape(-1, H * dh)
+        k = rope(F.linear(h, p["w_k"]).reshape(-1, Hkv, dh), pos, shape.rope_theta).reshape(-1, Hkv * dh)
+        x = x + F.linear(causal_attention(q, k, F.linear(h, p["w_v"]), batch, H, Hkv, dh), p["w_o"])
+        h = rmsnorm(x, p["gamma_mlp"], eps)
+        x = x + F.linear(swiglu(F.linear(h, p["w_gate"]), F.linear(h, p["w_up"])), p["w_down"])
+    logits = F.linear(rmsnorm(x, gamma_final, eps), w_lm)
+    return cross_entropy(logits, targets.reshape(-1), reduction)

@@ -8,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workloads.op import MODES
+from workloads.ops import OPS
+
+KERNEL_OPS = tuple(name for name, op in OPS.items() if not op.whole_model)
+"""The ops of the kernel suites (quick, full): every op but the whole-model steps, which have their own suite."""
 
 
 @dataclass(frozen=True)
@@ -36,13 +40,20 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("smoke", "model tiny, every op, mode and implementation, fp32; runs on the CPU (Triton interpreter)",
           models=("tiny",), modes=MODES, dtypes=("fp32",), needs_gpu=False,
           impl_modes={"torch-compile": ("fwd_bwd",)}),
-    Suite("quick", "llama-7b, bf16, every op, mode and implementation (GPU)",
-          models=("llama-7b",), modes=MODES, dtypes=("bf16",)),
+    Suite("quick", "llama-7b, bf16, every kernel op, mode and implementation (GPU)",
+          models=("llama-7b",), modes=MODES, dtypes=("bf16",), ops=KERNEL_OPS),
     # 513 cells. The correctness pass runs at 2048 tokens (the pass rule compares with PyTorch's own error on
     # the same inputs) and each cell takes 20 samples, so that a warm run fits in 10 minutes on one GPU.
     Suite("full", "llama-1b/7b/70b x fwd/bwd/fwd_bwd x bf16/fp8 x every implementation (GPU)",
-          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"),
+          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"), ops=KERNEL_OPS,
           check_tokens=2048, reps=20),
+    # The training step of issue 19: 4 layers (ModelShape.layers) of Llama-3.2-1B with its 128256-token vocabulary,
+    # 2 x 8192 tokens, bf16; every implementation of train_step (hf-eager, hf-compile, hf-liger, hf-coda and the
+    # op's own torch-eager / torch-compile). The float64 reference runs at 1024 tokens (the 1B model in float64, its
+    # gradients and a 1024 x 128256 logit matrix: about 14 GB).
+    Suite("train", "one training step (forward + backward) of a 4-layer llama3-1b, 2 x 8192 tokens, bf16: Hugging "
+          "Face eager, + torch.compile, + Liger, + CODA (GPU)",
+          models=("llama3-1b",), modes=("fwd_bwd",), dtypes=("bf16",), ops=("train_step",), check_tokens=1024),
 ]}
 
 

@@ -29,13 +29,12 @@ from types import MethodType
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import layouts as L
 from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer
 from kernels.coda.rope import rope_freq_table
-from workloads.reference import IGNORE_INDEX
+from workloads.reference import IGNORE_INDEX, shifted_targets
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE types whose cos/sin are exactly those of ``pos * inv_freq``: no attention factor, no dynamic update."""
@@ -259,7 +258,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     rope = RoPE(positions, plan.heads, plan.kv_heads, plan.head_dim, plan.theta, plan.inv_freq)
     final: Consumer = Linear()
     if labels is not None:
-        targets = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        targets = shift_labels if shift_labels is not None else shifted_targets(labels)
         final = CrossEntropy(targets.reshape(-1).to(embeds.device), IGNORE_INDEX,
                              "mean" if num_items_in_batch is None else "sum")
 

@@ -29,27 +29,7 @@ from kernels import layouts as L
 from kernels.coda.functions import CrossEntropy, RoPE, block, norm_consumer
 from workloads import reference as R
 from workloads.models import ModelShape
-
-LAYER_WEIGHTS = ("gamma_attn", "w_q", "w_k", "w_v", "w_o", "gamma_mlp", "w_gate", "w_up", "w_down")
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, heads: int, kv_heads: int,
-              head_dim: int) -> torch.Tensor:
-    """Causal GQA attention (torch SDPA) of packed [M, heads * dh] / [M, kv_heads * dh] rows, M = batch * T."""
-    t = q.shape[0] // batch
-
-    def heads_first(x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.reshape(batch, t, n, head_dim).transpose(1, 2)
-
-    o = F.scaled_dot_product_attention(heads_first(q, heads), heads_first(k, kv_heads), heads_first(v, kv_heads),
-                                       is_causal=True, enable_gqa=kv_heads != heads)
-    return o.transpose(1, 2).reshape(batch * t, heads * head_dim)
-
-
-def positions_of(batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    """Position of each of the batch * seq token rows: ``m mod seq``."""
-    return torch.arange(seq, device=device).repeat(batch)
-
+from workloads.reference import LLAMA_LAYER_WEIGHTS as LAYER_WEIGHTS
 
 # ---- the standard unfused Llama (canonical weights) ----------------------------------------------------
 
@@ -82,21 +62,10 @@ def n_layers_of(params: dict[str, torch.Tensor]) -> int:
 
 def reference_loss(params: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor, shape: ModelShape,
                    reduction: str = "mean") -> torch.Tensor:
-    """The standard unfused Llama's loss (F.linear, F.rms_norm, half-split RoPE, SDPA, F.cross_entropy)."""
-    batch, seq = tokens.shape
-    pos = positions_of(batch, seq, tokens.device)
-    H, Hkv, dh, eps = shape.heads, shape.kv_heads, shape.head_dim, shape.eps
-    x = F.embedding(tokens.reshape(-1), params["embed"])
-    for i in range(n_layers_of(params)):
-        p = {k: params[f"layers.{i}.{k}"] for k in LAYER_WEIGHTS}
-        h = R.rmsnorm(x, p["gamma_attn"], eps)
-        q = R.rope(F.linear(h, p["w_q"]).reshape(-1, H, dh), pos, shape.rope_theta).reshape(-1, H * dh)
-        k = R.rope(F.linear(h, p["w_k"]).reshape(-1, Hkv, dh), pos, shape.rope_theta).reshape(-1, Hkv * dh)
-        x = x + F.linear(attention(q, k, F.linear(h, p["w_v"]), batch, H, Hkv, dh), p["w_o"])
-        h = R.rmsnorm(x, p["gamma_mlp"], eps)
-        x = x + F.linear(R.swiglu(F.linear(h, p["w_gate"]), F.linear(h, p["w_up"])), p["w_down"])
-    logits = F.linear(R.rmsnorm(x, params["gamma_final"], eps), params["w_lm"])
-    return R.cross_entropy(logits, targets.reshape(-1), reduction)
+    """The standard unfused Llama's loss (:func:`workloads.reference.llama_loss`) on the canonical weights."""
+    layers = [{k: params[f"layers.{i}.{k}"] for k in LAYER_WEIGHTS} for i in range(n_layers_of(params))]
+    return R.llama_loss(params["embed"], layers, params["gamma_final"], params["w_lm"], tokens, targets, shape,
+                        reduction)
 
 
 # ---- the CODA Llama ------------------------------------------------------------------------------------
@@ -131,13 +100,13 @@ class CodaLlama(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         s = self.shape
         batch, seq = tokens.shape
-        rope = RoPE(positions_of(batch, seq, tokens.device), s.heads, s.kv_heads, s.head_dim, s.rope_theta)
+        rope = RoPE(R.sequence_positions(batch, seq, tokens.device), s.heads, s.kv_heads, s.head_dim, s.rope_theta)
         ce = CrossEntropy(targets.reshape(-1), R.IGNORE_INDEX, reduction)
         x = F.embedding(tokens.reshape(-1), self.embed)
         qkv = norm_consumer(x, self.layers[0].gamma_attn, self.layers[0].w_qkv, rope, s.eps)[0]
         for i, layer in enumerate(self.layers):
             q, k, v = qkv.split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
-            a = attention(q, k, v, batch, s.heads, s.kv_heads, s.head_dim)
+            a = R.causal_attention(q, k, v, batch, s.heads, s.kv_heads, s.head_dim)
             last = i == len(self.layers) - 1
             gamma, w, consumer = ((self.gamma_final, self.w_lm, ce) if last else
                                   (self.layers[i + 1].gamma_attn, self.layers[i + 1].w_qkv, rope))

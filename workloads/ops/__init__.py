@@ -12,10 +12,11 @@ from workloads.ops.rmsnorm_linear import RMSNormLinear
 from workloads.ops.rmsnorm_rope import RMSNormRoPE
 from workloads.ops.rmsnorm_swiglu import RMSNormSwiGLU
 from workloads.ops.swiglu_dgrad import SwiGLUDgrad
+from workloads.ops.train_step import TrainStep
 
 OPS: dict[str, Op] = {cls.name: cls() for cls in [
     RMSNormLinear, RMSNormSwiGLU, RMSNormRoPE, RMSNormCrossEntropy, LMHeadCrossEntropy,
-    RMSNormDgrad, SwiGLUDgrad, Block, *GEMM_OPS, GemmBiasGelu]}
+    RMSNormDgrad, SwiGLUDgrad, Block, *GEMM_OPS, GemmBiasGelu, TrainStep]}
 
 
 def get_op(name: str) -> Op:
