@@ -19,7 +19,8 @@ from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.execute import differentiable_keys, fresh_leaves
 from codabench.matrix import Selection
 from codabench.results import load_run
-from codabench.train_summary import train_step_table
+from codabench.report import finalize
+from codabench.report.training import train_step_table
 from harness_helpers import isolated_registry, make_runner
 from kernel_helpers import launches
 from kernels import hf_train
@@ -186,6 +187,10 @@ def test_cells_in_the_harness(tmp_path):
     assert eager["vs_hf-eager"] == 1 and table.loc["torch-eager", "vs_hf-eager"] == pytest.approx(
         rows["hf-eager"]["median_ms"] / rows["torch-eager"]["median_ms"]) and pd.isna(eager["vs_hf-liger"])
     assert eager["loss_rel_err"] == errs["loss"] and eager["grad_rel_err"] == errs.drop("loss").max()
+    html = (finalize(tmp_path)).read_text()  # the report's own section, one row per ok cell (CPU: no speed figures)
+    section = html[html.index("<h2>Training step</h2>"):html.index("<h2>Per-op results</h2>")]
+    assert "train_step &middot; tiny &middot; 1 layers" in section and section.count("<tr class=") == 2
+    assert "tokens/s" not in section.split("</p>", 1)[1]
 
 
 def test_layers_from_the_command_line(tmp_path):

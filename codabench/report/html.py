@@ -21,6 +21,7 @@ import pandas as pd
 from codabench.clocks import CLOCK_DIP, clock_dips, run_clock_mhz
 from codabench.matrix import PLUGIN_OP, SPEED_BASELINE
 from codabench.report.palette import impl_colors, impl_order
+from codabench.report.training import REFERENCES, train_step_table
 from codabench.stats import MIN_SAMPLES
 from workloads.fp8 import FP8_DTYPES
 
@@ -330,6 +331,7 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
     else:
         parts.append("<h2>Headline: pass/fail</h2>")
     parts.append(_headline(df, impls, colors, perf, dips))
+    parts += _training(df, errors, env, perf)
     roof = _roofline(df, impls, colors) if perf else ""
     if roof:
         parts += ["<h2>Roofline: % of the measured GEMM ceiling</h2>",
@@ -365,6 +367,45 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
     parts += ["<h2>Environment</h2>", f"<pre>{_esc(json.dumps(shown, indent=2, default=str))}</pre>",
               "</body></html>"]
     return "\n".join(parts)
+
+
+def _training(results: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], perf: bool) -> list[str]:
+    """The "Training step" section (empty without whole-model cells): a headline sentence per (op, model, dtype) for
+    hf-coda against the references, then the figures of :func:`codabench.report.training.train_step_table`."""
+    table = train_step_table(results, errors)
+    if table.empty:
+        return []
+    parts = ["<h2>Training step</h2>",
+             "<p>One training step (forward + backward of the loss, no optimizer step) of the model's first layers "
+             "at the timed batch. <i>tokens/s</i> = tokens / median step time; <i>vs</i> = the reference's step "
+             "time over this one (&gt;1: faster); <i>peak GiB</i> = the memory one step allocates above its weights "
+             "and batch; <i>first step</i> = the first call at the timed shape in this process (compiling, "
+             "autotuning; the correctness pass at the check shape ran before it); the errors are the loss's and the "
+             "worst weight gradient's against float64.</p>"]
+    for (op, model, dtype), g in table.groupby(["op", "model", "dtype"], sort=False):
+        shape = (env.get("models") or {}).get(model, {})
+        parts.append(f"<h3>{_esc(op)} &middot; {_esc(model)} &middot; {shape.get('layers', '?')} layers &middot; "
+                     f"{_esc(_fmt(g['tokens'].iloc[0]))} tokens &middot; {_esc(dtype)}</h3>")
+        coda = g[g["impl"] == "hf-coda"]
+        if perf and not coda.empty:
+            c = coda.iloc[0]
+            said = [f"hf-coda: {c['tokens_per_s'] / 1e3:.1f}k tokens/s"]
+            for r in REFERENCES:
+                if pd.notna(c[f"vs_{r}"]):
+                    said.append(f"{c[f'vs_{r}']:.2f}x {r}'s tokens/s, {c[f'mem_vs_{r}']:.2f}x its peak memory")
+            said.append(f"first step {c['first_step_s']:.1f} s")
+            parts.append(f"<p><b>{_esc('; '.join(said))}</b>.</p>")
+        shown = g.sort_values("tokens_per_s", ascending=False) if perf else g
+        columns = [("impl", "impl", "l")]
+        if perf:
+            columns += [("median_ms", "ms / step", ".4g"), ("tokens_per_s", "tokens/s", ",.0f"),
+                        *[(f"vs_{r}", f"vs {r}", ".3f") for r in REFERENCES], ("peak_gib", "peak GiB", ".2f"),
+                        *[(f"mem_vs_{r}", f"x {r} memory", ".2f") for r in REFERENCES],
+                        ("first_step_s", "first step s", ".3g")]
+        columns += [("loss_rel_err", "loss err", ".2e"), ("grad_rel_err", "worst grad err", ".2e"),
+                    ("correct", "correct", "l")]
+        parts.append(_table(shown, columns, lambda r: "pass" if r["correct"] is True else "fail"))
+    return parts
 
 
 def _clock_summary(df: pd.DataFrame, dips: pd.Series) -> list[str]:

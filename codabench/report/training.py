@@ -1,4 +1,4 @@
-"""The figures of the training-step section of a report: per ``train_step`` cell, what someone training a model asks.
+"""The figures of the report's training-step section: per ``train_step`` cell, what someone training a model asks.
 
 From a run's rows (:func:`codabench.results.load_run`), for each timed cell of a whole-model op::
 
@@ -44,3 +44,4 @@ def train_step_table(results: pd.DataFrame, errors: pd.DataFrame) -> pd.DataFram
                 out[f"mem_vs_{r}"] = row["peak_mem_mib"] / ref["peak_mem_mib"] if ref is not None else None
             rows.append(out)
     return pd.DataFrame(rows, columns=COLUMNS)
+
