@@ -1,5 +1,6 @@
 """The GPU-only benchmark experiments still build: benchmarks/gluon_ws_producer.py (Gluon has no interpreter)
-compiles for sm_90 here, without a GPU, and fits Hopper's shared memory."""
+compiles for sm_90 here, without a GPU, and fits Hopper's shared memory; so do fused CODA kernels launched through
+their host wrappers (benchmarks/compare_ptx.py)."""
 import importlib.util
 import os
 import re
@@ -28,3 +29,18 @@ def test_gluon_ws_producer_compiles_for_hopper(tmp_path):
     buffers = g.STAGES * (g.BM + g.BN) * g.BK * 2 + g.BM * g.BN * 2  # operand ring and the epilogue's io tile
     for variant, smem in shared.items():
         assert buffers <= int(smem) <= HOPPER_SMEM, (variant, smem)
+
+
+def test_fused_kernels_compile_for_hopper_through_the_launch_helper():
+    """benchmarks/compare_ptx.py --compile-only: the guide's example and the fp8 producer, launched by their host
+    wrappers through FusedGemm (arguments caught at the autotuner), compile for sm_90 and fit its shared memory."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the script compiles in a process of its own, empty cache
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "compare_ptx.py"), "--compile-only",
+                          "--cases", "example-bf16,producer-fp8"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = re.findall(r"^(\S+) +(\S+) +regs +(\d+) stack (\d+) local (\d+) shared +(\d+) B", out.stdout, re.M)
+    assert [r[:2] for r in rows] == [("example-bf16", "gemm_bias_gelu_kernel"),
+                                     ("producer-fp8", "gemm_residual_norm_kernel")], out.stdout
+    for case, _, regs, stack, local, shared in rows:
+        assert 0 < int(regs) <= 255 and int(stack) == int(local) == 0, (case, regs, stack, local)
+        assert 0 < int(shared) <= HOPPER_SMEM, (case, shared)

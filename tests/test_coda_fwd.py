@@ -7,6 +7,9 @@ reductions its math needs.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,13 +23,15 @@ from kernels import layouts as L
 from kernels.coda import epilogue as E
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.mainloop import tile_desc
+from kernels.coda.launch import MAINLOOP_PARAMS, FusedGemm
+from kernels.coda.mainloop import coda_autotune, tile_desc
 from kernels.coda.producer import gemm_residual_norm, norm_input
 from kernels.coda.reduce import finish_col_sum, finish_row_sum, finish_rstd
 from kernels.coda.rope import gemm_rope, rope_freq_table
 from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.swiglu import gemm_swiglu
 from workloads import reference as R
+from workloads.fp8 import quantize
 from workloads.models import get_model
 from workloads.ops import OPS
 
@@ -49,6 +54,43 @@ def normed(dtype):
     x64 = res.double() + a.double() @ w.double().T
     xt = res + F.linear(a, w) if dtype == torch.float32 else (res.float() + F.linear(a, w).float()).to(dtype)
     return h, rstd, R.rmsnorm(x64, g.double(), EPS), R.rmsnorm(xt, g, EPS)
+
+
+# ---- the launch contract ----------------------------------------------------------------------------
+
+def test_every_autotuned_kernel_starts_with_the_mainloop_block():
+    import kernels.coda
+    import kernels.examples
+    found = {}
+    for pkg in (kernels.coda, kernels.examples):
+        for info in pkgutil.iter_modules(pkg.__path__):
+            for obj in vars(importlib.import_module(f"{pkg.__name__}.{info.name}")).values():
+                if isinstance(obj, triton.runtime.Autotuner):
+                    found[obj.base_fn.__name__] = tuple(obj.arg_names[:len(MAINLOOP_PARAMS)])
+    assert set(found) == {"gemm_kernel", "gemm_residual_norm_kernel", "scaled_linear_kernel", "gemm_swiglu_kernel",
+                          "gemm_rope_kernel", "gemm_cross_entropy_kernel", "dgrad_rmsnorm_kernel",
+                          "dgrad_swiglu_kernel", "gemm_bias_gelu_kernel"}
+    assert all(block == MAINLOOP_PARAMS for block in found.values()), found
+
+
+@triton.jit
+def _no_block_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                     PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, out_ptr):
+    tl.store(out_ptr, 1.0)
+
+
+def test_launch_refuses_a_kernel_whose_block_is_out_of_order_and_checks_the_operands():
+    out = torch.zeros(1)
+    gemm = FusedGemm(rand(8, 16), rand(4, 16).T)
+    assert (gemm.M, gemm.N, gemm.K, gemm.a_km, gemm.b_kn) == (8, 4, 16, False, False)
+    with pytest.raises(TypeError, match="mainloop block"):
+        gemm.launch(coda_autotune()(_no_block_kernel), out_ptr=out)
+    assert out.item() == 0.0  # refused before the launch
+    with pytest.raises(ValueError, match="shape mismatch"):
+        FusedGemm(rand(8, 16), rand(4, 8).T)
+    with pytest.raises(ValueError, match="fp8 operands carry their own scales"):
+        FusedGemm(quantize(rand(8, 16)), quantize(rand(4, 16)).T, scale=torch.ones(1))
 
 
 # ---- epilogue primitives and finishing reductions --------------------------------------------------

@@ -14,21 +14,19 @@ import triton
 import triton.language as tl
 
 from kernels.coda.epilogue import dequant_scale, gather_cols, load_rows, store_row_partial, store_tile, tile_lse
-from kernels.coda.fp8 import dequant_args, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
-                                   persistent_grid, tile_coords, tile_desc)
+from kernels.coda.launch import FusedGemm
+from kernels.coda.mainloop import coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
 from kernels.coda.reduce import finish_cross_entropy, launched_tiles, row_partials
 from workloads.fp8 import Fp8
 
 
 @coda_autotune(key=("M", "N", "K", "WITH_GRAD"))
 @triton.jit
-def gemm_cross_entropy_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, target_ptr, logits_ptr, lse_part_ptr,
-                              tgt_logit_ptr, M, N, K, stride_h, stride_w, stride_l, stride_p, WITH_GRAD: tl.constexpr,
-                              SCALING: tl.constexpr, PROMOTE: tl.constexpr,
-                              A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              BK: tl.constexpr, GROUP_M: tl.constexpr):
-    a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
+def gemm_cross_entropy_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                              PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, rstd_ptr, target_ptr,
+                              logits_ptr, lse_part_ptr, tgt_logit_ptr, stride_l, stride_p, WITH_GRAD: tl.constexpr):
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     if WITH_GRAD:
         logits_desc = tile_desc(logits_ptr, M, N, stride_l, BM, BN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
@@ -56,19 +54,16 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     loss scale), and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the logits are never written
     and both are None.
     """
-    h, w_lm, sa, sb, scaling = dequant_args(h, w_lm)
-    M, K = h.shape
-    V = w_lm.shape[0]
-    (a_s, a_t), (w_s, w_t) = operand(h), operand(w_lm.T)
+    gemm = FusedGemm(h, w_lm.T, promote)
+    M, V = gemm.M, gemm.N
     target = target.contiguous()
     kernel = gemm_cross_entropy_kernel
-    lse_part = row_partials(kernel, M, V, h.device)
-    tgt_logit = torch.zeros(M, device=h.device, dtype=torch.float32)
-    logits = torch.empty(M, V, device=h.device, dtype=result_dtype(h)) if with_grad else None
-    kernel[persistent_grid(M, V, h.device)](
-        a_s, w_s, sa, sb, rstd, target, logits if with_grad else tgt_logit, lse_part, tgt_logit, M, V, K,
-        a_s.stride(0), w_s.stride(0), logits.stride(0) if with_grad else 0, lse_part.stride(0),
-        WITH_GRAD=with_grad, SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t)
+    lse_part = row_partials(kernel, M, V, gemm.device)
+    tgt_logit = torch.zeros(M, device=gemm.device, dtype=torch.float32)
+    logits = gemm.empty() if with_grad else None
+    gemm.launch(kernel, rstd_ptr=rstd, target_ptr=target, logits_ptr=logits if with_grad else tgt_logit,
+                lse_part_ptr=lse_part, tgt_logit_ptr=tgt_logit, stride_l=logits.stride(0) if with_grad else 0,
+                stride_p=lse_part.stride(0), WITH_GRAD=with_grad)
     loss, lse, zdz = finish_cross_entropy(lse_part, launched_tiles(kernel, M, V)[1], tgt_logit, target,
                                           ignore_index, reduction, logits)
     return loss, lse, logits, zdz

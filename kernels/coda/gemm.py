@@ -11,17 +11,16 @@ import triton
 import triton.language as tl
 
 from kernels.coda.epilogue import dequant, store_tile
-from kernels.coda.fp8 import dequant_args, result_dtype, scalar_args
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
-                                   persistent_grid, tile_coords, tile_desc)
+from kernels.coda.launch import FusedGemm
+from kernels.coda.mainloop import coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
 from workloads.fp8 import Fp8
 
 
 @coda_autotune()
 @triton.jit
-def gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, stride_a, stride_b, stride_c,
-                SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, c_ptr, stride_c):
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
@@ -36,20 +35,9 @@ def matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, out_dtype: torch.dtype 
     """``a @ b`` for a (M, K) and b (K, N), each row-major or a transposed row-major view (fp8: a (M, K) and
     b (K, N) as the transpose of an (N, K) tensor, per-channel scales along N); ``scale``: an optional fp32
     one-element device tensor multiplying plain operands; ``promote``: fp8 accumulation mode."""
-    a, b, sa, sb, scaling = dequant_args(a, b)
-    (M, K), N = a.shape, b.shape[1]
-    if scale is not None:
-        if scaling:
-            raise ValueError("scale multiplies plain operands; fp8 operands carry their own scales")
-        sa, sb, scaling = scalar_args(scale, a.device)
-    if b.shape[0] != K:
-        raise ValueError(f"shape mismatch: a {(M, K)} @ b {tuple(b.shape)}")
-    (a_s, a_t), (b_s, b_t) = operand(a), operand(b)
-    c = torch.empty(M, N, device=a.device, dtype=out_dtype or result_dtype(a))
-    # b (K, N) row-major means B stored (K, N) (B_KN); b = W.T means W stored (N, K).
-    gemm_kernel[persistent_grid(M, N, a.device)](
-        a_s, b_s, sa, sb, c, M, N, K, a_s.stride(0), b_s.stride(0), c.stride(0), SCALING=scaling,
-        PROMOTE=promote, A_KM=a_t, B_KN=not b_t)
+    gemm = FusedGemm(a, b, promote, scale)
+    c = gemm.empty(out_dtype)
+    gemm.launch(gemm_kernel, c_ptr=c, stride_c=c.stride(0))
     return c
 
 

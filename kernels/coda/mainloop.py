@@ -14,6 +14,9 @@ tensor descriptors (TMA on Hopper; out-of-bounds tiles read as zero), tiles are 
 persistent grid of one program per SM (:func:`persistent_grid`) in grouped (L2-friendly) order, and
 the accumulator is fp32. Tile configs are autotuned per kernel, keyed by (M, N, K) and the argument
 dtypes, with the results cached on disk (:mod:`kernels.coda.tuning`). The same code runs under ``TRITON_INTERPRET=1``.
+
+The kernel's parameters start with the mainloop block (:data:`kernels.coda.launch.MAINLOOP_PARAMS`), which
+:class:`kernels.coda.launch.FusedGemm` fills when it launches the kernel.
 """
 from __future__ import annotations
 

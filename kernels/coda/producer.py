@@ -19,21 +19,22 @@ import triton.language as tl
 
 from kernels.coda.epilogue import (add_tile, cast, col_subtile, dequant, load_tile, row_absmax, row_sumsq,
                                    scale_cols, store_row_partial, store_tile)
-from kernels.coda.fp8 import dequant_args, quantize_from_partials
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
-                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
+from kernels.coda.fp8 import quantize_from_partials
+from kernels.coda.launch import FusedGemm
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
+                                   tile_desc)
 from kernels.coda.reduce import finish_rstd, launched_tiles, row_partials
 from workloads.fp8 import Fp8
 
 
 @coda_autotune(configs=subtiled_configs((2, 1, 4)))
 @triton.jit
-def gemm_residual_norm_kernel(a_ptr, w_ptr, sa_ptr, sb_ptr, res_ptr, gamma_ptr, x_ptr, h_ptr, ss_ptr, amax_ptr,
-                              M, N, K, stride_a, stride_w, stride_res, stride_x, stride_h, stride_ss,
-                              SCALING: tl.constexpr, PROMOTE: tl.constexpr, AMAX: tl.constexpr, A_KM: tl.constexpr,
-                              B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
-    a_desc, b_desc = operand_descs(a_ptr, w_ptr, M, N, K, stride_a, stride_w, BM, BN, BK, A_KM, B_KN)
+def gemm_residual_norm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                              PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, res_ptr, gamma_ptr, x_ptr,
+                              h_ptr, ss_ptr, amax_ptr, stride_res, stride_x, stride_h, stride_ss, AMAX: tl.constexpr,
+                              EPI_SUB: tl.constexpr):
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     res_desc = tile_desc(res_ptr, M, N, stride_res, BM, SN)
     x_desc = tile_desc(x_ptr, M, N, stride_x, BM, SN)
@@ -65,24 +66,19 @@ def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: t
     of x; w in nn.Linear layout (N, K). fp8 a and w (:class:`workloads.fp8.Fp8`) are dequantized in the
     epilogue (``promote``: accumulation mode). ``h_fp8`` returns h quantized to e4m3 (scale per tensor or
     per row) from absmax partials the epilogue writes next to the sums of squares."""
-    a, w, sa, sb, scaling = dequant_args(a, w)
-    M, K = a.shape
-    N = w.shape[0]
-    (a_s, a_t), (w_s, w_t) = operand(a), operand(w.T)
+    gemm = FusedGemm(a, w.T, promote)
     residual, gamma = residual.contiguous(), gamma.contiguous()
-    x = torch.empty(M, N, device=a.device, dtype=residual.dtype)
-    h = torch.empty(M, N, device=a.device, dtype=residual.dtype)
+    x, h = gemm.empty(residual.dtype), gemm.empty(residual.dtype)
     kernel = gemm_residual_norm_kernel
-    ss = row_partials(kernel, M, N, a.device)
+    ss = row_partials(kernel, gemm.M, gemm.N, gemm.device)
     amax = torch.empty_like(ss) if h_fp8 else ss
-    kernel[persistent_grid(M, N, a.device)](
-        a_s, w_s, sa, sb, residual, gamma, x, h, ss, amax, M, N, K, a_s.stride(0), w_s.stride(0), residual.stride(0),
-        x.stride(0), h.stride(0), ss.stride(0), SCALING=scaling, PROMOTE=promote, AMAX=h_fp8 is not None,
-        A_KM=a_t, B_KN=not w_t)
-    n_tiles = launched_tiles(kernel, M, N)[1]
+    gemm.launch(kernel, res_ptr=residual, gamma_ptr=gamma, x_ptr=x, h_ptr=h, ss_ptr=ss, amax_ptr=amax,
+                stride_res=residual.stride(0), stride_x=x.stride(0), stride_h=h.stride(0), stride_ss=ss.stride(0),
+                AMAX=h_fp8 is not None)
+    n_tiles = launched_tiles(kernel, gemm.M, gemm.N)[1]
     if h_fp8:
         h = quantize_from_partials(h, amax, n_tiles, rowwise=h_fp8 == "row")
-    return x, h, finish_rstd(ss, n_tiles, N, eps)
+    return x, h, finish_rstd(ss, n_tiles, gemm.N, eps)
 
 
 @triton.jit

@@ -21,9 +21,9 @@ import triton.language as tl
 
 from kernels.coda.epilogue import (col_subtile, col_sum_partial, dequant, load_cols, load_rows, load_tile,
                                    rmsnorm_dx, store_tile)
-from kernels.coda.fp8 import dequant_args, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
-                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
+from kernels.coda.launch import FusedGemm
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
+                                   tile_desc)
 from kernels.coda.reduce import col_partials, finish_col_sum, launched_tiles
 from workloads.fp8 import Fp8
 
@@ -44,13 +44,12 @@ def _rmsnorm_bwd_subtile(gy, off_m, off_n, rstd, c, gamma_ptr, x_desc, dres_desc
 
 @coda_autotune(key=("M", "N", "K", "HAS_RES", "HAS_SCALE"), configs=subtiled_configs(), restore_value=("dx_ptr",))
 @triton.jit
-def dgrad_rmsnorm_kernel(dz_ptr, w_ptr, sa_ptr, sb_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_ptr, dx_ptr,
-                         y_ptr, dg_ptr, M, N, K, stride_dz, stride_w, stride_x, stride_dres, stride_dx, stride_y,
-                         stride_dg, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, SCALING: tl.constexpr,
-                         PROMOTE: tl.constexpr, A_KM: tl.constexpr,
-                         B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         GROUP_M: tl.constexpr, EPI_SUB: tl.constexpr):
-    a_desc, b_desc = operand_descs(dz_ptr, w_ptr, M, N, K, stride_dz, stride_w, BM, BN, BK, A_KM, B_KN)
+def dgrad_rmsnorm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                         PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, x_ptr, rstd_ptr, gamma_ptr,
+                         zdz_ptr, scale_ptr, dres_ptr, dx_ptr, y_ptr, dg_ptr, stride_x, stride_dres, stride_dx,
+                         stride_y, stride_dg, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, EPI_SUB: tl.constexpr):
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     x_desc = tile_desc(x_ptr, M, N, stride_x, BM, SN)
     dres_desc = tile_desc(dres_ptr, M, N, stride_dres, BM, SN)
@@ -97,25 +96,22 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     fp8 (:class:`workloads.fp8.Fp8`): dz e5m2 and w (its data a transposed view of the K-major (d, N') copy)
     with per-tensor scales, dequantized in the epilogue (``promote``: accumulation mode); y is then bf16.
     """
-    dz, w, sa, sb, scaling = dequant_args(dz, w)
-    M, K = dz.shape
-    N = w.shape[1]
-    (a_s, a_t), (w_s, w_t) = operand(dz), operand(w)
-    if w.shape[0] != K or x.shape != (M, N):
-        raise ValueError(f"shape mismatch: dz {tuple(dz.shape)}, w {tuple(w.shape)}, x {tuple(x.shape)}")
+    gemm = FusedGemm(dz, w, promote)
+    M, N = gemm.M, gemm.N
+    if x.shape != (M, N):
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)} for dz @ w of shape {(M, N)}")
     if inplace and dres is None:
         raise ValueError("inplace=True needs dres")
     x, gamma = x.contiguous(), gamma.contiguous()
     dres = dres.contiguous() if dres is not None else None
-    dx = dres if inplace else torch.empty(M, N, device=x.device, dtype=(dres if dres is not None else x).dtype)
-    y = torch.empty(M, N, device=x.device, dtype=result_dtype(dz))
+    dx = dres if inplace else gemm.empty((dres if dres is not None else x).dtype)
+    y = gemm.empty()
     kernel = dgrad_rmsnorm_kernel
-    dg = col_partials(kernel, M, N, x.device)
-    scale = scale_arg(dz_scale, x.device)
+    dg = col_partials(kernel, M, N, gemm.device)
+    scale = scale_arg(dz_scale, gemm.device)
     res = dres if dres is not None else dx
-    kernel[persistent_grid(M, N, x.device)](
-        a_s, w_s, sa, sb, x, rstd, gamma, zdz, scale if scale is not None else rstd, res, dx, y, dg,
-        M, N, K, a_s.stride(0), w_s.stride(0), x.stride(0), res.stride(0), dx.stride(0), y.stride(0),
-        dg.stride(0), HAS_RES=dres is not None, HAS_SCALE=scale is not None, SCALING=scaling, PROMOTE=promote,
-        A_KM=a_t, B_KN=not w_t)
+    gemm.launch(kernel, x_ptr=x, rstd_ptr=rstd, gamma_ptr=gamma, zdz_ptr=zdz,
+                scale_ptr=scale if scale is not None else rstd, dres_ptr=res, dx_ptr=dx, y_ptr=y, dg_ptr=dg,
+                stride_x=x.stride(0), stride_dres=res.stride(0), stride_dx=dx.stride(0), stride_y=y.stride(0),
+                stride_dg=dg.stride(0), HAS_RES=dres is not None, HAS_SCALE=scale is not None)
     return dx, y, finish_col_sum(dg, launched_tiles(kernel, M, N)[0], gamma.dtype)

@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from kernels.coda.epilogue import col_subtile, dequant_scale, load_rows, rope_cos_sin, rotate_pairs, store_tile
-from kernels.coda.fp8 import dequant_args, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
-                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
+from kernels.coda.launch import FusedGemm
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
+                                   tile_desc)
 from workloads.fp8 import Fp8
 
 
@@ -48,11 +48,11 @@ def rope_freq_table(heads: int, kv_heads: int, head_dim: int, theta: float, devi
 
 @coda_autotune(configs=subtiled_configs((2, 1, 4)))
 @triton.jit
-def gemm_rope_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, pos_ptr, freq_ptr, out_ptr, M, N, K, stride_h, stride_w,
-                     stride_o, SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     EPI_SUB: tl.constexpr):
-    a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
+def gemm_rope_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                     PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, rstd_ptr, pos_ptr, freq_ptr, out_ptr,
+                     stride_o, EPI_SUB: tl.constexpr):
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     out_desc = tile_desc(out_ptr, M, N, stride_o, BM, SN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
@@ -75,15 +75,11 @@ def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tens
     w_qkv: nn.Linear layout with q/k rows in the adjacent-pair order; rstd fp32 [M]; positions [M] (integer);
     inv_freq: the head's dh/2 frequencies instead of ``theta^(-2i/dh)`` (:func:`rope_freq_table`).
     """
-    h, w_qkv, sa, sb, scaling = dequant_args(h, w_qkv)
-    M, K = h.shape
-    N = w_qkv.shape[0]
-    (a_s, a_t), (w_s, w_t) = operand(h), operand(w_qkv.T)
-    if N != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
-        raise ValueError(f"w_qkv has {N} rows; expected (heads + 2 kv_heads) * head_dim with an even head_dim")
-    freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), h.device, inv_freq)
-    out = torch.empty(M, N, device=h.device, dtype=result_dtype(h))
-    gemm_rope_kernel[persistent_grid(M, N, h.device)](
-        a_s, w_s, sa, sb, rstd, positions.contiguous(), freq, out, M, N, K, a_s.stride(0), w_s.stride(0),
-        out.stride(0), SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t)
+    gemm = FusedGemm(h, w_qkv.T, promote)
+    if gemm.N != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
+        raise ValueError(f"w_qkv has {gemm.N} rows; expected (heads + 2 kv_heads) * head_dim with an even head_dim")
+    freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), gemm.device, inv_freq)
+    out = gemm.empty()
+    gemm.launch(gemm_rope_kernel, rstd_ptr=rstd, pos_ptr=positions.contiguous(), freq_ptr=freq, out_ptr=out,
+                stride_o=out.stride(0))
     return out

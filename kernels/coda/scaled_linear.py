@@ -10,18 +10,17 @@ import triton
 import triton.language as tl
 
 from kernels.coda.epilogue import dequant_scale, load_rows, store_tile
-from kernels.coda.fp8 import dequant_args, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
-                                   persistent_grid, tile_coords, tile_desc)
+from kernels.coda.launch import FusedGemm
+from kernels.coda.mainloop import coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
 from workloads.fp8 import Fp8
 
 
 @coda_autotune()
 @triton.jit
-def scaled_linear_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, z_ptr, M, N, K, stride_h, stride_w, stride_z,
-                         SCALING: tl.constexpr, PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
+def scaled_linear_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                         PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, rstd_ptr, z_ptr, stride_z):
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     z_desc = tile_desc(z_ptr, M, N, stride_z, BM, BN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
@@ -33,12 +32,7 @@ def scaled_linear_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, z_ptr, M, N, K,
 def scaled_linear(h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, promote: bool = False
                   ) -> torch.Tensor:
     """``rstd[:, None] * (h @ w.T)`` in h's dtype (bf16 for fp8 h, w); w in nn.Linear layout (N, K), rstd fp32 [M]."""
-    h, w, sa, sb, scaling = dequant_args(h, w)
-    M, K = h.shape
-    N = w.shape[0]
-    (a_s, a_t), (w_s, w_t) = operand(h), operand(w.T)
-    z = torch.empty(M, N, device=h.device, dtype=result_dtype(h))
-    scaled_linear_kernel[persistent_grid(M, N, h.device)](
-        a_s, w_s, sa, sb, rstd, z, M, N, K, a_s.stride(0), w_s.stride(0), z.stride(0), SCALING=scaling,
-        PROMOTE=promote, A_KM=a_t, B_KN=not w_t)
+    gemm = FusedGemm(h, w.T, promote)
+    z = gemm.empty()
+    gemm.launch(scaled_linear_kernel, rstd_ptr=rstd, z_ptr=z, stride_z=z.stride(0))
     return z

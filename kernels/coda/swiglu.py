@@ -18,21 +18,22 @@ import triton.language as tl
 
 from kernels.coda.epilogue import (cast, col_subtile, dequant_scale, load_rows, row_absmax, silu_mul_pairs,
                                    store_row_partial, store_tile)
-from kernels.coda.fp8 import dequant_args, quantize_from_partials, result_dtype
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
-                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
+from kernels.coda.fp8 import quantize_from_partials
+from kernels.coda.launch import FusedGemm
+from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
+                                   tile_desc)
 from kernels.coda.reduce import launched_tiles, row_partials
 from workloads.fp8 import Fp8
 
 
 @coda_autotune(key=("M", "N", "K", "SAVE_PREACT"), configs=subtiled_configs((2, 1, 4)))
 @triton.jit
-def gemm_swiglu_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, y_ptr, z_ptr, amax_ptr, M, N, K, stride_h, stride_w,
-                       stride_y, stride_z, stride_amax, SAVE_PREACT: tl.constexpr, SCALING: tl.constexpr,
-                       PROMOTE: tl.constexpr, AMAX: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                       EPI_SUB: tl.constexpr):
-    a_desc, b_desc = operand_descs(h_ptr, w_ptr, M, N, K, stride_h, stride_w, BM, BN, BK, A_KM, B_KN)
+def gemm_swiglu_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                       PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, rstd_ptr, y_ptr, z_ptr, amax_ptr,
+                       stride_y, stride_z, stride_amax, SAVE_PREACT: tl.constexpr, AMAX: tl.constexpr, EPI_SUB:
+                       tl.constexpr):
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     y_desc = tile_desc(y_ptr, M, N // 2, stride_y, BM, SN // 2)
     if SAVE_PREACT:
@@ -65,21 +66,17 @@ def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Ten
     w_gu: (2f, K) with interleaved gate/up rows; rstd fp32 [M]. ``y_fp8`` returns y quantized to e4m3 (scale
     per tensor or per row) from absmax partials of the epilogue (the down-projection's fp8 input).
     """
-    h, w_gu, sa, sb, scaling = dequant_args(h, w_gu)
-    M, K = h.shape
-    N = w_gu.shape[0]
+    gemm = FusedGemm(h, w_gu.T, promote)
+    M, N = gemm.M, gemm.N
     if N % 2:
         raise ValueError(f"w_gu must have an even number of rows (interleaved gate/up), got {N}")
-    (a_s, a_t), (w_s, w_t) = operand(h), operand(w_gu.T)
-    dtype = result_dtype(h)
-    y = torch.empty(M, N // 2, device=h.device, dtype=dtype)
-    z = torch.empty(M, N, device=h.device, dtype=dtype) if save_preact else None
+    y = torch.empty(M, N // 2, device=gemm.device, dtype=gemm.out_dtype)
+    z = gemm.empty() if save_preact else None
     kernel = gemm_swiglu_kernel
-    amax = row_partials(kernel, M, N, h.device) if y_fp8 else rstd
-    kernel[persistent_grid(M, N, h.device)](
-        a_s, w_s, sa, sb, rstd, y, z if save_preact else y, amax, M, N, K, a_s.stride(0), w_s.stride(0), y.stride(0),
-        z.stride(0) if save_preact else 0, amax.stride(0), SAVE_PREACT=save_preact, SCALING=scaling,
-        PROMOTE=promote, AMAX=y_fp8 is not None, A_KM=a_t, B_KN=not w_t)
+    amax = row_partials(kernel, M, N, gemm.device) if y_fp8 else rstd
+    gemm.launch(kernel, rstd_ptr=rstd, y_ptr=y, z_ptr=z if save_preact else y, amax_ptr=amax, stride_y=y.stride(0),
+                stride_z=z.stride(0) if save_preact else 0, stride_amax=amax.stride(0), SAVE_PREACT=save_preact,
+                AMAX=y_fp8 is not None)
     if y_fp8:
         y = quantize_from_partials(y, amax, launched_tiles(kernel, M, N)[1], rowwise=y_fp8 == "row")
     return y, z

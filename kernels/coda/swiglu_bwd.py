@@ -20,9 +20,9 @@ import triton.language as tl
 
 from kernels.coda.epilogue import (col_subtile, dequant, join_pairs, load_tile, silu_mul_pairs_bwd, split_pairs,
                                    store_row_partial, store_tile)
-from kernels.coda.fp8 import dequant_args
-from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand, operand_descs,
-                                   persistent_grid, subtiled_configs, tile_coords, tile_desc)
+from kernels.coda.launch import FusedGemm
+from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
+                                   tile_coords, tile_desc)
 from kernels.coda.reduce import finish_row_sum, launched_tiles, row_partials
 from workloads.fp8 import Fp8
 
@@ -40,12 +40,11 @@ def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.cons
 
 @coda_autotune(configs=subtiled_configs())
 @triton.jit
-def dgrad_swiglu_kernel(dx_ptr, w_ptr, sa_ptr, sb_ptr, zp_ptr, dzp_ptr, y_ptr, part_ptr, M, N, K, stride_dx, stride_w,
-                        stride_zp, stride_dzp, stride_y, stride_p, SCALING: tl.constexpr, PROMOTE: tl.constexpr,
-                        A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                        EPI_SUB: tl.constexpr):
-    a_desc, b_desc = operand_descs(dx_ptr, w_ptr, M, N, K, stride_dx, stride_w, BM, BN, BK, A_KM, B_KN)
+def dgrad_swiglu_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                        PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, zp_ptr, dzp_ptr, y_ptr, part_ptr,
+                        stride_zp, stride_dzp, stride_y, stride_p, EPI_SUB: tl.constexpr):
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
     zp_desc = tile_desc(zp_ptr, M, 2 * N, stride_zp, BM, 2 * SN)
     dzp_desc = tile_desc(dzp_ptr, M, 2 * N, stride_dzp, BM, 2 * SN)
@@ -76,21 +75,16 @@ def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torc
     are in z_pre's dtype; zdz is fp32 [M]. fp8 dx (e5m2) and w_down (its data a transposed view of the K-major
     (f, d) copy) with per-tensor scales are dequantized in the epilogue (``promote``: accumulation mode).
     """
-    dx, w_down, sa, sb, scaling = dequant_args(dx, w_down)
-    M, K = dx.shape
-    N = w_down.shape[1]
-    (a_s, a_t), (w_s, w_t) = operand(dx), operand(w_down)
-    if w_down.shape[0] != K:
-        raise ValueError(f"shape mismatch: dx {tuple(dx.shape)}, w_down {tuple(w_down.shape)}")
+    gemm = FusedGemm(dx, w_down, promote)
+    M, N = gemm.M, gemm.N
     _check_preact(z_pre, M, N)
     z_pre = z_pre.contiguous()
     dz_pre = torch.empty_like(z_pre)
-    y = torch.empty(M, N, device=dx.device, dtype=z_pre.dtype)
+    y = gemm.empty(z_pre.dtype)
     kernel = dgrad_swiglu_kernel
-    part = row_partials(kernel, M, N, dx.device)
-    kernel[persistent_grid(M, N, dx.device)](
-        a_s, w_s, sa, sb, z_pre, dz_pre, y, part, M, N, K, a_s.stride(0), w_s.stride(0), z_pre.stride(0),
-        dz_pre.stride(0), y.stride(0), part.stride(0), SCALING=scaling, PROMOTE=promote, A_KM=a_t, B_KN=not w_t)
+    part = row_partials(kernel, M, N, gemm.device)
+    gemm.launch(kernel, zp_ptr=z_pre, dzp_ptr=dz_pre, y_ptr=y, part_ptr=part, stride_zp=z_pre.stride(0),
+                stride_dzp=dz_pre.stride(0), stride_y=y.stride(0), stride_p=part.stride(0))
     return dz_pre, y, finish_row_sum(part, launched_tiles(kernel, M, N)[1])
 
 
