@@ -175,7 +175,7 @@ def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
     if mutated:
         outcome.errors.append(f"mutated its input(s) {', '.join(mutated)}")
     for name, ref in group.reference.items():
-        check = _check_output(group, name, result.get(name), ref, case.dtype)
+        check = _check_output(group, name, result.get(name), ref, case.torch_dtype)
         if isinstance(check, str):
             if check:
                 outcome.errors.append(check)
@@ -187,7 +187,7 @@ def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
 
 
 def _check_output(group: GroupReference, name: str, out: torch.Tensor | None, ref: torch.Tensor,
-                  dtype: str) -> OutputCheck | str:
+                  dtype: torch.dtype) -> OutputCheck | str:
     """An OutputCheck, an error message, or "" for a side output the implementation does not return."""
     if out is None:
         if name in group.op.side_outputs:
@@ -207,4 +207,4 @@ def _check_output(group: GroupReference, name: str, out: torch.Tensor | None, re
     bf16 = group.bf16.get(name) if group.bf16 is not None else None
     vs_bf16 = error_stats(out, bf16).rel_err if bf16 is not None else None
     return OutputCheck(name, stats, torch_rel, error_ratio(stats.rel_err, torch_rel),
-                       passes(stats, torch_rel, dtype), vs_bf16)
+                       passes(stats.rel_err, torch_rel, dtype), vs_bf16)

@@ -303,8 +303,9 @@ class Measurer:
         return group.expected[seed]
 
     def _allowed(self, cell: Cell, group: _Group) -> dict[str, float]:
-        torch_err = {k: s.rel_err for k, s in group.reference().torch_stats.items()}
-        return verify.allowed_error(torch_err, group.cell_errors.get(cell.impl, {}), cell.dtype)
+        reference = group.reference()
+        torch_err = {k: s.rel_err for k, s in reference.torch_stats.items()}
+        return verify.allowed_error(torch_err, group.cell_errors.get(cell.impl, {}), reference.case.torch_dtype)
 
     def _checks(self, cell: Cell, group: _Group, impl: Implementation, t: _Timed) -> dict[str, Any]:
         """The checks of :mod:`codabench.verify` after the first round, the peak memory and the minimum bytes;

@@ -15,6 +15,7 @@ import torch
 
 from codabench.case import Case
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
+from codabench.metrics import rel_err
 from codabench.registry import REGISTRY
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from kernels.coda.cross_entropy import gemm_cross_entropy
@@ -30,7 +31,7 @@ from workloads.fp8 import E4M3, E5M2, Fp8, quantize
 from workloads.models import get_model
 from workloads.ops import OPS
 
-from kernel_helpers import launches, rand, rel_err
+from kernel_helpers import launches, rand
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 M, K, N = 48, 80, 112

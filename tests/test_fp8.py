@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from codabench.case import Case
 from codabench.cli import run_parser
 from codabench.matrix import Selection, build_cells
+from codabench.metrics import rel_err
 from codabench.report import finalize
 from codabench.results import load_run
 from harness_helpers import CPU, isolated_registry, make_runner
@@ -108,10 +109,6 @@ def test_round_inputs_touches_only_the_declared_operands():
 
 # ---- the _scaled_mm GEMMs -------------------------------------------------------------------------
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 @pytest.mark.parametrize("dtype", fp8.FP8_DTYPES)
 def test_scaled_mm_linear_is_the_dequantized_matmul(dtype):
     rec, g = fp8.recipe(dtype), torch.Generator().manual_seed(1)
@@ -122,9 +119,9 @@ def test_scaled_mm_linear_is_the_dequantized_matmul(dtype):
     out = mm.linear(x, wq)
     ref = F.linear(fp8.quantize_as(x, "act", rec).dequantize(torch.float64), wq.dequantize(torch.float64))
     assert out.dtype == torch.bfloat16 and out.shape == (48, 112)
-    assert rel(out, ref) < 4e-3  # the bf16 output rounding
+    assert rel_err(out, ref) < 4e-3  # the bf16 output rounding
     assert torch.equal(mm.linear(fp8.quantize_as(x, "act", rec), wq), out)  # a pre-quantized activation: same
-    assert rel(out, F.linear(x.double(), w.double())) > 1e-2  # ... and fp8 really rounded the operands
+    assert rel_err(out, F.linear(x.double(), w.double())) > 1e-2  # ... and fp8 really rounded the operands
 
 
 @pytest.mark.parametrize("dtype", fp8.FP8_DTYPES)
@@ -137,7 +134,7 @@ def test_scaled_mm_dgrad_is_the_dequantized_matmul(dtype):
     out = fp8.ScaledMMGemms(rec).dgrad(dy, wq)
     ref = dq.dequantize(torch.float64) @ wq.dequantize(torch.float64).t()
     assert out.dtype == torch.bfloat16 and out.shape == (48, 80)
-    assert rel(out, ref) < 4e-3
+    assert rel_err(out, ref) < 4e-3
 
 
 # ---- which cells exist ----------------------------------------------------------------------------
