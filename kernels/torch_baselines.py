@@ -24,34 +24,6 @@ from workloads import fp8
 from workloads.ops import OPS, Op
 
 COMPILE_MODE = "default"
-FP8_MIN_CAPABILITY = (8, 9)
-"""fp8 tensor cores (``torch._scaled_mm`` on CUDA): Ada / Hopper and newer."""
-
-
-def gemms(case: Case) -> fp8.TorchGemms:
-    """The GEMMs of the reference composition for a cell: plain torch, or ``_scaled_mm`` under its fp8 recipe."""
-    return fp8.ScaledMMGemms(case.recipe) if case.recipe is not None else fp8.TORCH_GEMMS
-
-
-def quantize_native(native: Tensors, case: Case, renamed: dict[str, str] | None = None) -> Tensors:
-    """fp8 cells: ``native`` with the op's GEMM operands quantized under the cell's recipe; other dtypes: unchanged.
-
-    ``renamed`` maps a canonical operand to the native tensor built from it (``w_gate``, ``w_up`` ->
-    ``w_gate_up``), which is quantized as one tensor in the operand's role.
-    """
-    if case.recipe is None:
-        return native
-    roles = {(renamed or {}).get(k, k): role for k, role in case.op.fp8_operands.items()}
-    return fp8.quantize_operands(native, roles, case.recipe)
-
-
-def fp8_skip_reason(case: Case) -> str | None:
-    """Why ``torch._scaled_mm`` cannot run an fp8 cell here (None when it can, or for other dtypes)."""
-    if case.recipe is None or case.device.type != "cuda":
-        return None
-    if torch.cuda.get_device_capability(case.device) < FP8_MIN_CAPABILITY:
-        return "skipped: fp8 (torch._scaled_mm) needs an sm89+ GPU"
-    return None
 
 
 class TorchEager(Implementation):
@@ -65,10 +37,10 @@ class TorchEager(Implementation):
         self.source = __name__
 
     def skip_reason(self, case: Case) -> str | None:
-        return super().skip_reason(case) or fp8_skip_reason(case)
+        return super().skip_reason(case) or case.mm_skip_reason()
 
     def prepare(self, case: Case) -> Tensors:
-        return {**quantize_native(dict(case.inputs), case), "model": case.model, "mm": gemms(case)}
+        return {**case.quantize(dict(case.inputs)), "model": case.model, "mm": case.mm}
 
     def run(self, native: Tensors) -> Tensors:
         return self.op_def.reference(native, native["model"], native["mm"])
@@ -91,11 +63,11 @@ class TorchCompile(TorchEager):
         if TorchCompile._key != key:
             torch._dynamo.reset()
             torch._functorch.config.donated_buffer = False
-            op, model, mm = self.op_def, case.model, gemms(case)
+            op, model, mm = self.op_def, case.model, case.mm
             self._compiled = torch.compile(lambda inp: op.reference(inp, model, mm), fullgraph=True, dynamic=False,
                                            mode=None if COMPILE_MODE == "default" else COMPILE_MODE)
             TorchCompile._key = key
-        return quantize_native(dict(case.inputs), case)
+        return case.quantize(dict(case.inputs))
 
     def run(self, native: Tensors) -> Tensors:
         return self._compiled(native)

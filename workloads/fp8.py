@@ -140,6 +140,10 @@ class TorchGemms:
         return dy @ w
 
 
+SCALED_MM_MIN_CAPABILITY = (8, 9)
+"""``torch._scaled_mm`` on CUDA needs fp8 tensor cores: Ada / Hopper and newer."""
+
+
 @dataclass(frozen=True)
 class ScaledMMGemms(TorchGemms):
     """The same GEMMs as ``torch._scaled_mm`` under an fp8 recipe, bf16 out.
