@@ -18,7 +18,7 @@ import torch
 from codabench.bootstrap import INTERPRETER_NOTE, select_device
 from codabench import distributed
 from codabench.matrix import Selection, build_cells, parse_shard
-from codabench.registry import discover
+from codabench.discovery import discover
 from codabench.report import finalize
 from codabench.results import load_run
 from codabench.report.compare import compare, format_compare
@@ -113,7 +113,9 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="run directory (default: reports/<suite>-<date>-<time>)")
     p.add_argument("--plugin", action="append", default=[], metavar="FILE",
                    help="python file registering implementations (repeatable)")
-    p.add_argument("--no-entry-points", action="store_true", help="do not load codabench.plugins entry points")
+    p.add_argument("--no-entry-points", action="store_true",
+                   help="do not load other installed packages' codabench.plugins entry points (the built-in "
+                        "implementations always load)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out (default: the newest reports/<suite>-*), skipping finished cells")
     p.add_argument("--list", action="store_true", help="print the cells and their status, run nothing")

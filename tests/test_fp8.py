@@ -16,12 +16,12 @@ import torch.nn.functional as F
 
 from codabench.case import Case
 from codabench.cli import run_parser
+from codabench.eager import TorchEager
 from codabench.matrix import Selection, build_cells
 from codabench.metrics import rel_err
 from codabench.report import finalize
 from codabench.results import load_run
 from harness_helpers import CPU, isolated_registry, make_runner
-from kernels.torch_baselines import TorchEager
 from workloads import fp8
 from workloads.models import get_model
 from workloads.ops import OPS

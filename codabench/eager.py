@@ -1,16 +1,21 @@
-"""cuBLAS + PyTorch baselines: the op's own unfused reference math, eager and under torch.compile.
+"""The harness's own PyTorch reference: each op's unfused composition, eager (``torch-eager``) and under
+torch.compile (``torch-compile``).
 
-``torch-eager`` is exactly the reference composition (F.linear, F.rms_norm, silu * up, half-split
-RoPE, F.cross_entropy) run in the cell's dtype; its error is the "PyTorch error" of the pass rule.
-``torch-compile`` is the same function under ``torch.compile(fullgraph=True, dynamic=False)``,
-compiled during warm-up (outside the timed region), after ``torch._dynamo.reset()``.
+These two are part of what a cell's figures mean, so the harness defines and registers them itself (discovery
+adds them before any plugin, :func:`register`): torch-eager's error is "PyTorch's error" of the pass rule
+(:mod:`codabench.correctness`) and its results are what the checks of a timed cell compare against
+(:mod:`codabench.verify`); torch-compile's median is the reference of every speedup (:mod:`codabench.stats`).
 
-fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` quantizes the op's GEMM operands
-(``op.fp8_operands``) under the cell's recipe (untimed); ``run`` is the same composition with every
-GEMM a ``torch._scaled_mm`` (:class:`workloads.fp8.ScaledMMGemms`), which quantizes the intermediate
-activations (the normalized ``h``, the SwiGLU output ...) inside the timed region, as an fp8 pipeline
-must. Inductor compiles ``_scaled_mm`` and the bit arithmetic of the pow2 scales on the CPU as well
-(torch 2.13), so torch-compile runs fp8 cells everywhere that ``_scaled_mm`` runs.
+``torch-eager`` is exactly ``op.reference`` (F.linear, F.rms_norm, silu * up, half-split RoPE, F.cross_entropy)
+run in the cell's dtype. ``torch-compile`` is the same function under ``torch.compile(fullgraph=True,
+dynamic=False)``, compiled during warm-up (outside the timed region), after ``torch._dynamo.reset()``.
+
+fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` quantizes the op's GEMM operands under the
+cell's recipe (untimed, :meth:`Case.quantize`); ``run`` is the same composition with every GEMM a
+``torch._scaled_mm`` (:attr:`Case.mm`), which quantizes the intermediate activations (the normalized ``h``, the
+SwiGLU output ...) inside the timed region, as an fp8 pipeline must. Inductor compiles ``_scaled_mm`` and the
+bit arithmetic of the pow2 scales on the CPU as well (torch 2.13), so torch-compile runs fp8 cells everywhere
+that ``_scaled_mm`` runs.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import dataclasses
 import torch
 
 from codabench.case import Case
-from codabench.registry import REGISTRY, Implementation, Tensors
+from codabench.registry import Implementation, Registry, Tensors
 from workloads import fp8
 from workloads.ops import OPS, Op
 
@@ -76,6 +81,8 @@ class TorchCompile(TorchEager):
         return {"torch": torch.__version__, "compile_mode": COMPILE_MODE}
 
 
-for _op in OPS.values():
-    REGISTRY.add(TorchEager(_op))
-    REGISTRY.add(TorchCompile(_op))
+def register(registry: Registry) -> None:
+    """torch-eager and torch-compile for every op of the catalogue."""
+    for op in OPS.values():
+        registry.add(TorchEager(op))
+        registry.add(TorchCompile(op))
