@@ -167,6 +167,17 @@ def test_fp8_needs_an_sm89_gpu(monkeypatch):
     assert eager.skip_reason(case) is None
 
 
+def test_a_recipe_is_the_one_encoding_of_the_granularity():
+    row, tensor = fp8.recipe("fp8-row"), fp8.recipe("fp8")
+    assert row.rowwise and not tensor.rowwise and fp8.recipe("bf16") is None
+    assert {r: row.rowwise_for(r) for r in fp8.ROLES} == {"act": True, "weight": True, "grad": False,
+                                                           "weight_bwd": False}
+    assert not any(tensor.rowwise_for(r) for r in fp8.ROLES)
+    x = torch.randn(6, 8)
+    assert fp8.quantize_as(x, "act", row).scale.shape == (6, 1)
+    assert fp8.quantize_as(x, "grad", row).scale.shape == ()
+
+
 def test_accumulation_mode_flag(tmp_path):
     assert run_parser().parse_args([]).fp8_accum == "fast"
     assert run_parser().parse_args(["--fp8-accum", "promoted"]).fp8_accum == "promoted"
@@ -175,7 +186,7 @@ def test_accumulation_mode_flag(tmp_path):
     with pytest.raises(ValueError, match="fast' or 'promoted"):
         make_runner(tmp_path, fp8_accum="slow")
     case = Case(OPS["gemm_out"], TINY, "fwd", "fp8-row", CPU, {}, "promoted")
-    assert case.recipe == fp8.Recipe("fp8-row", True, "promoted")
+    assert case.recipe == fp8.Recipe(rowwise=True, accum="promoted")
     assert replace(case, dtype="bf16").recipe is None
 
 

@@ -10,8 +10,6 @@ On fp8 h and w_gu the dequantization scales join rstd in one multiply; y can be 
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +20,7 @@ from kernels.coda.fp8 import dequant_args, quantize_from_partials, result_dtype
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand, operand_descs,
                                    persistent_grid, subtiled_configs, tile_coords, tile_desc)
 from kernels.coda.reduce import launched_tiles, row_partials
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 
 @coda_autotune(key=("M", "N", "K", "SAVE_PREACT"), configs=subtiled_configs((2, 1, 4)))
@@ -57,13 +55,13 @@ def gemm_swiglu_kernel(h_ptr, w_ptr, sa_ptr, sb_ptr, rstd_ptr, y_ptr, z_ptr, ama
 
 
 def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Tensor, save_preact: bool,
-                promote: bool = False, y_fp8: Literal["tensor", "row"] | None = None
+                promote: bool = False, y_fp8: Recipe | None = None
                 ) -> tuple[torch.Tensor | Fp8, torch.Tensor | None]:
     """``(y, z_pre)``: y [M, f] in h's dtype (bf16 for fp8 h, w_gu); z_pre the interleaved [M, 2f]
     pre-activation, only if save_preact.
 
-    w_gu: (2f, K) with interleaved gate/up rows; rstd fp32 [M]. ``y_fp8`` returns y quantized to e4m3 (scale
-    per tensor or per row) from absmax partials of the epilogue (the down-projection's fp8 input).
+    w_gu: (2f, K) with interleaved gate/up rows; rstd fp32 [M]. ``y_fp8``: y returned quantized to e4m3 under
+    that recipe from absmax partials of the epilogue (the down-projection's fp8 input).
     """
     h, w_gu, sa, sb, scaling = dequant_args(h, w_gu)
     M, K = h.shape
@@ -81,5 +79,5 @@ def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Ten
         z.stride(0) if save_preact else 0, amax.stride(0), SAVE_PREACT=save_preact, SCALING=scaling,
         PROMOTE=promote, AMAX=y_fp8 is not None, A_KM=a_t, B_KN=not w_t)
     if y_fp8:
-        y = quantize_from_partials(y, amax, launched_tiles(kernel, M, N)[1], rowwise=y_fp8 == "row")
+        y = quantize_from_partials(y, amax, launched_tiles(kernel, M, N)[1], rowwise=y_fp8.rowwise_for("act"))
     return y, z
