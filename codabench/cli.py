@@ -20,7 +20,7 @@ from codabench import distributed
 from codabench.matrix import Selection, build_cells, parse_shard
 from codabench.discovery import discover
 from codabench.report import finalize
-from codabench.results import load_run
+from codabench.results import KEY, load_run
 from codabench.report.compare import compare, format_compare
 from codabench.report.merge import merge
 from codabench.config import DEFAULT_CELL_TIMEOUT_S, RunConfig
@@ -352,7 +352,7 @@ def _list(runner: Runner, resume_dir: Path | None) -> int:
     done = {}
     if resume_dir is not None and (resume_dir / "results.csv").exists():
         df, _, _ = load_run(resume_dir)
-        done = {tuple(r[k] for k in ("op", "model", "mode", "dtype", "impl")): r["status"] for _, r in df.iterrows()}
+        done = {tuple(r[k] for k in KEY): r["status"] for _, r in df.iterrows()}
     counts: dict[str, int] = {}
     for cell, status in runner.plan():
         shown = f"done ({done[cell.key]})" if cell.key in done else ("to run" if status == "run" else status)
