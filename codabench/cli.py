@@ -36,7 +36,7 @@ from workloads.suites import SUITES, Suite, get_suite
 REPORTS = Path("reports")
 GPU_ROUNDS = 3
 """Default timing rounds on the GPU (benchmarking.md: interleave providers or repeat rounds)."""
-SUBCOMMANDS = ("merge", "compare", "report", "wheelhouse", "install-offline")
+SUBCOMMANDS = ("merge", "compare", "report")
 LIST_MODELS = ["?"]
 """``--models`` given without a value: list the presets."""
 EXIT_OK, EXIT_CELL_ERRORS, EXIT_USAGE, EXIT_DEVICE_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -91,8 +91,7 @@ def run_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="run_bench.py", description="Run a codabench suite: (op x model x mode x dtype x impl) cells, "
         "each checked against a float64 reference and timed; writes reports/<run>/. Other commands: "
-        "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR', 'wheelhouse ...', "
-        "'install-offline DIR'.")
+        "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR'.")
     p.add_argument("--suite", choices=list(SUITES), help="default: smoke without a GPU, quick with one")
     p.add_argument("--ops", type=_csv, help="comma-separated op names (default: the suite's)")
     p.add_argument("--models", type=_csv, nargs="?", const=LIST_MODELS,
@@ -378,10 +377,6 @@ def run_dir_arg(text: str) -> Path:
 
 
 def _subcommand(name: str, argv: list[str]) -> int:
-    if name in ("wheelhouse", "install-offline"):  # wheels of the baselines for offline GPU nodes
-        from codabench import wheelhouse
-
-        return (wheelhouse.main_wheelhouse if name == "wheelhouse" else wheelhouse.main_install_offline)(argv)
     p = _Parser(prog=f"codabench {name}")
     if name == "merge":
         p.add_argument("out", type=Path, help="new run directory for the merged report (must not exist)")
