@@ -33,7 +33,6 @@ quack is not in the default set (it needs nvidia-cutlass-dsl, about 100 MB); add
 from __future__ import annotations
 
 import argparse
-import base64
 import csv
 import hashlib
 import io
@@ -83,11 +82,6 @@ class TrimStats:
     dropped: int
     bytes_before: int
     bytes_after: int
-
-
-def record_hash(data: bytes) -> str:
-    """The wheel RECORD form of a sha256: ``sha256=<urlsafe base64, no padding>``."""
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 def trim_wheel(src: Path, dest: Path, keep=keep_flashinfer_file) -> TrimStats:
