@@ -6,7 +6,8 @@
 For every kernel (``KERNELS``) and model, in bf16:
 - error: every output (fp32 side outputs too) against the same unfused math in float64 on the same bf16
   inputs; printed as our relative Frobenius error, PyTorch's (the unfused math in bf16, eager) and the
-  ratio (pass: ratio <= 2, or below the bf16 floor 1e-3);
+  ratio, judged by the suite's pass rule (:mod:`codabench.metrics`: at most 2x PyTorch's error plus the bf16
+  floor);
 - time (``triton.testing.do_bench``: median, L2 flushed): the fused host function (its GEMM plus any
   finishing reductions) and the plain cuBLAS GEMM of its shape (``F.linear``), taking turns over ROUNDS
   rounds (median of the rounds), then the unfused PyTorch math eager and under ``torch.compile``; printed
@@ -21,7 +22,6 @@ under the same error rule (also ``TRITON_INTERPRET=0 pytest tests/test_coda_mode
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -35,6 +35,7 @@ import triton
 from triton.runtime.autotuner import Autotuner
 
 import kernels.coda.functions  # noqa: F401  (imports every CODA kernel module)
+from codabench.metrics import passes, rel_err
 from kernels import layouts
 from kernels.coda import tuning
 from kernels.coda.cross_entropy import gemm_cross_entropy
@@ -50,7 +51,6 @@ from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
 from workloads.models import ModelShape, get_model
 
 Tensors = dict[str, torch.Tensor]
-BF16_FLOOR = 1e-3
 
 
 @dataclass
@@ -327,19 +327,13 @@ def model_check(device: str = "cuda") -> list[str]:
     lines = []
     for reduction in ("mean", "sum"):
         for r in check_equivalence(shape, 2, 2, 1024, torch.bfloat16, device, reduction=reduction):
-            ok = r.ok(factor=2.0, floor=BF16_FLOOR)
+            ok = r.passed
             lines.append(f"  {reduction:4s} {r.name:22s} ours {r.coda:.2e} torch {r.torch:.2e} "
                          f"x{r.coda / max(r.torch, 1e-30):.2f}{'' if ok else ' FAIL'}")
     return lines
 
 
 # ---- measurement --------------------------------------------------------------------------------------
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    d = (out.double() - ref).norm().item()
-    r = ref.norm().item()
-    return d / r if r > 0 else d
-
 
 ROUNDS = 3
 """Rounds in which the fused kernel and its GEMM take turns (:func:`bench_rounds`)."""
@@ -388,7 +382,7 @@ def run_kernel(spec: KernelSpec, model: ModelShape, compile_: bool) -> tuple[lis
     lines = []
     for k, r in ref.items():
         e_ours, e_torch = rel_err(ours[k], r), rel_err(theirs[k], r)
-        ok = math.isfinite(e_ours) and e_ours <= 2 * e_torch + BF16_FLOOR
+        ok = passes(e_ours, e_torch, torch.bfloat16)
         lines.append(f"{k}: {e_ours:.2e} torch {e_torch:.2e} x{e_ours / max(e_torch, 1e-30):.2f}"
                      f"{'' if ok else ' FAIL'}")
     del ours, theirs, ref

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from codabench.metrics import rel_err
 from kernels.coda.gemm import gemm_kernel, linear, matmul
 from kernels.coda.mainloop import gemm_configs, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
 from workloads import fp8
@@ -79,7 +80,7 @@ def main() -> None:
                 a, b = operands(g, dtype)
                 ref = torch.mm(a, b)
                 out = matmul(a, b)
-                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                err = rel_err(out, ref)
                 t_cublas = triton.testing.do_bench(lambda: torch.mm(a, b), warmup=50, rep=300)
                 t_ours = triton.testing.do_bench(lambda: matmul(a, b), warmup=50, rep=300)
                 best = gemm_kernel.best_config
@@ -109,7 +110,7 @@ def fp8_main(args) -> None:
             promote = recipe.accum == "promoted"
             ref = xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).T
             ours, theirs = linear(xq, wq, promote), mm.linear(xq, wq)
-            errs = [((o.double() - ref).norm() / ref.norm()).item() for o in (ours, theirs)]
+            errs = [rel_err(o, ref) for o in (ours, theirs)]
             t_ref = triton.testing.do_bench(lambda: mm.linear(xq, wq), warmup=50, rep=300)
             t_ours = triton.testing.do_bench(lambda: linear(xq, wq, promote), warmup=50, rep=300)
             best = gemm_kernel.best_config
@@ -134,7 +135,7 @@ def sweep(g: Gemm, a, b, ref, sms: int) -> None:
                                            WS=ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **kw)
         try:
             fn()
-            err = ((c.float() - ref.float()).norm() / ref.float().norm()).item()
+            err = rel_err(c, ref)
             ms = triton.testing.do_bench(fn, warmup=25, rep=150)
             print(f"    {kw} w{cfg.num_warps} s{cfg.num_stages} flatten={flatten:d} ws={ws:d}: "
                   f"{tflops(g, ms):6.1f} TFLOP/s relerr {err:.1e}", flush=True)

@@ -237,8 +237,8 @@ def main() -> None:
         for name, smem in compile_only().items():
             print(f"{name}: compiled for sm_90, {smem} B shared memory")
         return
-    from bench_coda import (bench_rounds, producer_fused, producer_inputs, producer_unfused, rel_err,
-                            warm_up_gpu)
+    from bench_coda import bench_rounds, producer_fused, producer_inputs, producer_unfused, warm_up_gpu
+    from codabench.metrics import rel_err
     from workloads.models import get_model
     warm_up_gpu()
     print(f"{'model':10s} {'variant':24s} {'max rel err (x, h, rstd)':>25s} {'ms':>8s} {'/ GEMM':>7s}")

@@ -1,7 +1,8 @@
-"""One cell of the matrix as an implementation sees it."""
+"""One cell of the matrix as an implementation sees it, and the fp8 steps every implementation shares."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,3 +33,31 @@ class Case:
     def recipe(self) -> fp8.Recipe | None:
         """The fp8 recipe of the cell (None for fp32/fp16/bf16): scaling granularity and accumulation mode."""
         return fp8.recipe(self.dtype, self.fp8_accum)
+
+    @property
+    def mm(self) -> fp8.TorchGemms:
+        """The GEMMs of the op's PyTorch composition (``Op.reference``'s ``mm``) in this cell: ``F.linear`` in the
+        inputs' dtype, or ``torch._scaled_mm`` under the cell's fp8 recipe."""
+        recipe = self.recipe
+        return fp8.ScaledMMGemms(recipe) if recipe is not None else fp8.TORCH_GEMMS
+
+    def mm_skip_reason(self) -> str | None:
+        """Why :attr:`mm` cannot run here (``torch._scaled_mm`` on a GPU without fp8 tensor cores); None when it can."""
+        if self.recipe is None or self.device.type != "cuda":
+            return None
+        if torch.cuda.get_device_capability(self.device) < fp8.SCALED_MM_MIN_CAPABILITY:
+            return "skipped: fp8 (torch._scaled_mm) needs an sm89+ GPU"
+        return None
+
+    def quantize(self, native: dict[str, Any], renamed: dict[str, str] | None = None) -> dict[str, Any]:
+        """fp8 cells: ``native`` with the op's GEMM operands (``op.fp8_operands``) quantized under the cell's recipe
+        (:func:`workloads.fp8.quantize_operands`); other dtypes: ``native`` unchanged.
+
+        ``renamed`` maps a canonical operand to the native tensor built from it (``w_gate``, ``w_up`` ->
+        ``w_gate_up``), which is quantized as one tensor in the operand's role.
+        """
+        recipe = self.recipe
+        if recipe is None:
+            return native
+        roles = {(renamed or {}).get(k, k): role for k, role in self.op.fp8_operands.items()}
+        return fp8.quantize_operands(native, roles, recipe)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from codabench.timing import TimingConfig, measure
-from workloads.fp8 import FP8_DTYPES
+from workloads import fp8
 from workloads.op import Gemm
 
 CEILING_N = 8192
@@ -41,13 +41,15 @@ def _operands(g: Gemm, dtype: torch.dtype, device: torch.device) -> tuple[torch.
 
 def gemm_call(g: Gemm, dtype: str, device: torch.device, fp8_accum: str = "fast") -> Callable[[Any], Any]:
     """``fn(state)`` (state ignored) that runs the plain GEMM once, on random operands."""
-    if dtype in FP8_DTYPES:
+    recipe = fp8.recipe(dtype, fp8_accum)
+    if recipe is not None:
         a = torch.randn(g.m, g.k, device=device).to(torch.float8_e4m3fn)
         b = torch.randn(g.n, g.k, device=device).to(torch.float8_e4m3fn).t()
-        rowwise = dtype == "fp8-row" and g.b_layout == "nk"
+        # rowwise scales on the forward GEMMs (B a weight stored (n, k)); a dgrad's operands are per tensor
+        rowwise = recipe.rowwise and g.b_layout == "nk"
         sa = torch.ones((g.m, 1) if rowwise else (), device=device)
         sb = torch.ones((1, g.n) if rowwise else (), device=device)
-        fast = fp8_accum == "fast"
+        fast = recipe.accum == "fast"
         return lambda _: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
     tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     a, b = _operands(g, tdt, device)
@@ -107,7 +109,7 @@ def floor_ms(flops: float, min_bytes: float, ceilings: dict[str, Any], dtype: st
     its FLOPs at the measured GEMM ceiling of its dtype (``slack``: at the datasheet peaks those imply, the bound no
     honest time can beat); None without measured ceilings."""
     copy = ceilings.get("copy_gbps")
-    gemm = ceilings.get("fp8_tflops" if dtype in FP8_DTYPES else "bf16_tflops")
+    gemm = ceilings.get("fp8_tflops" if dtype in fp8.FP8_DTYPES else "bf16_tflops")
     if not isinstance(copy, float) or not isinstance(gemm, float):
         return None
     bytes_ms = min_bytes / (copy * 1e9 * (BYTES_SLACK if slack else 1.0)) * 1e3

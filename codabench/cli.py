@@ -18,9 +18,9 @@ import torch
 from codabench.bootstrap import INTERPRETER_NOTE, select_device
 from codabench import distributed
 from codabench.matrix import Selection, build_cells, parse_shard
-from codabench.registry import discover
+from codabench.discovery import discover
 from codabench.report import finalize
-from codabench.results import load_run
+from codabench.results import KEY, load_run
 from codabench.report.compare import compare, format_compare
 from codabench.report.merge import merge
 from codabench.config import DEFAULT_CELL_TIMEOUT_S, RunConfig
@@ -36,7 +36,7 @@ from workloads.suites import SUITES, Suite, get_suite
 REPORTS = Path("reports")
 GPU_ROUNDS = 3
 """Default timing rounds on the GPU (benchmarking.md: interleave providers or repeat rounds)."""
-SUBCOMMANDS = ("merge", "compare", "report", "wheelhouse", "install-offline")
+SUBCOMMANDS = ("merge", "compare", "report")
 LIST_MODELS = ["?"]
 """``--models`` given without a value: list the presets."""
 EXIT_OK, EXIT_CELL_ERRORS, EXIT_USAGE, EXIT_DEVICE_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -91,8 +91,7 @@ def run_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="run_bench.py", description="Run a codabench suite: (op x model x mode x dtype x impl) cells, "
         "each checked against a float64 reference and timed; writes reports/<run>/. Other commands: "
-        "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR', 'wheelhouse ...', "
-        "'install-offline DIR'.")
+        "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR'.")
     p.add_argument("--suite", choices=list(SUITES), help="default: smoke without a GPU, quick with one")
     p.add_argument("--ops", type=_csv, help="comma-separated op names (default: the suite's)")
     p.add_argument("--models", type=_csv, nargs="?", const=LIST_MODELS,
@@ -115,7 +114,9 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="run directory (default: reports/<suite>-<date>-<time>)")
     p.add_argument("--plugin", action="append", default=[], metavar="FILE",
                    help="python file registering implementations (repeatable)")
-    p.add_argument("--no-entry-points", action="store_true", help="do not load codabench.plugins entry points")
+    p.add_argument("--no-entry-points", action="store_true",
+                   help="do not load other installed packages' codabench.plugins entry points (the built-in "
+                        "implementations always load)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out (default: the newest reports/<suite>-*), skipping finished cells")
     p.add_argument("--list", action="store_true", help="print the cells and their status, run nothing")
@@ -353,7 +354,7 @@ def _list(runner: Runner, resume_dir: Path | None) -> int:
     done = {}
     if resume_dir is not None and (resume_dir / "results.csv").exists():
         df, _, _ = load_run(resume_dir)
-        done = {tuple(r[k] for k in ("op", "model", "mode", "dtype", "impl")): r["status"] for _, r in df.iterrows()}
+        done = {tuple(r[k] for k in KEY): r["status"] for _, r in df.iterrows()}
     counts: dict[str, int] = {}
     for cell, status in runner.plan():
         shown = f"done ({done[cell.key]})" if cell.key in done else ("to run" if status == "run" else status)
@@ -379,10 +380,6 @@ def run_dir_arg(text: str) -> Path:
 
 
 def _subcommand(name: str, argv: list[str]) -> int:
-    if name in ("wheelhouse", "install-offline"):  # wheels of the baselines for offline GPU nodes
-        from codabench import wheelhouse
-
-        return (wheelhouse.main_wheelhouse if name == "wheelhouse" else wheelhouse.main_install_offline)(argv)
     p = _Parser(prog=f"codabench {name}")
     if name == "merge":
         p.add_argument("out", type=Path, help="new run directory for the merged report (must not exist)")

@@ -43,6 +43,8 @@ class RunConfig:
     plugin_files: tuple[str, ...] = ()
     """``--plugin`` files, loaded again by the worker."""
     entry_points: bool = True
+    """Load other installed packages' ``codabench.plugins`` entry points (``--no-entry-points``: not); the built-in
+    implementations always load."""
     models: dict[str, ModelShape] = field(default_factory=dict)
     """Model shapes defined for this run (``--model``, ``--model-config``), beside the presets; the worker gets them
     through this config."""

@@ -5,7 +5,7 @@ seed; fp8 cells: bf16 with the GEMM operands rounded onto the recipe's fp8 grid,
 the float64 reference (``op.reference`` on float64 copies of those inputs, autograd in float64); and
 the error of PyTorch itself: the torch-eager implementation in the cell's dtype, which for fp8 cells
 is the composition with its GEMMs through ``torch._scaled_mm`` under the cell's recipe
-(:class:`workloads.fp8.ScaledMMGemms`). fp8 groups also keep torch-eager's bf16 outputs on the
+(:mod:`codabench.eager`). fp8 groups also keep torch-eager's bf16 outputs on the
 unrounded bf16 inputs of the same seed (the unquantized computation), and each output's relative error
 against them is reported beside the pass rule (``rel_err_vs_bf16``; it does not decide the pass).
 Per implementation: the same inputs regenerated, the allocator poisoned with NaN, one call, then
@@ -35,10 +35,10 @@ from typing import Callable, Iterator
 import torch
 
 from codabench.case import Case
+from codabench.eager import TorchEager
 from codabench.execute import CellError, Result, forward_shapes, reference_once, run_once, uses_autograd
 from codabench.metrics import ErrorStats, error_ratio, error_stats, passes
 from codabench.registry import Implementation, Tensors
-from kernels.torch_baselines import TorchEager
 from workloads.op import Op
 
 CHECK_SEED = 1001
@@ -175,7 +175,7 @@ def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
     if mutated:
         outcome.errors.append(f"mutated its input(s) {', '.join(mutated)}")
     for name, ref in group.reference.items():
-        check = _check_output(group, name, result.get(name), ref, case.dtype)
+        check = _check_output(group, name, result.get(name), ref, case.torch_dtype)
         if isinstance(check, str):
             if check:
                 outcome.errors.append(check)
@@ -187,7 +187,7 @@ def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
 
 
 def _check_output(group: GroupReference, name: str, out: torch.Tensor | None, ref: torch.Tensor,
-                  dtype: str) -> OutputCheck | str:
+                  dtype: torch.dtype) -> OutputCheck | str:
     """An OutputCheck, an error message, or "" for a side output the implementation does not return."""
     if out is None:
         if name in group.op.side_outputs:
@@ -207,4 +207,4 @@ def _check_output(group: GroupReference, name: str, out: torch.Tensor | None, re
     bf16 = group.bf16.get(name) if group.bf16 is not None else None
     vs_bf16 = error_stats(out, bf16).rel_err if bf16 is not None else None
     return OutputCheck(name, stats, torch_rel, error_ratio(stats.rel_err, torch_rel),
-                       passes(stats, torch_rel, dtype), vs_bf16)
+                       passes(stats.rel_err, torch_rel, dtype), vs_bf16)

@@ -1,20 +1,22 @@
 """The cells of a run: (op, model, mode, dtype, impl), in the order they are measured.
 
 Cells are grouped by (op, model, mode, dtype): a group shares its float64 reference and the
-PyTorch error, and is never split across shards. Inside a group torch-eager and torch-compile run
-first, so the speedup against torch-compile is known when a row is written.
+PyTorch error, and is never split across shards. Inside a group the harness's reference baselines
+(torch-eager, torch-compile: :mod:`codabench.eager`) come first, then the other implementations by name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from codabench.eager import TorchCompile, TorchEager
 from codabench.registry import Registry
 from workloads.ops import OPS
 from workloads.suites import Suite
 
-BASELINE_ORDER = ("torch-eager", "torch-compile")
-SPEED_BASELINE = "torch-compile"
+BASELINE_ORDER = (TorchEager.name, TorchCompile.name)
+SPEED_BASELINE = TorchCompile.name
+"""Every speedup is against this implementation's median on the same cell (:func:`codabench.stats.speed_figures`)."""
 PLUGIN_OP = "(plugin)"
 """``op`` value of the rows that report a plugin that failed to load."""
 

@@ -28,13 +28,13 @@ from codabench.ceilings import GemmTimer, measure_ceilings
 from codabench.clocks import ClockSampler, Sampled
 from codabench.config import RunConfig
 from codabench.correctness import CHECK_SEED, GroupReference, build_reference, check_impl, compared
+from codabench.eager import TorchEager
 from codabench.env import collect_env, provider_metadata
 from codabench.execute import forward_shapes, run_once, timed_call, uses_autograd
 from codabench.matrix import Cell
 from codabench.registry import Implementation, Registry, Tensors
 from codabench.timing import Timing, TimingConfig, measure, measure_graph, per_round
 from codabench import verify
-from kernels.torch_baselines import TorchEager
 from workloads import fp8
 from workloads.op import Gemm
 from workloads.ops import OPS
@@ -303,8 +303,9 @@ class Measurer:
         return group.expected[seed]
 
     def _allowed(self, cell: Cell, group: _Group) -> dict[str, float]:
-        torch_err = {k: s.rel_err for k, s in group.reference().torch_stats.items()}
-        return verify.allowed_error(torch_err, group.cell_errors.get(cell.impl, {}), cell.dtype)
+        reference = group.reference()
+        torch_err = {k: s.rel_err for k, s in reference.torch_stats.items()}
+        return verify.allowed_error(torch_err, group.cell_errors.get(cell.impl, {}), reference.case.torch_dtype)
 
     def _checks(self, cell: Cell, group: _Group, impl: Implementation, t: _Timed) -> dict[str, Any]:
         """The checks of :mod:`codabench.verify` after the first round, the peak memory and the minimum bytes;

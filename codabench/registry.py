@@ -1,4 +1,4 @@
-"""Implementations of ops, their registration and discovery.
+"""Implementations of ops and their registration.
 
 An implementation computes one op in its own ("native") layout. The harness calls, per cell::
 
@@ -13,23 +13,15 @@ Register a plain function (it is ``run``, called with the native tensors as keyw
     def my_gemm(x, w):
         return {"out": x @ w.T}
 
-or decorate a subclass of :class:`Implementation` to override any step. Discovery imports every
-module under ``kernels/``, the modules named by the ``codabench.plugins`` entry-point group, and
-files given with ``--plugin``; a module that fails to import (or registers an op that does not exist) is
-recorded in ``load_errors`` with the file and line at fault, printed on the console and reported as an error
-row, never dropped.
+or decorate a subclass of :class:`Implementation` to override any step. :mod:`codabench.discovery` finds the
+modules that register them (entry points, ``--plugin`` files); a module that fails to import (or registers an op
+that does not exist) is recorded in ``load_errors``.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib
 import importlib.util
 import os
-import pkgutil
-import sys
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -38,7 +30,6 @@ from codabench.case import Case
 
 Tensors = dict[str, Any]
 """Named tensors; native dicts may also carry plain values (a model shape, eps), which the harness leaves alone."""
-ENTRY_POINT_GROUP = "codabench.plugins"
 
 
 class Implementation:
@@ -183,76 +174,3 @@ def requirement_missing(req: str, device: torch.device) -> str | None:
         mod = req[4:]
         return None if importlib.util.find_spec(mod) is not None else f"skipped: package {mod} is not installed"
     raise ValueError(f"unknown requirement {req!r}")
-
-
-def describe_load_error(exc: BaseException) -> str:
-    """One line for a plugin that failed to load: ``Type: message (file:line)``, the line being the innermost frame
-    outside the harness and importlib (the plugin's own line where there is one)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "importlib" not in f.filename and Path(f.filename).parent != Path(__file__).parent]
-    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if isinstance(exc, SystemExit):
-        msg = f"the plugin called sys.exit({exc.code!r}) while being imported"
-    return f"{type(exc).__name__}: {msg}{where}"
-
-
-def _record_failure(source: str, exc: BaseException) -> None:
-    REGISTRY.load_errors.append((source, describe_load_error(exc)))
-
-
-def _import(name: str, source: str) -> None:
-    try:
-        importlib.import_module(name)
-    except (Exception, SystemExit) as e:  # a broken plugin (or one that exits) becomes an error row, not a crash
-        _record_failure(source, e)
-
-
-def plugin_module_name(path: Path) -> str:
-    """The module name a plugin file is imported under: its stem and a digest of its resolved path, so that
-    same-named files of different folders both load."""
-    return f"codabench_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-
-
-def load_plugin_file(path: str | os.PathLike) -> None:
-    path = Path(path).resolve()
-    if str(path) not in REGISTRY.plugin_files:
-        REGISTRY.plugin_files.append(str(path))
-    mod_name = plugin_module_name(path)
-    if mod_name in sys.modules:
-        return
-    try:
-        if not path.is_file():
-            raise FileNotFoundError(f"no such plugin file: {path}")
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {path} as a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:
-        sys.modules.pop(mod_name, None)
-        _record_failure(str(path), e)
-
-
-def discover(plugin_files: Iterable[str] = (), entry_points: bool = True) -> Registry:
-    """Import every implementation: ``kernels/``, entry points, then ``--plugin`` files. The harness's references to
-    its clocks and torch functions are recorded first (:mod:`codabench.guard`)."""
-    from codabench import guard
-
-    guard.snapshot()
-    import kernels
-
-    for info in pkgutil.walk_packages(kernels.__path__, prefix="kernels."):
-        _import(info.name, info.name)
-    if entry_points:
-        from importlib.metadata import entry_points as eps
-
-        for ep in eps(group=ENTRY_POINT_GROUP):
-            try:
-                ep.load()
-            except (Exception, SystemExit) as e:
-                _record_failure(f"entry point {ep.name}", e)
-    for f in plugin_files:
-        load_plugin_file(f)
-    return REGISTRY

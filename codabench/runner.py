@@ -25,6 +25,7 @@ from codabench.matrix import PLUGIN_OP, Cell, groups
 from codabench.measure import CellResult, RoundResult
 from codabench.progress import Progress
 from codabench.registry import Registry
+from codabench.results import KEY
 from codabench.timing import Timing
 from codabench.worker import Failure, InlineWorker, WorkerProcess
 from codabench.writer import RunWriter
@@ -238,7 +239,7 @@ class Runner:
 
 
 def _key(row: dict[str, Any]) -> tuple:
-    return tuple(str(row[k]) for k in ("op", "model", "mode", "dtype", "impl"))
+    return tuple(str(row[k]) for k in KEY)
 
 
 def _now() -> str:

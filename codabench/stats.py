@@ -41,6 +41,8 @@ import numpy as np
 import pandas as pd
 
 from codabench.matrix import SPEED_BASELINE
+from codabench.results import KEY
+from codabench.timing import CPU_WALL
 
 BOOT = 2000
 """Bootstrap replicates per timing."""
@@ -48,8 +50,6 @@ LEVEL = 0.95
 SEED = 18
 MIN_SAMPLES = 5
 """Fewer samples than this give no interval (a median of so few carries no spread to resample)."""
-CPU_WALL = "cpu-wall"
-GROUP = ["op", "model", "mode", "dtype"]
 
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -156,7 +156,7 @@ def speed_figures(df: pd.DataFrame, rounds: dict[tuple, list[list[float]]]) -> p
     than the one with the lowest median (so, within noise, than all), ``slower`` means slower than that one (not
     necessarily than each of the others), and a cell within noise of it is a ``tie``."""
     med = pd.to_numeric(df["median_ms"], errors="coerce").to_numpy()
-    keys = [tuple(map(str, k)) for k in df[GROUP + ["impl"]].itertuples(index=False)]
+    keys = [tuple(map(str, k)) for k in df[KEY].itertuples(index=False)]  # (op, model, mode, dtype, impl)
     ok = ((df["status"] == "ok").to_numpy() & (med > 0))
     may_lead = [c is not False for c in df["correct"]]
     timing = df["timing"].astype(str).tolist()

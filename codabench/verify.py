@@ -31,7 +31,7 @@ import torch
 from codabench.case import Case
 from codabench.correctness import compared
 from codabench.execute import CellError, Timed, run_native
-from codabench.metrics import FLOOR, error_stats
+from codabench.metrics import FLOOR, rel_err
 from codabench.registry import Implementation, Tensors
 from codabench.timing import Event, elapsed_ms, perf_counter, record, synchronize
 from workloads.op import Op
@@ -90,13 +90,13 @@ def mismatch(op: Op, mode: str, result: dict[str, torch.Tensor], expected: Expec
             return f"{name} is missing"
         if tuple(out.shape) != tuple(ref.shape):
             return f"{name} has shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
-        rel = error_stats(out, ref).rel_err
+        rel = rel_err(out, ref)
         if not rel <= allowed[name]:  # NaN fails too
             return f"{name} is {rel:.3g} away from PyTorch's result on the same inputs (allowed {allowed[name]:.3g})"
     return None
 
 
-def allowed_error(torch_err: dict[str, float | None], cell_err: dict[str, float | None], dtype: str
+def allowed_error(torch_err: dict[str, float | None], cell_err: dict[str, float | None], dtype: torch.dtype
                   ) -> dict[str, float]:
     """Per compared tensor: VERIFY_FACTOR x max(PyTorch's error, the cell's error) + 2 x floor."""
     out = {}

@@ -27,7 +27,8 @@ from typing import Any
 from codabench import guard
 from codabench.config import RunConfig
 from codabench.measure import Measurer, describe_exception
-from codabench.registry import Registry, discover
+from codabench.discovery import discover
+from codabench.registry import Registry
 
 DEVICE_LOST_EXIT = 75
 """Exit code of a worker whose CUDA context broke (the request that broke it has its answer)."""

@@ -55,7 +55,6 @@ import torch
 from codabench.case import Case
 from codabench.registry import REGISTRY, Implementation, Tensors
 from kernels import layouts
-from kernels.torch_baselines import fp8_skip_reason, gemms, quantize_native
 from workloads import fp8
 from workloads import reference as R
 from workloads.models import ModelShape
@@ -199,7 +198,7 @@ class FlashInfer(Implementation):
     def skip_reason(self, case: Case) -> str | None:
         if case.mode != "fwd":
             return f"n/a: FlashInfer's kernels are inference-only (no autograd), so no {case.mode}"
-        return super().skip_reason(case) or fp8_skip_reason(case)
+        return super().skip_reason(case) or case.mm_skip_reason()
 
     def prepare(self, case: Case) -> Tensors:
         warm_up(self._kernels, case)
@@ -210,8 +209,8 @@ class FlashInfer(Implementation):
             max_pos = int(case.inputs["positions"].max()) + 1
             native["cos_sin_cache"] = cos_sin_cache(max_pos, case.model.head_dim, case.model.rope_theta,
                                                     case.device)
-        native = quantize_native(native, case, {"w_gate": "w_gate_up", "w_up": "w_gate_up"})
-        native["model"], native["mm"] = case.model, gemms(case)
+        native = case.quantize(native, {"w_gate": "w_gate_up", "w_up": "w_gate_up"})
+        native["model"], native["mm"] = case.model, case.mm
         return native
 
     def run(self, native: Tensors) -> Tensors:

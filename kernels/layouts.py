@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from workloads import reference as R
-
 
 # ---- SwiGLU gate/up ------------------------------------------------------------------------
 
@@ -112,11 +110,3 @@ def rotate_adjacent(t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
     te, to = t[..., 0::2], t[..., 1::2]
     return torch.stack([te * cos - to * sin, to * cos + te * sin], dim=-1).flatten(-2)
-
-
-def rope_adjacent(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Adjacent-pair RoPE on x of shape (M, heads, dh): :func:`rotate_adjacent` by ``angle_i`` per head.
-
-    Angles as in :func:`workloads.reference.rope_angles` (cos/sin cast to x.dtype, like the canonical reference).
-    """
-    return rotate_adjacent(x, R.rope_angles(positions, x.shape[-1], theta, x.dtype)[:, None, :])

@@ -66,7 +66,6 @@ import torch
 from codabench.case import Case
 from codabench.registry import REGISTRY, Implementation, Tensors
 from kernels import layouts
-from kernels.torch_baselines import fp8_skip_reason, gemms, quantize_native
 from workloads import fp8
 from workloads import reference as R
 from workloads.models import ModelShape
@@ -176,7 +175,7 @@ def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model: Mo
 
 # ---- the ops ----------------------------------------------------------------------------------
 
-# ``mm = n["mm"]``: the GEMMs, ``F.linear`` or (fp8) ``torch._scaled_mm`` (kernels.torch_baselines.gemms)
+# ``mm = n["mm"]``: the GEMMs, ``F.linear`` or (fp8) ``torch._scaled_mm`` (codabench.case.Case.mm)
 
 def _rmsnorm_linear(n: Tensors) -> Tensors:
     mm = n["mm"]
@@ -235,7 +234,7 @@ class Liger(Implementation):
     def skip_reason(self, case: Case) -> str | None:
         if case.mode == "bwd" and self._bwd_na:
             return self._bwd_na
-        return super().skip_reason(case) or fp8_skip_reason(case)
+        return super().skip_reason(case) or case.mm_skip_reason()
 
     def prepare(self, case: Case) -> Tensors:
         pin_triton()
@@ -246,8 +245,8 @@ class Liger(Implementation):
         if "positions" in case.inputs:
             native["cos"], native["sin"] = rope_tables(case.inputs["positions"], case.model.head_dim,
                                                        case.model.rope_theta)
-        native = quantize_native(native, case, {"w_gate": "w_gate_up", "w_up": "w_gate_up"})
-        native["model"], native["mm"] = case.model, gemms(case)
+        native = case.quantize(native, {"w_gate": "w_gate_up", "w_up": "w_gate_up"})
+        native["model"], native["mm"] = case.model, case.mm
         return native
 
     def run(self, native: Tensors) -> Tensors:

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from codabench.matrix import Selection
-from codabench.registry import REGISTRY, discover
+from codabench.discovery import discover
+from codabench.registry import REGISTRY
 from codabench.config import RunConfig
 from codabench.runner import Runner
 from codabench.timing import TimingConfig

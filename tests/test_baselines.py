@@ -32,6 +32,7 @@ import kernels.quack as KQ
 from codabench.case import Case
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.execute import reference_once, run_once
+from codabench.metrics import rel_err
 from codabench.registry import REGISTRY
 from workloads import fp8
 from workloads.models import PRESETS
@@ -46,11 +47,6 @@ def make_case(op_name: str, mode: str, dtype: str = "fp32", device: torch.device
     op = OPS[op_name]
     inputs = op.make_inputs(TINY, torch.float32, CPU, seed) if device.type == "cpu" else {}
     return Case(op, TINY, mode, dtype, device, inputs)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def check_against_reference(impl, case: Case) -> dict[str, float]:

@@ -15,6 +15,7 @@ import torch
 
 from codabench.case import Case
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
+from codabench.metrics import rel_err
 from codabench.registry import REGISTRY
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from kernels.coda.cross_entropy import gemm_cross_entropy
@@ -26,11 +27,11 @@ from kernels.coda.rope import gemm_rope
 from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.swiglu import gemm_swiglu
 from kernels.coda.swiglu_bwd import dgrad_swiglu
-from workloads.fp8 import E4M3, E5M2, Fp8, quantize
+from workloads.fp8 import E4M3, E5M2, Fp8, Recipe, quantize
 from workloads.models import get_model
 from workloads.ops import OPS
 
-from kernel_helpers import launches, rand, rel_err
+from kernel_helpers import launches, rand
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 M, K, N = 48, 80, 112
@@ -108,9 +109,10 @@ def test_fp8_producer_hands_on_its_output_quantized(rowwise):
     """x, rstd as on the dequantized operands; h quantized exactly as the recipe quantizes the bf16 h."""
     aq, wq = _q(_r(M, K, seed=10), rowwise), _q(_r(N, K, seed=11, scale=0.1), rowwise)
     res, gamma = _r(M, N, seed=12).bfloat16(), _r(N, seed=13, scale=0.1, mean=1.0).bfloat16()
+    recipe = Recipe(rowwise=rowwise)
     x, h, rstd = gemm_residual_norm(aq, wq, res, gamma, 1e-5)  # (on the GPU: also tunes, before the count)
     with launches() as names:
-        x8, h8, rstd8 = gemm_residual_norm(aq, wq, res, gamma, 1e-5, h_fp8="row" if rowwise else "tensor")
+        x8, h8, rstd8 = gemm_residual_norm(aq, wq, res, gamma, 1e-5, h_fp8=recipe)
     assert names == ["gemm_residual_norm_kernel", "scale_kernel", "quantize_kernel", "rstd_kernel"]
     assert torch.equal(x8, x) and torch.equal(rstd8, rstd)
     ref = quantize(h, E4M3, rowwise)
@@ -118,11 +120,11 @@ def test_fp8_producer_hands_on_its_output_quantized(rowwise):
     x32, _, _ = gemm_residual_norm(_deq(aq), _deq(wq), res.float(), gamma.float(), 1e-5)
     assert rel_err(x, x32) < BF16_ROUNDING
     hn, _ = norm_input(x, gamma, 1e-5)
-    hn8, _ = norm_input(x, gamma, 1e-5, h_fp8="row" if rowwise else "tensor")
+    hn8, _ = norm_input(x, gamma, 1e-5, h_fp8=recipe)
     assert torch.equal(_bits(hn8.data), _bits(quantize(hn, E4M3, rowwise).data))
     w_gu = _q(_r(128, N, seed=14, scale=0.1), rowwise)
     y, _ = gemm_swiglu(h8, w_gu, rstd, save_preact=False)
-    y8, _ = gemm_swiglu(h8, w_gu, rstd, save_preact=False, y_fp8="row" if rowwise else "tensor")
+    y8, _ = gemm_swiglu(h8, w_gu, rstd, save_preact=False, y_fp8=recipe)
     assert torch.equal(_bits(y8.data), _bits(quantize(y, E4M3, rowwise).data))
 
 

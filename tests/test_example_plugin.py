@@ -6,7 +6,8 @@ import torch
 
 from codabench.case import Case
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
-from codabench.registry import REGISTRY, discover
+from codabench.discovery import discover
+from codabench.registry import REGISTRY
 from kernels.examples.gemm_bias_gelu import gemm_bias_gelu_kernel
 from workloads.models import get_model
 from workloads.ops import OPS

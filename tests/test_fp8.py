@@ -16,11 +16,12 @@ import torch.nn.functional as F
 
 from codabench.case import Case
 from codabench.cli import run_parser
+from codabench.eager import TorchEager
 from codabench.matrix import Selection, build_cells
+from codabench.metrics import rel_err
 from codabench.report import finalize
 from codabench.results import load_run
 from harness_helpers import CPU, isolated_registry, make_runner
-from kernels.torch_baselines import TorchEager
 from workloads import fp8
 from workloads.models import get_model
 from workloads.ops import OPS
@@ -108,10 +109,6 @@ def test_round_inputs_touches_only_the_declared_operands():
 
 # ---- the _scaled_mm GEMMs -------------------------------------------------------------------------
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 @pytest.mark.parametrize("dtype", fp8.FP8_DTYPES)
 def test_scaled_mm_linear_is_the_dequantized_matmul(dtype):
     rec, g = fp8.recipe(dtype), torch.Generator().manual_seed(1)
@@ -122,9 +119,9 @@ def test_scaled_mm_linear_is_the_dequantized_matmul(dtype):
     out = mm.linear(x, wq)
     ref = F.linear(fp8.quantize_as(x, "act", rec).dequantize(torch.float64), wq.dequantize(torch.float64))
     assert out.dtype == torch.bfloat16 and out.shape == (48, 112)
-    assert rel(out, ref) < 4e-3  # the bf16 output rounding
+    assert rel_err(out, ref) < 4e-3  # the bf16 output rounding
     assert torch.equal(mm.linear(fp8.quantize_as(x, "act", rec), wq), out)  # a pre-quantized activation: same
-    assert rel(out, F.linear(x.double(), w.double())) > 1e-2  # ... and fp8 really rounded the operands
+    assert rel_err(out, F.linear(x.double(), w.double())) > 1e-2  # ... and fp8 really rounded the operands
 
 
 @pytest.mark.parametrize("dtype", fp8.FP8_DTYPES)
@@ -137,7 +134,7 @@ def test_scaled_mm_dgrad_is_the_dequantized_matmul(dtype):
     out = fp8.ScaledMMGemms(rec).dgrad(dy, wq)
     ref = dq.dequantize(torch.float64) @ wq.dequantize(torch.float64).t()
     assert out.dtype == torch.bfloat16 and out.shape == (48, 80)
-    assert rel(out, ref) < 4e-3
+    assert rel_err(out, ref) < 4e-3
 
 
 # ---- which cells exist ----------------------------------------------------------------------------
@@ -170,6 +167,17 @@ def test_fp8_needs_an_sm89_gpu(monkeypatch):
     assert eager.skip_reason(case) is None
 
 
+def test_a_recipe_is_the_one_encoding_of_the_granularity():
+    row, tensor = fp8.recipe("fp8-row"), fp8.recipe("fp8")
+    assert row.rowwise and not tensor.rowwise and fp8.recipe("bf16") is None
+    assert {r: row.rowwise_for(r) for r in fp8.ROLES} == {"act": True, "weight": True, "grad": False,
+                                                           "weight_bwd": False}
+    assert not any(tensor.rowwise_for(r) for r in fp8.ROLES)
+    x = torch.randn(6, 8)
+    assert fp8.quantize_as(x, "act", row).scale.shape == (6, 1)
+    assert fp8.quantize_as(x, "grad", row).scale.shape == ()
+
+
 def test_accumulation_mode_flag(tmp_path):
     assert run_parser().parse_args([]).fp8_accum == "fast"
     assert run_parser().parse_args(["--fp8-accum", "promoted"]).fp8_accum == "promoted"
@@ -178,7 +186,7 @@ def test_accumulation_mode_flag(tmp_path):
     with pytest.raises(ValueError, match="fast' or 'promoted"):
         make_runner(tmp_path, fp8_accum="slow")
     case = Case(OPS["gemm_out"], TINY, "fwd", "fp8-row", CPU, {}, "promoted")
-    assert case.recipe == fp8.Recipe("fp8-row", True, "promoted")
+    assert case.recipe == fp8.Recipe(rowwise=True, accum="promoted")
     assert replace(case, dtype="bf16").recipe is None
 
 

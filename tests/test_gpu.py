@@ -8,7 +8,7 @@ import torch
 
 from codabench.ceilings import GemmTimer, measure_ceilings, sol_ms
 from codabench.env import gpu_info, gpu_state
-from codabench.registry import load_plugin_file
+from codabench.discovery import load_plugin_file
 from codabench.report import finalize
 from codabench.results import load_run
 from codabench.timing import CUDA_EVENTS, CUDA_GRAPH, TimingConfig, l2_flusher, measure, measure_graph

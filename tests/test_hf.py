@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from codabench.metrics import error_stats, passes
+from codabench.metrics import passes, rel_err
 from kernels.coda.hf import CodaUnsupportedError, apply_coda, apply_coda_to_mistral, apply_coda_to_qwen2
 
 from kernel_helpers import launches
@@ -63,9 +63,8 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def assert_passes(name: str, ours: torch.Tensor, torch_out: torch.Tensor, ref: torch.Tensor) -> None:
-    torch_err = error_stats(torch_out, ref).rel_err
-    stats = error_stats(ours, ref)
-    assert passes(stats, torch_err, "fp32"), f"{name}: rel_err {stats.rel_err:.2e} vs unpatched fp32 {torch_err:.2e}"
+    torch_err, err = rel_err(torch_out, ref), rel_err(ours, ref)
+    assert passes(err, torch_err, torch.float32), f"{name}: rel_err {err:.2e} vs unpatched fp32 {torch_err:.2e}"
 
 
 def loss_and_grads(model: nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor], object]:
@@ -294,7 +293,7 @@ def test_bf16_loss_and_grads_at_llama3_shapes_gpu(shape):
     bad = []
     for name, ours, theirs, ref64 in [("loss", loss, loss16, loss64)] + [
             (n, grads[n], grads16[n], grads64[n]) for n in grads64]:
-        torch_err, stats = error_stats(theirs, ref64).rel_err, error_stats(ours, ref64)
-        if not passes(stats, torch_err, "bf16"):
-            bad.append((name, stats.rel_err, torch_err))
+        torch_err, err = rel_err(theirs, ref64), rel_err(ours, ref64)
+        if not passes(err, torch_err, torch.bfloat16):
+            bad.append((name, err, torch_err))
     assert not bad, bad

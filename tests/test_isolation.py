@@ -15,7 +15,7 @@ from codabench import guard
 from codabench.ceilings import floor_ms
 from codabench.matrix import Cell
 from codabench.measure import RoundResult
-from codabench.registry import load_plugin_file
+from codabench.discovery import load_plugin_file
 from codabench.results import load_run
 from codabench.runner import Runner, _Pending
 from harness_helpers import PLUGINS, isolated_registry, make_runner

@@ -82,13 +82,18 @@ def test_qkv_permutations_are_exact_inverses():
                                rtol=1e-12, atol=1e-12)
 
 
+def rope_adjacent(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Adjacent-pair RoPE on x (M, heads, dh), angles as the canonical reference computes them."""
+    return L.rotate_adjacent(x, R.rope_angles(pos, x.shape[-1], THETA, x.dtype)[:, None, :])
+
+
 def test_adjacent_pair_rope_on_permuted_weights_equals_canonical_rope():
     h, w, pos = rand(M, D, seed=15), rand((H + 2 * HKV) * DH, D, seed=16), positions()
     want = R.qkv_rope(F.linear(h, w), pos, H, HKV, DH, THETA)
     z = F.linear(h, L.qkv_rows_to_adjacent(w, H, HKV, DH))
     q, k, v = z.split([H * DH, HKV * DH, HKV * DH], -1)
-    q = L.rope_adjacent(q.reshape(M, H, DH), pos, THETA).reshape(M, -1)
-    k = L.rope_adjacent(k.reshape(M, HKV, DH), pos, THETA).reshape(M, -1)
+    q = rope_adjacent(q.reshape(M, H, DH), pos).reshape(M, -1)
+    k = rope_adjacent(k.reshape(M, HKV, DH), pos).reshape(M, -1)
     got = L.qkv_cols_to_halfsplit(torch.cat([q, k, v], -1), H, HKV, DH)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 

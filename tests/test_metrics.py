@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from codabench.metrics import FLOOR, ErrorStats, error_ratio, error_stats, passes
+from codabench.metrics import FLOOR, error_ratio, error_stats, passes, rel_err, tolerance
 
 
 def test_known_values():
@@ -31,18 +31,29 @@ def test_nan_and_inf_are_counted_and_never_pass():
     s = error_stats(out, torch.ones(4, dtype=torch.float64))
     assert (s.n_nan, s.n_inf) == (1, 2)
     assert not s.finite
-    assert not passes(s, torch_rel_err=1.0, dtype="fp32")
+    assert not passes(s.rel_err, torch_rel_err=1.0, dtype=torch.float32)
+    for bad in (float("nan"), float("inf")):
+        err = rel_err(torch.tensor([1.0, bad]), torch.ones(2, dtype=torch.float64))
+        assert not math.isfinite(err) and not passes(err, torch_rel_err=1.0, dtype=torch.float32)
+
+
+def test_rel_err_is_the_relative_error_of_error_stats():
+    out, ref = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 2.0], dtype=torch.float64)
+    assert rel_err(out, ref) == error_stats(out, ref).rel_err == pytest.approx(1.0 / 3.0)
+    assert rel_err(torch.tensor([0.0, 0.5]), torch.zeros(2)) == pytest.approx(0.5)
 
 
 def test_pass_rule_is_twice_pytorch_plus_floor():
     torch_err = 1e-3
-    limit = 2 * torch_err + FLOOR["bf16"]
-    assert passes(ErrorStats(limit * 0.999, 0, 1), torch_err, "bf16")
-    assert not passes(ErrorStats(limit * 1.001, 0, 1), torch_err, "bf16")
+    limit = 2 * torch_err + FLOOR[torch.bfloat16]
+    assert tolerance(torch_err, torch.bfloat16) == pytest.approx(limit)
+    assert passes(limit * 0.999, torch_err, torch.bfloat16)
+    assert not passes(limit * 1.001, torch_err, torch.bfloat16)
     # PyTorch exact: only the floor is allowed
-    assert passes(ErrorStats(FLOOR["fp32"] / 2, 0, 1), 0.0, "fp32")
-    assert not passes(ErrorStats(FLOOR["fp32"] * 2, 0, 1), 0.0, "fp32")
-    assert not passes(ErrorStats(FLOOR["fp32"] * 2, 0, 1), None, "fp32")
+    assert passes(FLOOR[torch.float32] / 2, 0.0, torch.float32)
+    assert not passes(FLOOR[torch.float32] * 2, 0.0, torch.float32)
+    assert not passes(FLOOR[torch.float32] * 2, None, torch.float32)
+    assert tolerance(math.inf, torch.float16) == FLOOR[torch.float16]
 
 
 def test_error_ratio():

@@ -1,12 +1,19 @@
-"""Registration, discovery (kernels/, entry points, --plugin files) and load errors."""
+"""Registration, discovery (the harness's baselines, the built-in and other entry points, --plugin files) and load
+errors."""
 import importlib.metadata
+import json
+import subprocess
+import sys
+from importlib.metadata import EntryPoint
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from codabench import discovery
 from codabench.case import Case
-from codabench.registry import (ENTRY_POINT_GROUP, REGISTRY, FunctionImplementation, Implementation, Registry,
-                                discover, load_plugin_file, register, requirement_missing)
+from codabench.discovery import ENTRY_POINT_GROUP, builtin_entry_points, discover, load_plugin_file, other_entry_points
+from codabench.registry import REGISTRY, FunctionImplementation, Implementation, Registry, register, requirement_missing
 from harness_helpers import CPU, PLUGINS, isolated_registry
 from workloads.models import PRESETS
 from workloads.ops import OPS
@@ -26,7 +33,56 @@ def test_discovery_finds_the_baselines_for_every_op(registry):
     for op in OPS:
         names = {i.name for i in registry.for_op(op)}
         assert {"torch-eager", "torch-compile"} <= names, op
-    assert registry.get("gemm_out", "torch-eager").source == "kernels.torch_baselines"
+    assert registry.get("gemm_out", "torch-eager").source == "codabench.eager"
+
+
+def test_the_builtin_implementations_are_the_project_entry_points(registry):
+    """Each entry point of pyproject.toml's group is named after the implementation its module registers."""
+    eps = builtin_entry_points()
+    assert len(eps) >= 5 and all(ep.group == ENTRY_POINT_GROUP for ep in eps)
+    for ep in eps:
+        assert {i.source for i in registry.impls.values() if i.name == ep.name} == {ep.value}, ep
+    assert not [e for e in registry.load_errors if e[0] in {ep.value for ep in eps}]
+
+
+def test_builtin_entry_points_outside_a_source_tree_come_from_the_installed_metadata(monkeypatch, tmp_path):
+    installed = [EntryPoint("good", "good", ENTRY_POINT_GROUP), EntryPoint("codabench", "codabench.cli:main",
+                                                                           "console_scripts")]
+    monkeypatch.setattr(importlib.metadata, "distribution",
+                        lambda name: SimpleNamespace(entry_points=installed) if name == "codabench" else None)
+    monkeypatch.setattr(discovery, "SOURCE_TREE", tmp_path)  # no pyproject.toml: an installed wheel
+    assert builtin_entry_points() == installed[:1]
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "another-project"\n')  # another project's tree
+    assert builtin_entry_points() == installed[:1]
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "codabench"\n'
+                                             '[project.entry-points."codabench.plugins"]\nmine = "my.module"\n')
+    assert builtin_entry_points() == [EntryPoint("mine", "my.module", ENTRY_POINT_GROUP)]
+
+
+def test_other_entry_points_leave_out_the_project_own(monkeypatch):
+    own = SimpleNamespace(name="liger", value="kernels.liger", group=ENTRY_POINT_GROUP,
+                          dist=SimpleNamespace(name="codabench"))
+    theirs = EntryPoint("good", "good", ENTRY_POINT_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None, **kw: [own, theirs])
+    assert other_entry_points() == [theirs]
+
+
+def test_the_harness_and_the_workloads_import_no_implementation():
+    """codabench and workloads never import kernels: the implementations are plugins, found by discovery."""
+    code = ("import importlib, json, pkgutil, sys\n"
+            "from codabench.bootstrap import select_device\n"
+            "select_device()\n"
+            "import codabench, workloads\n"
+            "for pkg in (codabench, workloads):\n"
+            "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+            "        if not m.name.endswith('__main__'):\n"
+            "            importlib.import_module(m.name)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('codabench', 'workloads', 'kernels'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "codabench.cli" in loaded and "workloads.ops.block" in loaded
+    assert not [m for m in loaded if m.split(".")[0] == "kernels"], loaded
 
 
 def test_register_function_and_class(registry):

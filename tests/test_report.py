@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from codabench.registry import load_plugin_file
+from codabench.discovery import load_plugin_file
 from codabench import results as tables
 from codabench.report import finalize
 from codabench.results import load_run

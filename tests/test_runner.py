@@ -9,7 +9,8 @@ import torch
 from codabench.ceilings import GemmTimer
 from codabench.correctness import nan_filled_allocations
 from codabench.matrix import Cell, build_cells, groups, shard
-from codabench.registry import load_plugin_file, register
+from codabench.discovery import load_plugin_file
+from codabench.registry import register
 from codabench.report import finalize
 from codabench.results import load_run
 from codabench.report.merge import merge

@@ -1,7 +1,11 @@
-"""Wheelhouse for offline nodes: flashinfer trimming on a small fake wheel, split/join, commands. No network."""
+"""Wheelhouse for offline nodes (tools/wheelhouse.py): flashinfer trimming on a small fake wheel, split/join, the
+command line. No network."""
 from __future__ import annotations
 
+import base64
 import csv
+import hashlib
+import importlib.util
 import io
 import json
 import re
@@ -13,7 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from codabench import wheelhouse as W
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "wheelhouse.py"
+_spec = importlib.util.spec_from_file_location("wheelhouse", TOOL)
+W = importlib.util.module_from_spec(_spec)
+sys.modules["wheelhouse"] = W  # (dataclasses look their module up)
+_spec.loader.exec_module(W)
 
 FAKE = "flashinfer_python-0.0.1-py3-none-any.whl"
 DIST = "flashinfer_python-0.0.1.dist-info"
@@ -42,10 +50,15 @@ DROPPED = {"flashinfer/data/csrc/batch_prefill.cu", "flashinfer/data/csrc/fused_
            "flashinfer/data/csrc/gemm/kernel.cpp", "flashinfer/data/cubins/a.cubin"}
 
 
+def record_hash(data: bytes) -> str:
+    """The wheel RECORD form of a sha256: ``sha256=<urlsafe base64, no padding>``."""
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
 def make_fake_wheel(folder: Path) -> Path:
     path = folder / FAKE
     record = io.StringIO()
-    rows = [[name, W.record_hash(text.encode()), str(len(text.encode()))] for name, text in FILES.items()]
+    rows = [[name, record_hash(text.encode()), str(len(text.encode()))] for name, text in FILES.items()]
     csv.writer(record, lineterminator="\n").writerows(rows + [[f"{DIST}/RECORD", "", ""]])
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
         for name, text in FILES.items():
@@ -72,7 +85,7 @@ def test_trimmed_wheel_has_a_consistent_record_and_pip_installs_it(tmp_path):
         rows = {r[0]: r for r in csv.reader(io.StringIO(z.read(f"{DIST}/RECORD").decode()))}
         assert set(rows) == names
         for name in names - {f"{DIST}/RECORD"}:
-            assert rows[name][1] == W.record_hash(z.read(name))
+            assert rows[name][1] == record_hash(z.read(name))
     target = tmp_path / "site"
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet",
                            "--target", str(target), str(out / FAKE)], capture_output=True, text=True)
@@ -173,11 +186,27 @@ def test_hf_specs_carry_what_transformers_imports_beyond_torch_and_codabench():
     assert carried <= imported  # no wheel is carried that nothing imports
 
 
-def test_install_offline_dry_run_joins_parts_and_prints_the_command(tmp_path, capsys):
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    """The command line as a node runs it: the file on its own (isolated mode: neither its folder nor the working
+    directory on the path; it needs only the standard library)."""
+    return subprocess.run([sys.executable, "-I", str(TOOL), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_install_dry_run_joins_parts_and_prints_the_command(tmp_path):
     wheel = make_fake_wheel(tmp_path)
     (tmp_path / W.MANIFEST).write_text(json.dumps({"files": {wheel.name: {"sha256": W.sha256_file(wheel)}}}))
     W.split_file(wheel, 500)
-    assert W.main_install_offline([str(tmp_path), "--dry-run", "--target", str(tmp_path / "t")]) == 0
-    printed = capsys.readouterr().out
-    assert f"joined {FAKE}" in printed and "--no-index --no-deps" in printed and str(wheel) in printed
+    proc = _tool("install", str(tmp_path), "--dry-run", "--target", str(tmp_path / "t"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"joined {FAKE}" in proc.stdout and "--no-index --no-deps" in proc.stdout and str(wheel) in proc.stdout
     assert wheel.exists() and not (tmp_path / "t").exists()
+
+
+def test_install_refuses_a_missing_or_empty_folder(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for folder, says in ((tmp_path / "missing", "no such directory"), (empty, "no wheels in")):
+        proc = _tool("install", str(folder))
+        assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    proc = _tool("fetch")
+    assert proc.returncode == 2 and "invalid choice: 'fetch'" in proc.stderr

@@ -47,11 +47,20 @@ ROLES: dict[str, tuple[torch.dtype, bool]] = {
 
 @dataclass(frozen=True)
 class Recipe:
-    name: str
+    """An fp8 recipe: the scaling granularity and the accumulation mode. It is what code below the matrix's dtype
+    names passes around (the providers, the CODA kernels' host functions): the granularity has this one encoding."""
+
     rowwise: bool
+    """Activations one scale per row (token) and weights one per output channel (``fp8-row``), or one scale per
+    tensor (``fp8``); see :meth:`rowwise_for`."""
     accum: Literal["fast", "promoted"] = "fast"
     """fp8 tensor-core accumulation: "fast" (Hopper's reduced-precision accumulator throughout, like
     ``use_fast_accum=True``) or "promoted" (partial sums promoted to fp32 every K block)."""
+
+    def rowwise_for(self, role: Role) -> bool:
+        """Whether an operand of this role gets one scale per row: activations and weights under a rowwise recipe;
+        the dgrad operands always per tensor."""
+        return self.rowwise and ROLES[role][1]
 
     @property
     def label(self) -> str:
@@ -59,6 +68,7 @@ class Recipe:
 
 
 FP8_DTYPES = ("fp8", "fp8-row")
+"""The matrix's fp8 dtype names: per-tensor and rowwise scales (:func:`recipe` maps them to a :class:`Recipe`)."""
 
 
 def recipe(dtype: str, accum: str = "fast") -> Recipe | None:
@@ -67,7 +77,7 @@ def recipe(dtype: str, accum: str = "fast") -> Recipe | None:
         return None
     if accum not in ("fast", "promoted"):
         raise ValueError(f"fp8 accumulation must be 'fast' or 'promoted', got {accum!r}")
-    return Recipe(dtype, dtype == "fp8-row", accum)
+    return Recipe(rowwise=dtype == "fp8-row", accum=accum)
 
 
 class Fp8(NamedTuple):
@@ -108,18 +118,16 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3, rowwise: bool = Fal
 def quantize_as(x: torch.Tensor, role: str, recipe: Recipe) -> Fp8:
     """Quantize an operand of the given role under ``recipe``; a ``weight_bwd`` (K, N) is stored transposed,
     (N, K) row-major, the K-major layout fp8 tensor cores need for the dgrad's second operand."""
-    dtype, may_rowwise = ROLES[role]
     if role == "weight_bwd":
         x = x.t().contiguous()
-    return quantize(x, dtype, rowwise=recipe.rowwise and may_rowwise)
+    return quantize(x, ROLES[role][0], rowwise=recipe.rowwise_for(role))
 
 
 def round_inputs(inputs: dict[str, torch.Tensor], operands: dict[str, str], recipe: Recipe) -> dict[str, torch.Tensor]:
     """The inputs with each GEMM operand (name -> role) replaced by its dequantized fp8 value (same dtype)."""
     out = dict(inputs)
     for name, role in operands.items():
-        dtype, may_rowwise = ROLES[role]
-        out[name] = quantize(inputs[name], dtype, recipe.rowwise and may_rowwise).dequantize(inputs[name].dtype)
+        out[name] = quantize(inputs[name], ROLES[role][0], recipe.rowwise_for(role)).dequantize(inputs[name].dtype)
     return out
 
 
@@ -138,6 +146,10 @@ class TorchGemms:
 
     def dgrad(self, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return dy @ w
+
+
+SCALED_MM_MIN_CAPABILITY = (8, 9)
+"""``torch._scaled_mm`` on CUDA needs fp8 tensor cores: Ada / Hopper and newer."""
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,6 @@ class ModelShape:
             raise ValueError(f"model {self.name}: rope_theta and eps must be > 0")
         return self
 
-    def describe(self) -> str:
-        return (f"hidden={self.hidden},ffn={self.ffn},heads={self.heads},kv_heads={self.kv_heads},"
-                f"head_dim={self.head_dim},vocab={self.vocab}")
-
 
 def _paper(d: int, heads: int) -> ModelShape:
     ffn = -(-(8 * d // 3) // 256) * 256  # round_up(8d/3, 256)

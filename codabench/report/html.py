@@ -23,6 +23,7 @@ from codabench.matrix import PLUGIN_OP, SPEED_BASELINE
 from codabench.report.palette import impl_colors, impl_order
 from codabench.report.training import REFERENCES, train_step_table
 from codabench.stats import MIN_SAMPLES
+from codabench.timing import CPU_WALL
 from workloads.fp8 import FP8_DTYPES
 
 CSS = """
@@ -201,7 +202,7 @@ def _headline(df: pd.DataFrame, impls: list[str], colors: dict[str, str], perf: 
             if r["status"] == "ok":
                 mark = {True: "&#10003;", False: "&#10007;"}.get(r.get("correct"), "?")
                 text = mark
-                if perf and r.get("timing") != "cpu-wall":
+                if perf and r.get("timing") != CPU_WALL:
                     vs = " ".join(_ratio(r, "vs_best")).strip()  # the verdict's own ratio and interval
                     text = f"{_interval(r, 'speedup')} {mark}<br>{_verdict(r)}<span class='ci'>{vs.replace('×', '')}</span>"
                     cls += " best" if r.get("verdict") == "faster" else ""
@@ -305,8 +306,8 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
     colors = impl_colors(df["impl"])
     counts = df["status"].value_counts().to_dict()
     ok = df[df["status"] == "ok"]
-    perf = not ok.empty and (ok["timing"] != "cpu-wall").any()
-    cpu = not ok.empty and (ok["timing"] == "cpu-wall").any()
+    perf = not ok.empty and (ok["timing"] != CPU_WALL).any()
+    cpu = not ok.empty and (ok["timing"] == CPU_WALL).any()
     dips = clock_dips(df)
     n_pass = int((ok["correct"] == True).sum())  # noqa: E712 (pandas element-wise)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>codabench {_esc(run_dir.name)}</title>"

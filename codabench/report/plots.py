@@ -25,6 +25,7 @@ from PIL import Image  # noqa: E402
 
 from codabench.clocks import CLOCK_DIP, run_clock_mhz  # noqa: E402
 from codabench.report.palette import impl_colors, impl_order  # noqa: E402
+from codabench.timing import CPU_WALL  # noqa: E402
 from workloads.models import PRESETS  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def make_plots(df: pd.DataFrame, out_dir: Path, env: dict[str, Any] | None = Non
     for old in out_dir.glob("*.png"):
         old.unlink()
     ok = df[df["status"] == "ok"]
-    cpu_only = not ok.empty and (ok["timing"] == "cpu-wall").all()
+    cpu_only = not ok.empty and (ok["timing"] == CPU_WALL).all()
     colors = impl_colors(df["impl"])
     made = []
     for dtype in sorted(ok["dtype"].unique()):

@@ -38,6 +38,11 @@ TWO_PI_B = tl.constexpr(0.0019353071693331003)
 TWO_PI_C = tl.constexpr(1.0253131677018246e-11)
 INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
+SCALING_NONE, SCALING_PER_TENSOR, SCALING_ROWWISE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+"""The values of the SCALING constexpr of the fp8-capable kernels, picked from the operands' scales in one place
+(:func:`kernels.coda.fp8.dequant_args`): no scales; one scalar per operand; one scale per row of A (token) and
+one per column of the output (channel)."""
+
 
 # ---- 1-2. scales and vector loads -------------------------------------------------------------
 
@@ -67,12 +72,12 @@ def dequant_scale(acc, row, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr
     """``acc * (row sa)[:, None] * sb[None, :]``: a per-row factor ``row`` (BM,) (RMSNorm's rstd, or ones)
     composed with the fp8 dequantization scales of the two GEMM operands (:mod:`kernels.coda.fp8`).
 
-    SCALING 0: no scales; 1 (per tensor): scalars ``*sa_ptr``, ``*sb_ptr``, folded into the row factor (one
-    multiply per element); 2 (rowwise): ``sa[M]`` per token and ``sb[N]`` per output channel.
+    SCALING_NONE: no scales; SCALING_PER_TENSOR: scalars ``*sa_ptr``, ``*sb_ptr``, folded into the row factor (one
+    multiply per element); SCALING_ROWWISE: ``sa[M]`` per token and ``sb[N]`` per output channel.
     """
-    if SCALING == 1:
+    if SCALING == SCALING_PER_TENSOR:
         row = row * (tl.load(sa_ptr) * tl.load(sb_ptr))
-    if SCALING == 2:
+    if SCALING == SCALING_ROWWISE:
         row = row * load_rows(sa_ptr, off_m, M, BM)
         acc = acc * load_cols(sb_ptr, off_n, N, BN)[None, :]
     return acc * row[:, None]
@@ -80,8 +85,8 @@ def dequant_scale(acc, row, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr
 
 @triton.jit
 def dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr, SCALING: tl.constexpr):
-    """:func:`dequant_scale` for a GEMM without a row scale: ``acc`` itself when SCALING is 0."""
-    if SCALING != 0:
+    """:func:`dequant_scale` for a GEMM without a row scale: ``acc`` itself when SCALING is SCALING_NONE."""
+    if SCALING != SCALING_NONE:
         acc = dequant_scale(acc, tl.full((BM,), 1.0, tl.float32), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN,
                             SCALING)
     return acc

@@ -22,12 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import load_tile, store_tile
+from kernels.coda.epilogue import SCALING_NONE, SCALING_PER_TENSOR, SCALING_ROWWISE, load_tile, store_tile
 from kernels.coda.mainloop import INTERPRET, tile_desc
 from workloads.fp8 import FP8_EXPONENT, Fp8
-
-NO_SCALING, PER_TENSOR, ROWWISE = 0, 1, 2
-"""Values of the SCALING constexpr of the fp8-capable kernels."""
 
 
 # ---- host: the dequantization arguments of a GEMM ------------------------------------------------
@@ -41,26 +38,27 @@ def dequant_args(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``(a, b, sa, sb, SCALING)`` for the launch of a GEMM: the operands' data and scales, both fp8 or neither.
 
-    Per tensor when both scales are scalars, rowwise when both are vectors (sa one entry per row of the
-    output, sb one per column); the scale arguments are placeholders (never read) without fp8.
+    SCALING (the value of one of :mod:`kernels.coda.epilogue`'s ``SCALING_*``) follows from the scales the recipe
+    gave the operands: per tensor when both are scalars, rowwise when both are vectors (sa one entry per row of
+    the output, sb one per column); the scale arguments are placeholders (never read) without fp8.
     """
     (a, sa), (b, sb) = split_operand(a), split_operand(b)
     if (sa is None) != (sb is None):
         raise ValueError("a GEMM takes two fp8 operands (with scales) or none")
     if sa is None:
-        return a, b, _ones(a.device), _ones(a.device), NO_SCALING
+        return a, b, _ones(a.device), _ones(a.device), SCALING_NONE.value
     if sa.numel() == 1 and sb.numel() == 1:
-        return a, b, sa, sb, PER_TENSOR
+        return a, b, sa, sb, SCALING_PER_TENSOR.value
     if sa.numel() == 1 or sb.numel() == 1:
         raise ValueError("fp8 operands take per-tensor scales on both sides or rowwise scales on both")
-    return a, b, sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(), ROWWISE
+    return a, b, sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(), SCALING_ROWWISE.value
 
 
 def scalar_args(scale: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(sa, sb, SCALING)`` for one fp32 scalar multiplier (a loss scale) on a GEMM of plain operands."""
     if scale is None:
-        return _ones(device), _ones(device), NO_SCALING
-    return scale, _ones(device), PER_TENSOR
+        return _ones(device), _ones(device), SCALING_NONE.value
+    return scale, _ones(device), SCALING_PER_TENSOR.value
 
 
 @functools.lru_cache(maxsize=8)

@@ -31,7 +31,6 @@ never writes logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -270,34 +269,32 @@ def norm_consumer(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consume
 # its epilogue; an epilogue whose output feeds another GEMM (h, SwiGLU's y) also writes its absmax partials,
 # and one pass quantizes it (e4m3, per tensor or per row) for that GEMM.
 
-def _fp8_options(recipe: Recipe) -> tuple[Literal["tensor", "row"], bool]:
-    """(granularity of the hand-off quantization, promoted accumulation)."""
-    return "row" if recipe.rowwise else "tensor", recipe.accum == "promoted"
+def _promote(recipe: Recipe) -> bool:
+    return recipe.accum == "promoted"
 
 
 def producer_consumer_fp8(recipe: Recipe, a: Fp8, residual: torch.Tensor, w_p: Fp8, gamma: torch.Tensor, w: Fp8,
                           consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
-    q, promote = _fp8_options(recipe)
-    x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps, promote, h_fp8=q)
+    promote = _promote(recipe)
+    x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps, promote, h_fp8=recipe)
     out, side, _ = consumer.forward(h, w, rstd, False, promote)
     return x, out, rstd, *side
 
 
 def block_fp8(recipe: Recipe, a: Fp8, residual: torch.Tensor, w_o: Fp8, gamma_mlp: torch.Tensor, w_gu: Fp8,
               w_down: Fp8, gamma: torch.Tensor, w: Fp8, consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
-    q, promote = _fp8_options(recipe)
-    x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps, promote, h_fp8=q)
-    y, _ = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=False, promote=promote, y_fp8=q)
-    x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps, promote, h_fp8=q)
+    promote = _promote(recipe)
+    x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps, promote, h_fp8=recipe)
+    y, _ = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=False, promote=promote, y_fp8=recipe)
+    x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps, promote, h_fp8=recipe)
     out, side, _ = consumer.forward(h2, w, rstd, False, promote)
     return x, out, rstd_mlp, rstd, *side
 
 
 def norm_consumer_fp8(recipe: Recipe, x: torch.Tensor, gamma: torch.Tensor, w: Fp8, consumer: Consumer, eps: float
                       ) -> tuple[torch.Tensor, ...]:
-    q, promote = _fp8_options(recipe)
-    h, rstd = norm_input(x, gamma, eps, h_fp8=q)
-    out, side, _ = consumer.forward(h, w, rstd, False, promote)
+    h, rstd = norm_input(x, gamma, eps, h_fp8=recipe)
+    out, side, _ = consumer.forward(h, w, rstd, False, _promote(recipe))
     return out, rstd, *side
 
 

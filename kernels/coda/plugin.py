@@ -37,7 +37,6 @@ from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, Swi
 from kernels.coda.gemm import linear
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.swiglu_bwd import dgrad_swiglu
-from kernels.torch_baselines import quantize_native
 from workloads import fp8
 from workloads.models import ModelShape
 from workloads.ops.gemm import GEMM_SHAPES
@@ -145,7 +144,7 @@ class CodaTriton(Implementation):
             native["w_qkv"] = layouts.qkv_rows_to_adjacent(case.inputs["w_qkv"], *_qkv_args(case.model))
         if "gate" in case.inputs:  # swiglu_dgrad: the saved pre-activation, interleaved as the forward keeps it
             native["z_pre"] = layouts.interleave_cols(native.pop("gate"), native.pop("up"))
-        native = quantize_native(native, case, {"w_gate": "w_gu", "w_up": "w_gu"})
+        native = case.quantize(native, {"w_gate": "w_gu", "w_up": "w_gu"})
         native["model"], native["recipe"] = case.model, case.recipe
         return native
 

@@ -11,8 +11,6 @@ dequantizes, and can write absmax partials of h so that h is quantized for the n
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +22,7 @@ from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
                                    tile_desc)
 from kernels.coda.reduce import finish_rstd, launched_tiles, row_partials
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 
 @coda_autotune(configs=subtiled_configs((2, 1, 4)))
@@ -60,12 +58,12 @@ def gemm_residual_norm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, s
 
 
 def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor, gamma: torch.Tensor,
-                       eps: float, promote: bool = False, h_fp8: Literal["tensor", "row"] | None = None
+                       eps: float, promote: bool = False, h_fp8: Recipe | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | Fp8, torch.Tensor]:
     """``(x, h, rstd)``: ``x = residual + a @ w.T`` and ``h = x * gamma`` (residual's dtype), ``rstd`` fp32 [M]
     of x; w in nn.Linear layout (N, K). fp8 a and w (:class:`workloads.fp8.Fp8`) are dequantized in the
-    epilogue (``promote``: accumulation mode). ``h_fp8`` returns h quantized to e4m3 (scale per tensor or
-    per row) from absmax partials the epilogue writes next to the sums of squares."""
+    epilogue (``promote``: accumulation mode). ``h_fp8``: h returned quantized to e4m3 under that recipe (an
+    activation: per tensor or per row) from absmax partials the epilogue writes next to the sums of squares."""
     gemm = FusedGemm(a, w.T, promote)
     residual, gamma = residual.contiguous(), gamma.contiguous()
     x, h = gemm.empty(residual.dtype), gemm.empty(residual.dtype)
@@ -77,7 +75,7 @@ def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: t
                 AMAX=h_fp8 is not None)
     n_tiles = launched_tiles(kernel, gemm.M, gemm.N)[1]
     if h_fp8:
-        h = quantize_from_partials(h, amax, n_tiles, rowwise=h_fp8 == "row")
+        h = quantize_from_partials(h, amax, n_tiles, rowwise=h_fp8.rowwise_for("act"))
     return x, h, finish_rstd(ss, n_tiles, gemm.N, eps)
 
 
@@ -103,10 +101,10 @@ def norm_input_kernel(x_ptr, gamma_ptr, h_ptr, rstd_ptr, amax_ptr, M, N, stride_
         tl.store(amax_ptr + rows, amax, mask=rows < M)
 
 
-def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Literal["tensor", "row"] | None = None
+def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Recipe | None = None
                ) -> tuple[torch.Tensor | Fp8, torch.Tensor]:
     """``(h, rstd)`` of an x no GEMM produced: ``h = x * gamma`` (x's dtype), rstd fp32 [M]; one pass over x.
-    ``h_fp8``: h quantized to e4m3 (per tensor or per row) by a second pass, from row maxima of the first."""
+    ``h_fp8``: h quantized to e4m3 under that recipe by a second pass, from row maxima of the first."""
     x, gamma = x.contiguous(), gamma.contiguous()
     M, N = x.shape
     h = torch.empty_like(x)
@@ -116,5 +114,5 @@ def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Literal[
     norm_input_kernel[(triton.cdiv(M, bm),)](x, gamma, h, rstd, amax, M, N, x.stride(0), h.stride(0), eps,
                                              AMAX=h_fp8 is not None, BM=bm, BN=bn)
     if h_fp8:
-        h = quantize_from_partials(h, amax, 1, rowwise=h_fp8 == "row")
+        h = quantize_from_partials(h, amax, 1, rowwise=h_fp8.rowwise_for("act"))
     return h, rstd

@@ -10,8 +10,6 @@ On fp8 h and w_gu the dequantization scales join rstd in one multiply; y can be 
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +21,7 @@ from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
                                    tile_desc)
 from kernels.coda.reduce import launched_tiles, row_partials
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 
 @coda_autotune(key=("M", "N", "K", "SAVE_PREACT"), configs=subtiled_configs((2, 1, 4)))
@@ -58,13 +56,13 @@ def gemm_swiglu_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b
 
 
 def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Tensor, save_preact: bool,
-                promote: bool = False, y_fp8: Literal["tensor", "row"] | None = None
+                promote: bool = False, y_fp8: Recipe | None = None
                 ) -> tuple[torch.Tensor | Fp8, torch.Tensor | None]:
     """``(y, z_pre)``: y [M, f] in h's dtype (bf16 for fp8 h, w_gu); z_pre the interleaved [M, 2f]
     pre-activation, only if save_preact.
 
-    w_gu: (2f, K) with interleaved gate/up rows; rstd fp32 [M]. ``y_fp8`` returns y quantized to e4m3 (scale
-    per tensor or per row) from absmax partials of the epilogue (the down-projection's fp8 input).
+    w_gu: (2f, K) with interleaved gate/up rows; rstd fp32 [M]. ``y_fp8``: y returned quantized to e4m3 under
+    that recipe from absmax partials of the epilogue (the down-projection's fp8 input).
     """
     gemm = FusedGemm(h, w_gu.T, promote)
     M, N = gemm.M, gemm.N
@@ -78,5 +76,5 @@ def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Ten
                 stride_z=z.stride(0) if save_preact else 0, stride_amax=amax.stride(0), SAVE_PREACT=save_preact,
                 AMAX=y_fp8 is not None)
     if y_fp8:
-        y = quantize_from_partials(y, amax, launched_tiles(kernel, M, N)[1], rowwise=y_fp8 == "row")
+        y = quantize_from_partials(y, amax, launched_tiles(kernel, M, N)[1], rowwise=y_fp8.rowwise_for("act"))
     return y, z

@@ -1,8 +1,9 @@
-"""Wheels of the baseline packages and of transformers for GPU nodes without internet.
+"""Wheels of the baseline packages and of transformers for GPU nodes without internet (a packaging tool of the
+repository, not part of the harness: it imports nothing of codabench, so it runs before codabench is installed).
 
-On a connected machine::
+On a connected machine, from the repository root::
 
-    python -m codabench wheelhouse --dest DIR --python-version 3.12 --platform manylinux_2_28_x86_64
+    python tools/wheelhouse.py build --dest DIR --python-version 3.12 --platform manylinux_2_28_x86_64
 
 downloads (``pip download --no-deps --only-binary=:all:``) liger-kernel, flashinfer-python, apache-tvm-ffi,
 and transformers with what it imports (``HF_SPECS``, for :mod:`kernels.coda.hf`), for the node's Python and
@@ -13,9 +14,9 @@ RoPE modules JIT-compile: ``data/include``, ``data/cutlass``, ``data/cccl``, ``d
 The rewritten wheel keeps its name; its ``RECORD`` lists exactly the files it holds, so pip
 installs it. ``DIR/wheelhouse.json`` records every file's size and sha256. A file larger than
 ``--max-part-mib`` is split into ``NAME.part00``, ``NAME.part01``, ... (join by hand with
-``cat NAME.part* > NAME``). Carry DIR to the node, then::
+``cat NAME.part* > NAME``). Carry DIR (and this file) to the node, then::
 
-    python -m codabench install-offline DIR
+    python tools/wheelhouse.py install DIR
 
 joins any split files (checking their sha256), then runs ``pip install --no-index --no-deps`` on
 every wheel in DIR. ``--no-deps``: the node already has flashinfer's import-time needs (torch,
@@ -32,7 +33,6 @@ quack is not in the default set (it needs nvidia-cutlass-dsl, about 100 MB); add
 from __future__ import annotations
 
 import argparse
-import base64
 import csv
 import hashlib
 import io
@@ -82,11 +82,6 @@ class TrimStats:
     dropped: int
     bytes_before: int
     bytes_after: int
-
-
-def record_hash(data: bytes) -> str:
-    """The wheel RECORD form of a sha256: ``sha256=<urlsafe base64, no padding>``."""
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 def trim_wheel(src: Path, dest: Path, keep=keep_flashinfer_file) -> TrimStats:
@@ -197,18 +192,30 @@ def install_command(folder: Path, target: str | None = None) -> list[str]:
     return cmd + (["--target", target] if target else [])
 
 
-def main_wheelhouse(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="codabench wheelhouse", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dest", required=True, type=Path, help="folder to fill (created)")
-    ap.add_argument("--python-version", default="3.12", help="the GPU node's Python (default 3.12)")
-    ap.add_argument("--platform", default="manylinux_2_28_x86_64", help="the node's wheel platform tag")
-    ap.add_argument("--liger-version", default=LIGER_VERSION)
-    ap.add_argument("--flashinfer-version", default=FLASHINFER_VERSION)
-    ap.add_argument("--extra", action="append", default=[], metavar="SPEC",
-                    help="another requirement to download (repeatable), e.g. quack-kernels==0.6.1")
-    ap.add_argument("--max-part-mib", type=float, default=60.0,
-                    help="split files larger than this into parts (default 60)")
+def main(argv: list[str] | None = None) -> int:
+    """``build`` or ``install``, as the module's docstring shows."""
+    ap = argparse.ArgumentParser(prog="wheelhouse.py", description=__doc__.split("\n\n")[0])
+    commands = ap.add_subparsers(dest="command", required=True)
+    b = commands.add_parser("build", help="download and trim the wheels into a folder (needs the internet)")
+    b.add_argument("--dest", required=True, type=Path, help="folder to fill (created)")
+    b.add_argument("--python-version", default="3.12", help="the GPU node's Python (default 3.12)")
+    b.add_argument("--platform", default="manylinux_2_28_x86_64", help="the node's wheel platform tag")
+    b.add_argument("--liger-version", default=LIGER_VERSION)
+    b.add_argument("--flashinfer-version", default=FLASHINFER_VERSION)
+    b.add_argument("--extra", action="append", default=[], metavar="SPEC",
+                   help="another requirement to download (repeatable), e.g. quack-kernels==0.6.1")
+    b.add_argument("--max-part-mib", type=float, default=60.0,
+                   help="split files larger than this into parts (default 60)")
+    i = commands.add_parser("install", help="install a folder made by 'build', with no index")
+    i.add_argument("folder", type=Path)
+    i.add_argument("--target", help="install into this folder (pip --target) instead of site-packages")
+    i.add_argument("--dry-run", action="store_true", help="print the pip command, install nothing")
     args = ap.parse_args(argv)
+    return build_main(args) if args.command == "build" else install_main(args)
+
+
+def build_main(args: argparse.Namespace) -> int:
+    """Download, trim and split into ``args.dest``; a line per file."""
     specs = default_specs(args.liger_version, args.flashinfer_version) + args.extra
     manifest = build(args.dest, args.python_version, args.platform, specs, int(args.max_part_mib * 2**20))
     total = 0
@@ -217,17 +224,12 @@ def main_wheelhouse(argv: list[str] | None = None) -> int:
         note = f"  (split: {', '.join(entry['parts'])})" if "parts" in entry else ""
         note += "  (trimmed)" if "trimmed" in entry else ""
         print(f"{entry['bytes'] / 2**20:8.2f} MiB  {name}{note}")
-    print(f"{total / 2**20:8.2f} MiB  total in {args.dest}; on the node: python -m codabench install-offline DIR")
+    print(f"{total / 2**20:8.2f} MiB  total in {args.dest}; on the node: python tools/wheelhouse.py install DIR")
     return 0
 
 
-def main_install_offline(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="codabench install-offline",
-                                 description="Install a wheelhouse made by `codabench wheelhouse`, with no index.")
-    ap.add_argument("folder", type=Path)
-    ap.add_argument("--target", help="install into this folder (pip --target) instead of site-packages")
-    ap.add_argument("--dry-run", action="store_true", help="print the pip command, install nothing")
-    args = ap.parse_args(argv)
+def install_main(args: argparse.Namespace) -> int:
+    """Join split files, then ``pip install --no-index --no-deps`` every wheel (exit code 2: nothing to install)."""
     try:
         if not args.folder.is_dir():
             raise FileNotFoundError(f"{args.folder}: no such directory")
@@ -235,7 +237,11 @@ def main_install_offline(argv: list[str] | None = None) -> int:
             print(f"joined {joined.name}")
         cmd = install_command(args.folder, args.target)
     except (OSError, RuntimeError, ValueError) as e:  # ValueError: an unreadable wheelhouse.json
-        print(f"codabench install-offline: {e}", file=sys.stderr)
+        print(f"wheelhouse.py install: {e}", file=sys.stderr)
         return 2
     print(" ".join(cmd))
     return 0 if args.dry_run else subprocess.run(cmd).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

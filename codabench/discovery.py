@@ -1,0 +1,130 @@
+"""Finding the implementations: the harness's reference baselines, then every plugin module.
+
+:func:`discover` fills :data:`codabench.registry.REGISTRY`, in this order:
+
+1. the harness's own torch-eager and torch-compile (:mod:`codabench.eager`);
+2. the project's built-in implementations (``kernels/``): the ``codabench.plugins`` entry points that its
+   pyproject.toml declares, found like any other plugin's (:func:`builtin_entry_points`);
+3. the ``codabench.plugins`` entry points of other installed packages (``entry_points=False``: skipped);
+4. plugin files (``--plugin FILE``).
+
+A module that fails to import, exits while being imported, or registers an op that does not exist is recorded in
+``REGISTRY.load_errors`` with the file and line at fault (printed on the console and reported as an error row,
+never dropped). The harness's references to its clocks and torch functions are recorded before the first plugin
+import (:mod:`codabench.guard`).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import traceback
+from importlib.metadata import EntryPoint
+from pathlib import Path
+from typing import Iterable
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the built-in entry points come from the installed metadata
+    tomllib = None
+
+from codabench import eager, guard
+from codabench.registry import REGISTRY, Registry
+
+ENTRY_POINT_GROUP = "codabench.plugins"
+PROJECT = "codabench"
+"""The distribution whose entry points are the built-in implementations."""
+SOURCE_TREE = Path(__file__).resolve().parents[1]
+
+
+def builtin_entry_points() -> list[EntryPoint]:
+    """The project's own ``codabench.plugins`` entry points.
+
+    Read from the pyproject.toml of the source tree the harness is imported from, when it runs from one (installed
+    editable or not: a checkout's pyproject.toml is current where the installed metadata may be stale or absent);
+    else, or on Python 3.10 (no tomllib), from the installed distribution's metadata.
+    """
+    pyproject = SOURCE_TREE / "pyproject.toml"
+    if tomllib is not None and pyproject.is_file():
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        if project.get("name") == PROJECT:
+            declared = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
+            return [EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in declared.items()]
+    return [ep for ep in importlib.metadata.distribution(PROJECT).entry_points if ep.group == ENTRY_POINT_GROUP]
+
+
+def other_entry_points() -> list[EntryPoint]:
+    """The ``codabench.plugins`` entry points of every installed package but this project."""
+    return [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+            if getattr(ep.dist, "name", None) != PROJECT]
+
+
+def describe_load_error(exc: BaseException) -> str:
+    """One line for a plugin that failed to load: ``Type: message (file:line)``, the line being the innermost frame
+    outside the harness and importlib (the plugin's own line where there is one)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "importlib" not in f.filename and Path(f.filename).parent != Path(__file__).parent]
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, SystemExit):
+        msg = f"the plugin called sys.exit({exc.code!r}) while being imported"
+    return f"{type(exc).__name__}: {msg}{where}"
+
+
+def _record_failure(source: str, exc: BaseException) -> None:
+    REGISTRY.load_errors.append((source, describe_load_error(exc)))
+
+
+def _load(ep: EntryPoint, source: str) -> None:
+    try:
+        ep.load()
+    except (Exception, SystemExit) as e:  # a broken plugin (or one that exits) becomes an error row, not a crash
+        _record_failure(source, e)
+
+
+def plugin_module_name(path: Path) -> str:
+    """The module name a plugin file is imported under: its stem and a digest of its resolved path, so that
+    same-named files of different folders both load."""
+    return f"codabench_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+
+
+def load_plugin_file(path: str | os.PathLike) -> None:
+    path = Path(path).resolve()
+    if str(path) not in REGISTRY.plugin_files:
+        REGISTRY.plugin_files.append(str(path))
+    mod_name = plugin_module_name(path)
+    if mod_name in sys.modules:
+        return
+    try:
+        if not path.is_file():
+            raise FileNotFoundError(f"no such plugin file: {path}")
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:
+        sys.modules.pop(mod_name, None)
+        _record_failure(str(path), e)
+
+
+def discover(plugin_files: Iterable[str] = (), entry_points: bool = True) -> Registry:
+    """Register every implementation in the order above (``entry_points``: also other packages' plugins)."""
+    guard.snapshot()
+    eager.register(REGISTRY)
+    try:
+        builtin = builtin_entry_points()
+    except importlib.metadata.PackageNotFoundError as e:
+        builtin = []
+        _record_failure("built-in implementations", e)
+    for ep in builtin:
+        _load(ep, ep.value)
+    if entry_points:
+        for ep in other_entry_points():
+            _load(ep, f"entry point {ep.name}")
+    for f in plugin_files:
+        load_plugin_file(f)
+    return REGISTRY
