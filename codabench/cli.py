@@ -280,12 +280,12 @@ def _summary(out: Path, code: int) -> int:
 def _runner(args: argparse.Namespace, cfg: RunConfig, worker: WorkerProcess | None) -> Runner:
     """The plan of the run, after the checks that need the registry (names, an empty selection, the device, --out)."""
     registry = discover(args.plugin, entry_points=not args.no_entry_points)
-    for source, err in registry.load_errors:
-        print(f"codabench: plugin {source} failed to load: {err}", file=sys.stderr)
     _check_names(cfg.selection, registry, cfg.models)
     runner = Runner(cfg, registry, worker)
-    if args.list:
+    if args.list:  # the listing names the plugins that failed to load
         return runner
+    for source, err in registry.load_errors:
+        print(f"codabench: plugin {source} failed to load: {err}", file=sys.stderr)
     if not build_cells(cfg.selection, registry):  # the whole selection: a rank's or shard's part may be empty
         raise UsageError(f"the selection has no cells: {_selection_text(cfg.selection)} (--impls from: "
                          + ", ".join(registry.names()) + ")")

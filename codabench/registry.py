@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from codabench.case import Case
+from workloads.ops import OPS
 
 Tensors = dict[str, Any]
 """Named tensors; native dicts may also carry plain values (a model shape, eps), which the harness leaves alone."""
@@ -102,8 +103,6 @@ class Registry:
     def add(self, impl: Implementation) -> Implementation:
         if not impl.name or not impl.op:
             raise ValueError(f"implementation {impl!r} needs a name and an op")
-        from workloads.ops import OPS
-
         if impl.op not in OPS:
             raise ValueError(f"implementation {impl.name!r} registers op {impl.op!r}, which does not exist "
                              f"(ops: {', '.join(OPS)})")

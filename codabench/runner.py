@@ -223,8 +223,8 @@ class Runner:
 
     def _run_facts(self) -> dict[str, Any]:
         cfg = self.cfg
-        return dict(suite=cfg.suite, run=cfg.out_dir.name,
-                    models={m: vars(cfg.model(m)) for m in cfg.selection.models}, shard=list(cfg.shard) if cfg.shard else None,
+        return dict(suite=cfg.suite, run=cfg.out_dir.name, models={m: vars(cfg.model(m)) for m in cfg.selection.models},
+                    shard=list(cfg.shard) if cfg.shard else None,
                     tokens=cfg.tokens, vocab=cfg.vocab, check_tokens=cfg.check_tokens, cuda_graph=cfg.cuda_graph,
                     timing=vars(cfg.timing), fp8_accum=cfg.fp8_accum, cell_timeout_s=cfg.cell_timeout_s,
                     isolated=cfg.isolate,

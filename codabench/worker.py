@@ -107,14 +107,13 @@ class WorkerProcess:
         self.timeout_s = cfg.cell_timeout_s
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        self._ready: bool | None = None
-        """True once the running worker said it is ready; None while it starts; False when it could not be sent its
-        config."""
+        self._ready = False
+        """True once the running worker said it is ready."""
         self.starts = 0
 
     def call(self, method: str, *args: Any) -> Any:
         """The worker's answer to ``method(*args)``, or a :class:`Failure` (timeout, exit, signal, harness error)."""
-        if self._ready is not True or self._proc.poll() is not None:
+        if not self._ready or self._proc.poll() is not None:
             failure = self._start()
             if failure is not None:
                 return failure
@@ -134,19 +133,19 @@ class WorkerProcess:
                                       pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._ready = None
+        self._ready = False
         self.starts += 1
         try:
             self._conn.send(self.cfg)
-        except OSError:
-            self._ready = False
+        except OSError:  # the worker died at once: waiting for it (:meth:`_start`) finds out why
+            pass
 
     def close(self) -> None:
         """Stop the worker: asked to, if it is ready; killed if it is still starting (or does not stop within 2 s)."""
         if self._proc is None:
             return
         try:
-            if self._ready is True and self._proc.poll() is None:
+            if self._ready and self._proc.poll() is None:
                 self._conn.send(("stop", ()))
                 self._proc.wait(2)
         except (OSError, subprocess.TimeoutExpired):
@@ -157,8 +156,6 @@ class WorkerProcess:
         """Wait for the spawned worker (spawn one if there is none, or it died) to be ready."""
         if self._proc is None or self._proc.poll() is not None:
             self.spawn()
-        if self._ready is False:
-            return Failure(f"starting the worker: {self._dead().message}")
         answer = self._receive(max(self.timeout_s, START_TIMEOUT_S))
         self._ready = not isinstance(answer, Failure)
         return Failure(f"starting the worker: {answer.message}") if isinstance(answer, Failure) else None
@@ -192,7 +189,7 @@ class WorkerProcess:
                 self._proc.kill()
             self._proc.wait()
             self._proc = None
-        self._ready = None
+        self._ready = False
         if self._conn is not None:
             self._conn.close()
             self._conn = None
