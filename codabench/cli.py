@@ -197,13 +197,13 @@ def _run(args: argparse.Namespace) -> int:
     ranks = distributed.from_env()
     if ranks is not None and args.shard:
         raise UsageError("--shard and torchrun both split the cells among processes: give one of them")
+    missing = [f for f in args.plugin if not Path(f).is_file()]
+    if missing:
+        raise UsageError(f"--plugin {missing[0]}: no such file")
     device = torch.device(select_device())
     suite = get_suite(args.suite or ("quick" if device.type == "cuda" else "smoke"))
     if device.type == "cpu":
         print(f"codabench: {INTERPRETER_NOTE}", file=sys.stderr)
-    missing = [f for f in args.plugin if not Path(f).is_file()]
-    if missing:
-        raise UsageError(f"--plugin {missing[0]}: no such file")
     out = args.out or _default_out(suite.name, args.resume, args.shard)
     if ranks is not None:  # torchrun: rank 0 names the run, each rank runs its shard on its GPU
         distributed.start(ranks)
