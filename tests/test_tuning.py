@@ -147,3 +147,106 @@ def test_concurrent_stores_lose_no_entry(cache_dir):
         list(pool.map(writer, range(8)))
     fresh = tuner()
     assert tuning.load(fresh, path) == 8 * 25
+
+
+def stub_runs(t):
+    """``t`` with its launch and its timing replaced: the launch does nothing, timing fails the test."""
+    t.run = lambda *args, **kwargs: None
+    t._bench = scripted_bench({})  # raises StopIteration-free KeyError if any config were timed
+    return t
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "TABLES", tmp_path / "tuned")
+    return tmp_path / "tuned"
+
+
+def write_table(tables, gpu, kernel, entries):
+    path = tuning.table_file(gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"gpu": gpu, "triton": "3.6.0", "kernels": {kernel: entries}}))
+    return path
+
+
+def test_a_shipped_table_serves_keys_the_cache_lacks_and_the_cache_wins(cache_dir, tables):
+    a, b = CONFIGS
+    write_table(tables, "Test GPU", "_copy", {"[1024]": tuning._config_json(b), "[2048]": tuning._config_json(b)})
+    cached = tuner()
+    cached.cache[(2048,)] = a
+    tuning.store(cached, [(2048,)], tuning.cache_file("Test GPU"))
+    t = stub_runs(tuner())
+    tuning.attach(t, lambda: "Test GPU")
+    t.run(None, None, 1024, grid=None, warmup=False)  # no tuning: the table has the key
+    assert t.cache == {(1024,): b, (2048,): a}  # the measured cache entry wins over the table's
+    other = stub_runs(tuner())  # another GPU model has no table: it tunes
+    other._bench = lambda *args, config, **kwargs: [1.0 if config is a else 2.0]
+    tuning.attach(other, lambda: "Other GPU")
+    other.run(None, None, 1024, grid=None, warmup=False)
+    assert other.cache == {(1024,): a}
+
+
+def test_table_entries_of_unknown_configs_are_ignored_and_tables_can_be_turned_off(cache_dir, tables, monkeypatch):
+    a, b = CONFIGS
+    write_table(tables, "Test GPU", "_copy", {"[1024]": {"kwargs": {"BLOCK": 512}, "num_warps": 4, "num_stages": 2},
+                                              "[4096]": tuning._config_json(b)})
+    t = tuner()
+    assert tuning.load_table(t, tuning.table_file("Test GPU")) == 1 and t.cache == {(4096,): b}
+    monkeypatch.setenv("CODABENCH_TUNING_TABLES", "0")
+    t = stub_runs(tuner())
+    t._bench = lambda *args, config, **kwargs: [1.0 if config is a else 2.0]
+    tuning.attach(t, lambda: "Test GPU")
+    t.run(None, None, 4096, grid=None, warmup=False)
+    assert t.cache == {(4096,): a}  # tuned, not taken from the table
+
+
+def test_export_merges_a_cache_into_the_table_by_kernel_name(cache_dir, tables):
+    a, b = CONFIGS
+    write_table(tables, "Test GPU", "_copy", {"[1]": tuning._config_json(a), "[2]": tuning._config_json(a)})
+    cache = tuning.cache_file("Test GPU")
+    t, e = tuner(), tuner(_copy_edited)
+    t.cache.update({(2,): b, (3,): b})
+    e.cache[(5,)] = a
+    tuning.store(t, [(2,), (3,)], cache)
+    tuning.store(e, [(5,)], cache)
+    table, n = tuning.export(cache)
+    assert table == tuning.table_file("Test GPU") and n == 4
+    data = json.loads(table.read_text())
+    assert data["triton"] == triton.__version__ and data["gpu"] == "Test-GPU"
+    assert data["kernels"]["_copy"] == {"[1]": tuning._config_json(a), "[2]": tuning._config_json(b),
+                                        "[3]": tuning._config_json(b)}
+    assert data["kernels"]["_copy_edited"] == {"[5]": tuning._config_json(a)}
+    with pytest.raises(ValueError, match="not a cache file name"):
+        tuning.export(cache.with_name("results.json"))
+
+
+def test_export_command_refuses_a_missing_file_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        tuning.main(["export", str(tmp_path / "nope--triton-3.6.0.json")])
+    assert exc.value.code == 2 and capsys.readouterr().err.strip().endswith("no such file")
+
+
+def test_the_shipped_tables_name_coda_kernels_and_configs_of_their_lists():
+    """Every shipped table's kernels are autotuned CODA kernels and every stored config is one of the kernel's
+    configs (compiled mode: the interpreter has one config per kernel, so this runs in a subprocess without it)."""
+    import os
+    import subprocess
+    import sys
+    script = (
+        "import json, sys\n"
+        "import kernels.coda.functions, kernels.coda.plugin\n"
+        "from triton.runtime.autotuner import Autotuner\n"
+        "from kernels.coda import tuning\n"
+        "tuners = {tuning.kernel_name(v): v for m in list(sys.modules.values()) if m and m.__name__.startswith('kernels.')"
+        " for v in vars(m).values() if isinstance(v, Autotuner)}\n"
+        "bad = []\n"
+        "for path in sorted(tuning.TABLES.glob('*.json')):\n"
+        "    for name, entries in json.loads(path.read_text())['kernels'].items():\n"
+        "        if name.startswith('strategy:'): continue\n"
+        "        if name not in tuners: bad.append(f'{path.name}: {name} is not a CODA kernel'); continue\n"
+        "        known = [tuning._config_json(c) for c in tuners[name].configs]\n"
+        "        bad += [f'{path.name}: {name} {k}: config not in its list' for k, c in entries.items() if c not in known]\n"
+        "print(len(list(tuning.TABLES.glob('*.json'))), 'tables'); print('\\n'.join(bad)); sys.exit(bool(bad))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -17,11 +17,26 @@ so that a second run on the same kind of GPU starts timing within seconds. A ker
 hash (it retunes); a stored config that is no longer in the kernel's list is ignored. Writes merge with the
 file's current content under a lock and replace it atomically, so concurrent runs (shards on the GPUs of one
 host) lose nothing.
-``CODABENCH_AUTOTUNE_CACHE=0`` turns the cache off (not the re-timing). Kernels with a single config (the
-interpreter's) never tune, so nothing is cached for them.
+
+Shipped tables: the package carries the winners measured on the GPUs we benchmark, one file per GPU model::
+
+    kernels/coda/tuned/<gpu>.json
+    {"gpu": "NVIDIA H100 80GB HBM3", "triton": "3.6.0", "kernels": {"<kernel name>": {"<tuning key>": {...}}}}
+
+keyed by kernel *name* and tuning key only, so that they serve any Triton version and survive edits elsewhere
+in a kernel's file. A key absent from the user's cache is taken from the table of the same GPU model before any
+tuning (a table entry whose config left the kernel's list is ignored, as above); what the table lacks is tuned
+and cached as before. Regenerate a table on the GPU with ``python benchmarks/tune_tables.py`` (runs the suites'
+shapes on empty caches, then :func:`export`), or export an existing cache file with
+``python -m kernels.coda.tuning export CACHE_FILE``.
+
+``CODABENCH_AUTOTUNE_CACHE=0`` turns the cache and the tables off (not the re-timing);
+``CODABENCH_TUNING_TABLES=0`` the tables alone (to tune everything afresh). Kernels with a single
+config (the interpreter's) never tune, so nothing is cached for them.
 """
 from __future__ import annotations
 
+import argparse
 import fcntl
 import hashlib
 import inspect
@@ -41,11 +56,27 @@ def enabled() -> bool:
     return os.environ.get("CODABENCH_AUTOTUNE_CACHE", "1") != "0"
 
 
+def tables_enabled() -> bool:
+    return enabled() and os.environ.get("CODABENCH_TUNING_TABLES", "1") != "0"
+
+
+TABLES = Path(__file__).parent / "tuned"
+"""The shipped tables, one ``<gpu>.json`` per GPU model."""
+
+
+def _slug(gpu_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", gpu_name).strip("-")
+
+
 def cache_file(gpu_name: str, triton_version: str = triton.__version__) -> Path:
     """The cache file of one GPU model and Triton version."""
     root = Path(os.environ.get("CODABENCH_CACHE_DIR", Path.home() / ".cache" / "codabench"))
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", gpu_name).strip("-")
-    return root / "autotune" / f"{slug}--triton-{triton_version}.json"
+    return root / "autotune" / f"{_slug(gpu_name)}--triton-{triton_version}.json"
+
+
+def table_file(gpu_name: str) -> Path:
+    """The shipped table of one GPU model."""
+    return TABLES / f"{_slug(gpu_name)}.json"
 
 
 def kernel_id(tuner: Autotuner) -> str:
@@ -69,16 +100,50 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
         return {}
 
 
-def load(tuner: Autotuner, path: Path) -> int:
-    """Put the cached winners of ``tuner``'s kernel into its in-memory cache; the number loaded."""
+def _fill(tuner: Autotuner, entries: dict[str, Any]) -> int:
+    """Put ``entries`` (tuning key as JSON -> config) whose key ``tuner`` does not know yet and whose config is in
+    its list into its in-memory cache; the number put."""
     configs = {json.dumps(_config_json(c), sort_keys=True): c for c in tuner.configs}
     n = 0
-    for key, stored in _read(path).get(kernel_id(tuner), {}).items():
-        cfg = configs.get(json.dumps(stored, sort_keys=True))
-        if cfg is not None:
-            tuner.cache[tuple(json.loads(key))] = cfg
+    for key, stored in entries.items():
+        cfg, k = configs.get(json.dumps(stored, sort_keys=True)), tuple(json.loads(key))
+        if cfg is not None and k not in tuner.cache:
+            tuner.cache[k] = cfg
             n += 1
     return n
+
+
+def kernel_name(tuner: Autotuner) -> str:
+    return kernel_id(tuner).rsplit(":", 1)[0]
+
+
+def load(tuner: Autotuner, path: Path) -> int:
+    """Put the cached winners of ``tuner``'s kernel into its in-memory cache; the number loaded."""
+    return _fill(tuner, _read(path).get(kernel_id(tuner), {}))
+
+
+def load_table(tuner: Autotuner, path: Path) -> int:
+    """Put the shipped table's winners of ``tuner``'s kernel (by name) for keys it does not know yet into its
+    in-memory cache; the number loaded."""
+    return _fill(tuner, _read(path).get("kernels", {}).get(kernel_name(tuner), {}))
+
+
+def export(cache: Path, table: Path | None = None) -> tuple[Path, int]:
+    """Merge the winners of a cache file (``<gpu>--triton-<version>.json``) into the shipped table of its GPU model
+    (by default ``TABLES/<gpu>.json``): entries by kernel name, the cache's replacing the table's. The table's path
+    and its number of entries."""
+    slug, _, version = cache.stem.rpartition("--triton-")
+    if not slug:
+        raise ValueError(f"{cache.name}: not a cache file name (<gpu>--triton-<version>.json)")
+    table = table or TABLES / f"{slug}.json"
+    data = _read(table)
+    kernels = data.setdefault("kernels", {})
+    for kid, entries in _read(cache).items():
+        kernels.setdefault(kid.rsplit(":", 1)[0], {}).update(entries)
+    data.update(gpu=slug, triton=version)
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return table, sum(len(v) for v in kernels.values())
 
 
 def store(tuner: Autotuner, keys: list[tuple], path: Path) -> None:
@@ -144,8 +209,8 @@ def tune(tuner: Autotuner, args: tuple, kwargs: dict) -> triton.Config | None:
 
 def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
     """Tune ``tuner``'s new keys with :func:`tune` and back its in-memory cache by the file of the GPU
-    ``gpu_name()`` names: loaded at the first launch (not at import: that would initialise CUDA), each new
-    winner stored."""
+    ``gpu_name()`` names, then by that GPU's shipped table: loaded at the first launch (not at import: that would
+    initialise CUDA), each new winner stored in the file."""
     if len(tuner.configs) < 2:
         return tuner
     run, path, use_file = tuner.run, None, enabled()
@@ -153,8 +218,11 @@ def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
     def tuned_run(*args, **kwargs):
         nonlocal path
         if use_file and path is None:
-            path = cache_file(gpu_name())
+            gpu = gpu_name()
+            path = cache_file(gpu)
             load(tuner, path)
+            if tables_enabled():
+                load_table(tuner, table_file(gpu))
         key = tuning_key(tuner, args, kwargs)
         if key in tuner.cache:  # the common case: a known shape, nothing to tune or store
             return run(*args, **kwargs)
@@ -169,3 +237,24 @@ def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
 
     tuner.run = tuned_run
     return tuner
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kernels.coda.tuning",
+                                description="export an autotuning cache file into the shipped table of its GPU model")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="merge CACHE_FILE (<gpu>--triton-<version>.json) into kernels/coda/tuned/<gpu>.json")
+    e.add_argument("cache", type=Path)
+    e.add_argument("--table", type=Path, help="the table to write (default: the shipped one of the cache's GPU)")
+    args = p.parse_args(argv)
+    if not args.cache.is_file():
+        p.exit(2, f"{args.cache}: no such file\n")
+    try:
+        table, n = export(args.cache, args.table)
+    except ValueError as err:
+        p.exit(2, f"{err}\n")
+    print(f"{table}: {n} entries")
+
+
+if __name__ == "__main__":
+    main()
