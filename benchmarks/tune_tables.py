@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,9 +52,12 @@ def main() -> None:
         cmd = [sys.executable, str(ROOT / "run_bench.py"), "--suite", suite, "--impls", IMPLS.get(suite, "coda-triton"),
                "--reps", "2", "--rounds", "1", "--warmup", "1", "--quiet", "--out", f"{cache_dir}/run-{suite}"]
         t0 = time.time()
+        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)  # its own group: the worker stops with it
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, timeout=left).returncode
+            rc = proc.wait(timeout=left)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGINT)  # the run stops like at Ctrl-C: its worker and report with it
+            proc.wait()
             rc = "stopped at the budget"
         print(f"{suite}: {time.time() - t0:.0f} s (exit {rc})", flush=True)
     cache = tuning.cache_file(gpu)
