@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from workloads.op import MODES
 from workloads.ops import OPS
 
-KERNEL_OPS = tuple(name for name, op in OPS.items() if not op.whole_model)
-"""The ops of the kernel suites (quick, full): every op but the whole-model steps, which have their own suite."""
+PATTERN_OPS = tuple(name for name, op in OPS.items() if op.level == "pattern")
+"""The ops of the quick and full suites (``Op.level`` ``pattern``): the fused patterns of the block, its direct
+backward ops and plain GEMMs; neither the kernel-level ops (the kernels suite) nor the whole-model steps (train)."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("smoke", "model tiny, every op, mode and implementation, fp32; runs on the CPU (Triton interpreter)",
           models=("tiny",), modes=MODES, dtypes=("fp32",), needs_gpu=False,
           impl_modes={"torch-compile": ("fwd_bwd",)}),
-    Suite("quick", "llama-7b, bf16, every kernel op, mode and implementation (GPU)",
-          models=("llama-7b",), modes=MODES, dtypes=("bf16",), ops=KERNEL_OPS),
+    Suite("quick", "llama-7b, bf16, every pattern op, mode and implementation (GPU)",
+          models=("llama-7b",), modes=MODES, dtypes=("bf16",), ops=PATTERN_OPS),
     # 513 cells. The correctness pass runs at 2048 tokens (the pass rule compares with PyTorch's own error on
     # the same inputs) and each cell takes 20 samples, so that a warm run fits in 10 minutes on one GPU.
     Suite("full", "llama-1b/7b/70b x fwd/bwd/fwd_bwd x bf16/fp8 x every implementation (GPU)",
-          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"), ops=KERNEL_OPS,
+          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"), ops=PATTERN_OPS,
           check_tokens=2048, reps=20),
     # The training step of issue 19: 4 layers (ModelShape.layers) of Llama-3.2-1B with its 128256-token vocabulary,
     # 2 x 8192 tokens, bf16; every implementation of train_step (hf-eager, hf-compile, hf-liger, hf-coda and the
