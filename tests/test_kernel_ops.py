@@ -1,12 +1,17 @@
 """The kernel-level ops (``Op.level`` ``kernel``, the kernels suite): each reference against an independent
-formulation in float64 (autograd for the backward ops, complex numbers for RoPE, F.rms_norm for the row scale), and
-the inputs' saved statistics against the tensors they summarize."""
+formulation in float64 (autograd for the backward ops, complex numbers for RoPE, F.rms_norm for the row scale), the
+inputs' saved statistics against the tensors they summarize, and the coda-triton implementation of every op of the
+suite through the harness's correctness check (CPU, Triton interpreter, the tiny model)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from codabench.case import Case
+from codabench.correctness import CHECK_SEED, build_reference, check_impl
+from codabench.registry import REGISTRY
+from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from workloads import reference as R
 from workloads.models import get_model
 from workloads.ops import OPS
@@ -14,6 +19,7 @@ from workloads.suites import KERNEL_SUITE_OPS
 
 TINY = get_model("tiny")
 H, HKV, DH, EPS = TINY.heads, TINY.kv_heads, TINY.head_dim, TINY.eps
+CPU = torch.device("cpu")
 
 
 def inputs64(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -194,3 +200,16 @@ def test_kernel_ops_are_direct_and_their_gemms_have_the_kernels_shapes():
         out = op.reference(op.make_inputs(TINY, torch.float32, "cpu", 0), TINY)
         assert set(op.outputs) | set(op.side_outputs) == set(out), name
 
+
+# ---- coda-triton through the harness's check -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("name", KERNEL_SUITE_OPS)
+def test_coda_triton_passes_the_harness_check(name, dtype):
+    op, impl = OPS[name], REGISTRY.get(name, "coda-triton")
+    mode = op.modes[0]
+    case = Case(op, TINY, mode, dtype, CPU, op.inputs(TINY, dtype, CPU, CHECK_SEED))
+    assert impl.skip_reason(case) is None
+    outcome = check_impl(build_reference(op, case), impl)
+    assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])
+    assert {c.output for c in outcome.checks} == set(op.outputs) | set(op.side_outputs)
