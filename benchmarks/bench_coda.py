@@ -1,497 +1,168 @@
-"""GPU check of the CODA kernels: error vs float64 and time vs the plain cuBLAS GEMM and unfused PyTorch.
+"""The CODA kernels one by one: the harness's ``kernels`` suite, then a compact table of its results.
 
     python benchmarks/bench_coda.py [--models llama-1b,llama-7b,llama-70b] [--tokens 16384]
-                                    [--kernels producer_out,...] [--no-compile] [--model-check]
+                                    [--kernels producer_out,...] [--no-compile] [--model-check] [run_bench.py flags]
 
-For every kernel (``KERNELS``) and model, in bf16:
-- error: every output (fp32 side outputs too) against the same unfused math in float64 on the same bf16
-  inputs; printed as our relative Frobenius error, PyTorch's (the unfused math in bf16, eager) and the
-  ratio, judged by the suite's pass rule (:mod:`codabench.metrics`: at most 2x PyTorch's error plus the bf16
-  floor);
-- time (``triton.testing.do_bench``: median, L2 flushed): the fused host function (its GEMM plus any
-  finishing reductions) and the plain cuBLAS GEMM of its shape (``F.linear``), taking turns over ROUNDS
-  rounds (median of the rounds), then the unfused PyTorch math eager and under ``torch.compile``; printed
-  as fused/GEMM and the speedups over eager and compiled.
-A failing kernel prints an error row and the table goes on. Each kernel's unfused function is dtype
-generic: on float64 inputs it is the reference. Backward kernels (dgrad GEMM + RMSNorm backward, down-proj
-dgrad + SwiGLU backward, the CE-scaled LM-head dgrad and weight gradient, elementwise RoPE / SwiGLU backward)
-are in the same table. With ``--model-check`` (about a minute more: new shapes to autotune), last: the CODA
-Llama (kernels/coda/model.py) against the standard unfused Llama in bf16, loss and every parameter gradient
-under the same error rule (also ``TRITON_INTERPRET=0 pytest tests/test_coda_model.py -k gpu``).
+This runs ``run_bench.py --suite kernels`` (:func:`codabench.cli.main`): each CODA kernel's host call alone
+(``coda-triton``; the ops of ``workloads.suites.KERNEL_SUITE_OPS``, forward then backward) per model, in bf16, beside
+the unfused PyTorch math eager (``torch-eager``) and compiled (``torch-compile``), with everything a cell of the
+harness gets: the check against float64 and the pass rule (:mod:`codabench.metrics`), the checks of the timed
+buffers, timing rounds in which the cells and the plain cuBLAS GEMMs of their shape take turns, and the report
+(``reports/kernels-<date>-<time>/``). Then it prints, per model and op, from the run's ``results.csv``:
+
+- ``ms``: coda-triton's median time;
+- ``GEMM ms`` and ``fused/GEMM``: the plain cuBLAS GEMMs of the kernel's shape (``op.forward_gemms``) and the
+  kernel's time over theirs, ``sol_ratio`` (blank for the elementwise kernels, which have none);
+- ``vs eager``, ``vs compile``: the unfused math's median over the kernel's, with its 95% interval
+  (:func:`codabench.stats.ratio`; none for CPU wall times);
+- ``err x torch``: the worst output's error over PyTorch's own, and ``pass`` or ``FAIL`` by the pass rule.
+
+Flags: ``--kernels`` names the ops (``--ops``), ``--no-compile`` leaves torch-compile out (``--impls
+torch-eager,coda-triton``: no compiling, and no ``vs compile``), ``--models`` and ``--tokens`` go to the run as they
+are, and so does any other flag of run_bench.py (``--reps``, ``--rounds``, ``--check-tokens``, ``--out``, ``--resume``,
+``--plugin``, ``--impls``, ``--dtypes`` ...). Without a GPU the suite runs on the CPU with the Triton interpreter
+when given models and dtypes (``--models tiny --dtypes fp32``). ``--model-check`` (GPU, about a minute more: new
+shapes to autotune) then checks the CODA Llama (kernels/coda/model.py) against the standard unfused Llama in bf16,
+loss and every parameter gradient under the same rule (also ``TRITON_INTERPRET=0 pytest tests/test_coda_model.py -k
+gpu``). The exit code is the run's (:data:`codabench.cli.EXIT_OK` ...), or 1 when only the model check failed.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import traceback
-from dataclasses import dataclass
-from typing import Callable
-
-import torch
-import torch.nn.functional as F
-import triton
-from triton.runtime.autotuner import Autotuner
-
-import kernels.coda.functions  # noqa: F401  (imports every CODA kernel module)
-from codabench.metrics import passes, rel_err
-from kernels import layouts
-from kernels.coda import tuning
-from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.gemm import matmul
-from kernels.coda.model import check_equivalence
-from kernels.coda.producer import gemm_residual_norm, norm_input
-from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
-from kernels.coda.rope import gemm_rope, rope_freq_table
-from kernels.coda.rope_bwd import rope_bwd
-from kernels.coda.scaled_linear import scaled_linear
-from kernels.coda.swiglu import gemm_swiglu
-from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
-from workloads.models import ModelShape, get_model
-
-Tensors = dict[str, torch.Tensor]
-
-
-@dataclass
-class KernelSpec:
-    """One fused kernel: its inputs, the fused call, the same math unfused, and its GEMM."""
-
-    name: str
-    inputs: Callable[[ModelShape, torch.Generator], Tensors]
-    fused: Callable[[Tensors, ModelShape], Tensors]
-    unfused: Callable[[Tensors, ModelShape], Tensors]
-    gemm: Callable[[Tensors], tuple[torch.Tensor, torch.Tensor]]
-    """(x, w) of the plain GEMM ``x @ w.T`` of the same shape."""
-
-
-def _up(t: torch.Tensor) -> torch.Tensor:
-    """fp32 for low-precision tensors, fp64 stays fp64 (so the unfused math doubles as the reference)."""
-    return t if t.dtype == torch.float64 else t.float()
-
-
-def _randn(gen: torch.Generator, *shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-    t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
-    return (t * std + mean).to(torch.bfloat16)
-
-
-def _weight(gen: torch.Generator, n: int, k: int) -> torch.Tensor:
-    return _randn(gen, n, k, std=k ** -0.5)
-
-
-def _normed_inputs(m: ModelShape, gen: torch.Generator, n: int) -> Tensors:
-    """h = x * gamma and rstd of a residual stream x, and a weight (n, d): a consumer GEMM's inputs."""
-    x = _randn(gen, m.tokens, m.hidden)
-    gamma = _randn(gen, m.hidden, std=0.1, mean=1.0)
-    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + m.eps)
-    return {"h": x * gamma, "rstd": rstd, "w": _weight(gen, n, m.hidden)}
-
-
-# ---- producer: x = residual + a Wp^T; h = x * gamma; rstd(x) -------------------------------------------
-
-def producer_inputs(k_of: Callable[[ModelShape], int]):
-    def make(m: ModelShape, gen: torch.Generator) -> Tensors:
-        k = k_of(m)
-        return {"a": _randn(gen, m.tokens, k), "w": _weight(gen, m.hidden, k),
-                "residual": _randn(gen, m.tokens, m.hidden), "gamma": _randn(gen, m.hidden, std=0.1, mean=1.0)}
-    return make
-
-
-def producer_fused(t: Tensors, m: ModelShape) -> Tensors:
-    x, h, rstd = gemm_residual_norm(t["a"], t["w"], t["residual"], t["gamma"], m.eps)
-    return {"x": x, "h": h, "rstd": rstd}
-
-
-def producer_unfused(t: Tensors, m: ModelShape) -> Tensors:
-    x = t["residual"] + F.linear(t["a"], t["w"])
-    return {"x": x, "h": x * t["gamma"], "rstd": torch.rsqrt(_up(x).pow(2).mean(-1) + m.eps)}
-
-
-# ---- consumers: z = rstd * (h W^T), then SwiGLU / RoPE / cross-entropy ---------------------------------
-
-def _scaled(t: Tensors) -> torch.Tensor:
-    return _up(F.linear(t["h"], t["w"])) * t["rstd"][:, None].to(_up(t["h"]).dtype)
-
-
-def scaled_linear_unfused(t: Tensors, m: ModelShape) -> Tensors:
-    return {"z": _scaled(t).to(t["h"].dtype)}
-
-
-def swiglu_unfused(t: Tensors, m: ModelShape) -> Tensors:
-    z = _scaled(t)
-    return {"y": (F.silu(z[:, 0::2]) * z[:, 1::2]).to(t["h"].dtype), "z_pre": z.to(t["h"].dtype)}
-
-
-def rope_inputs(m: ModelShape, gen: torch.Generator) -> Tensors:
-    t = _normed_inputs(m, gen, m.qkv_width)
-    t["w"] = layouts.qkv_rows_to_adjacent(t["w"], m.heads, m.kv_heads, m.head_dim)
-    t["positions"] = torch.arange(m.tokens, device="cuda") % m.seq_len
-    t["freq"] = rope_freq_table(m.heads, m.kv_heads, m.head_dim, m.rope_theta, t["h"].device)
-    return t
-
-
-def rope_unfused(t: Tensors, m: ModelShape) -> Tensors:
-    z = _scaled(t)
-    freq = t["freq"].sum(0)  # f = hi + lo: fp32-rounded f for the PyTorch run, f to ~2^-32 for the float64 reference
-    ang = t["positions"].to(z.dtype)[:, None] * freq[None, :]
-    cos, sin = ang.cos(), ang.sin()
-    x, y = z[:, 0::2], z[:, 1::2]
-    return {"qkv": torch.stack([x * cos - y * sin, y * cos + x * sin], -1).reshape(z.shape).to(t["h"].dtype)}
-
-
-def ce_inputs(m: ModelShape, gen: torch.Generator) -> Tensors:
-    t = _normed_inputs(m, gen, m.vocab)
-    target = torch.randint(0, m.vocab, (m.tokens,), generator=gen, device="cuda")
-    t["target"] = target.masked_fill(torch.rand(m.tokens, generator=gen, device="cuda") < 0.05, -100)
-    return t
-
-
-def ce_unfused(with_grad: bool):
-    def fn(t: Tensors, m: ModelShape) -> Tensors:
-        logits = _scaled(t)
-        out = {"loss": F.cross_entropy(logits, t["target"], ignore_index=-100), "lse": torch.logsumexp(logits, -1)}
-        if with_grad:
-            valid = (t["target"] != -100)[:, None].to(logits.dtype)
-            dlogits = torch.softmax(logits, -1).scatter_add(1, t["target"].clamp(min=0)[:, None], -valid) * valid
-            out["dlogits"] = dlogits.to(t["h"].dtype)
-            out["zdz"] = (logits * dlogits).sum(-1)
-        return out
-    return fn
-
-
-def ce_fused(with_grad: bool):
-    def fn(t: Tensors, m: ModelShape) -> Tensors:
-        loss, lse, dlogits, zdz = gemm_cross_entropy(t["h"], t["w"], t["rstd"], t["target"], with_grad=with_grad)
-        out = {"loss": loss, "lse": lse}
-        if with_grad:
-            out.update(dlogits=dlogits, zdz=zdz)
-        return out
-    return fn
-
-
-def norm_input_inputs(m: ModelShape, gen: torch.Generator) -> Tensors:
-    return {"x": _randn(gen, m.tokens, m.hidden), "gamma": _randn(gen, m.hidden, std=0.1, mean=1.0)}
-
-
-def norm_input_unfused(t: Tensors, m: ModelShape) -> Tensors:
-    return {"h": t["x"] * t["gamma"], "rstd": torch.rsqrt(_up(t["x"]).pow(2).mean(-1) + m.eps)}
-
-
-def _ab(a: str, w: str = "w"):
-    return lambda t: (t[a], t[w])
-
-
-KERNELS: list[KernelSpec] = [
-    KernelSpec("producer_out", producer_inputs(lambda m: m.attn_width), producer_fused, producer_unfused, _ab("a")),
-    KernelSpec("producer_down", producer_inputs(lambda m: m.ffn), producer_fused, producer_unfused, _ab("a")),
-    KernelSpec("scaled_linear", lambda m, g: _normed_inputs(m, g, 2 * m.ffn),
-               lambda t, m: {"z": scaled_linear(t["h"], t["w"], t["rstd"])}, scaled_linear_unfused, _ab("h")),
-    KernelSpec("swiglu", lambda m, g: _normed_inputs(m, g, 2 * m.ffn),
-               lambda t, m: {"y": gemm_swiglu(t["h"], t["w"], t["rstd"], save_preact=False)[0]},
-               lambda t, m: {"y": swiglu_unfused(t, m)["y"]}, _ab("h")),
-    KernelSpec("swiglu_save", lambda m, g: _normed_inputs(m, g, 2 * m.ffn),
-               lambda t, m: dict(zip(("y", "z_pre"), gemm_swiglu(t["h"], t["w"], t["rstd"], save_preact=True))),
-               swiglu_unfused, _ab("h")),
-    KernelSpec("rope", rope_inputs,
-               lambda t, m: {"qkv": gemm_rope(t["h"], t["w"], t["rstd"], t["positions"], m.heads, m.kv_heads,
-                                              m.head_dim, m.rope_theta)}, rope_unfused, _ab("h")),
-    KernelSpec("ce", ce_inputs, ce_fused(False), ce_unfused(False), _ab("h")),
-    KernelSpec("ce_grad", ce_inputs, ce_fused(True), ce_unfused(True), _ab("h")),
-    KernelSpec("norm_input", norm_input_inputs,
-               lambda t, m: dict(zip(("h", "rstd"), norm_input(t["x"], t["gamma"], m.eps))), norm_input_unfused,
-               None),
-]
-
-
-# ---- backward: dgrad GEMM + RMSNorm backward -----------------------------------------------------------
-
-def dgrad_rmsnorm_inputs(n_of: Callable[[ModelShape], int], ce: bool):
-    """dz [M, n] and W [n, d] of the consumer, the saved x, gamma, rstd and zdz (exact, fp32), and either the
-    incoming residual gradient dres or (``ce``: the LM-head path) the loss scale 1/M and no dres."""
-    def make(m: ModelShape, gen: torch.Generator) -> Tensors:
-        n = n_of(m)
-        t = {"dz": _randn(gen, m.tokens, n), "w": _weight(gen, n, m.hidden), "x": _randn(gen, m.tokens, m.hidden),
-             "gamma": _randn(gen, m.hidden, std=0.1, mean=1.0)}
-        if ce:
-            t["scale"] = torch.full((1,), 1.0 / m.tokens, device="cuda")
-        else:
-            t["dres"] = _randn(gen, m.tokens, m.hidden)
-        x = t["x"].float()
-        t["rstd"] = torch.rsqrt(x.pow(2).mean(-1) + m.eps)
-        y = x * t["rstd"][:, None] * t["gamma"].float()
-        t["zdz"] = ((t["dz"].float() @ t["w"].float()) * y).sum(-1)  # <z, dz> = <y, dz W> (the ZdZ identity)
-        return t
-    return make
-
-
-def dgrad_rmsnorm_fused(t: Tensors, m: ModelShape) -> Tensors:
-    dx, y, dgamma = dgrad_rmsnorm(t["dz"], t["w"], t["x"], t["rstd"], t["gamma"], t["zdz"], t.get("dres"),
-                                  dz_scale=t.get("scale", 1.0))
-    return {"dx": dx, "y": y, "dgamma": dgamma}
-
-
-def dgrad_rmsnorm_unfused(t: Tensors, m: ModelShape) -> Tensors:
-    """gy = s dz W, then the RMSNorm backward recomputing rstd and c = mean(gy gamma xhat) from x and gy."""
-    gy = _up(t["dz"] @ t["w"])
-    if "scale" in t:
-        gy = gy * t["scale"].to(gy.dtype)
-    x, g = _up(t["x"]), _up(t["gamma"])
-    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps)
-    xhat = x * r
-    dx = r * (gy * g - xhat * (gy * g * xhat).mean(-1, keepdim=True))
-    if "dres" in t:
-        dx = dx + _up(t["dres"])
-    dt = t["x"].dtype
-    return {"dx": dx.to(dt), "y": (xhat * g).to(dt), "dgamma": (gy * xhat).sum(0).to(dt)}
-
-
-def _dgrad_ab(t: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
-    return t["dz"], t["w"].T  # F.linear(dz, W^T) = dz @ W
-
-
-# ---- backward: SwiGLU (fused into the down-proj dgrad, and elementwise) -----------------------------------
-
-def _swiglu_grads(dy: torch.Tensor, z_pre: torch.Tensor) -> Tensors:
-    g, u = _up(z_pre[:, 0::2]), _up(z_pre[:, 1::2])
-    s = torch.sigmoid(g)
-    dg, du = dy * u * s * (1 + g * (1 - s)), dy * g * s
-    dt = z_pre.dtype
-    return {"dz_pre": torch.stack([dg, du], -1).reshape(z_pre.shape).to(dt), "a": (g * s * u).to(dt),
-            "zdz": (g * dg + u * du).sum(-1)}
-
-
-def dgrad_swiglu_inputs(m: ModelShape, gen: torch.Generator) -> Tensors:
-    return {"dz": _randn(gen, m.tokens, m.hidden), "w": _weight(gen, m.hidden, m.ffn),
-            "z_pre": _randn(gen, m.tokens, 2 * m.ffn)}
-
-
-def swiglu_bwd_inputs(m: ModelShape, gen: torch.Generator) -> Tensors:
-    return {"dy": _randn(gen, m.tokens, m.ffn), "z_pre": _randn(gen, m.tokens, 2 * m.ffn)}
-
-
-def swiglu_bwd_unfused(t: Tensors, m: ModelShape) -> Tensors:
-    out = _swiglu_grads(_up(t["dy"]), t["z_pre"])
-    return {"dz_pre": out["dz_pre"], "zdz": out["zdz"]}
-
-
-# ---- backward: RoPE (elementwise) and the CE-scaled LM-head weight gradient --------------------------------
-
-def rope_bwd_inputs(m: ModelShape, gen: torch.Generator) -> Tensors:
-    return {"dqkv": _randn(gen, m.tokens, m.qkv_width), "qkv": _randn(gen, m.tokens, m.qkv_width),
-            "positions": torch.arange(m.tokens, device="cuda") % m.seq_len,
-            "freq": rope_freq_table(m.heads, m.kv_heads, m.head_dim, m.rope_theta, torch.device("cuda"))}
-
-
-def rope_bwd_unfused(t: Tensors, m: ModelShape) -> Tensors:
-    """dz = R^T dqkv (rotate each adjacent pair by minus its angle), zdz = <qkv, dqkv>."""
-    dq = _up(t["dqkv"])
-    ang = t["positions"].to(dq.dtype)[:, None] * t["freq"].sum(0)[None, :]
-    cos, sin = ang.cos(), ang.sin()
-    x, y = dq[:, 0::2], dq[:, 1::2]
-    dz = torch.stack([x * cos + y * sin, y * cos - x * sin], -1).reshape(dq.shape)
-    return {"dz": dz.to(t["dqkv"].dtype), "zdz": (_up(t["qkv"]) * dq).sum(-1)}
-
-
-def wgrad_lm_inputs(m: ModelShape, gen: torch.Generator) -> Tensors:
-    return {"dz": _randn(gen, m.tokens, m.vocab), "y": _randn(gen, m.tokens, m.hidden),
-            "scale": torch.full((1,), 1.0 / m.tokens, device="cuda")}
-
-
-BACKWARD_KERNELS: list[KernelSpec] = [
-    KernelSpec("dgrad_norm_gu", dgrad_rmsnorm_inputs(lambda m: 2 * m.ffn, ce=False), dgrad_rmsnorm_fused,
-               dgrad_rmsnorm_unfused, _dgrad_ab),
-    KernelSpec("dgrad_norm_qkv", dgrad_rmsnorm_inputs(lambda m: m.qkv_width, ce=False), dgrad_rmsnorm_fused,
-               dgrad_rmsnorm_unfused, _dgrad_ab),
-    KernelSpec("dgrad_norm_ce", dgrad_rmsnorm_inputs(lambda m: m.vocab, ce=True), dgrad_rmsnorm_fused,
-               dgrad_rmsnorm_unfused, _dgrad_ab),
-    KernelSpec("dgrad_swiglu", dgrad_swiglu_inputs,
-               lambda t, m: dict(zip(("dz_pre", "a", "zdz"), dgrad_swiglu(t["dz"], t["w"], t["z_pre"]))),
-               lambda t, m: _swiglu_grads(_up(t["dz"] @ t["w"]), t["z_pre"]), _dgrad_ab),
-    KernelSpec("swiglu_bwd", swiglu_bwd_inputs,
-               lambda t, m: dict(zip(("dz_pre", "zdz"), swiglu_bwd(t["dy"], t["z_pre"]))), swiglu_bwd_unfused, None),
-    KernelSpec("rope_bwd", rope_bwd_inputs,
-               lambda t, m: dict(zip(("dz", "zdz"), rope_bwd(t["dqkv"], t["qkv"], t["positions"], m.heads,
-                                                              m.kv_heads, m.head_dim, m.rope_theta))),
-               rope_bwd_unfused, None),
-    KernelSpec("wgrad_lm", wgrad_lm_inputs, lambda t, m: {"dw": matmul(t["dz"].T, t["y"], scale=t["scale"])},
-               lambda t, m: {"dw": (t["dz"].T @ t["y"]) * t["scale"].to(t["dz"].dtype)},
-               lambda t: (t["dz"].T, t["y"].T)),
-]
-KERNELS += BACKWARD_KERNELS
+from pathlib import Path
+
+from codabench.bootstrap import select_device
+
+select_device()  # before anything imports triton: TRITON_INTERPRET=1 when there is no GPU
+
+from codabench import cli  # noqa: E402
+from codabench.eager import TorchCompile, TorchEager  # noqa: E402
+from codabench.results import KEY, load_run, sample_rounds  # noqa: E402
+from codabench.stats import Ratio, Timed, ratio  # noqa: E402
+from workloads.suites import KERNEL_SUITE_OPS  # noqa: E402
+
+SUITE = "kernels"
+BASELINES = (TorchEager.name, TorchCompile.name)
+"""The unfused PyTorch math, eager and compiled: the table's speedup references, not rows of their own."""
+NO_COMPILE_IMPLS = "torch-eager,coda-triton"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """bench_coda's own flags, and the rest for run_bench.py."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", help="comma-separated models (default: the suite's, llama-1b,llama-7b,llama-70b)")
+    p.add_argument("--tokens", help="M, tokens per step (default: the preset's, 16384 for llama-*)")
+    p.add_argument("--kernels", help="comma-separated ops of the suite (default: all of workloads.suites."
+                   "KERNEL_SUITE_OPS)")
+    p.add_argument("--no-compile", action="store_true", help="leave torch-compile out (no compiling)")
+    p.add_argument("--model-check", action="store_true", help="also check the CODA Llama against the standard Llama")
+    p.add_argument("--out", type=Path, help="run directory (default: reports/kernels-<date>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out (default: the newest)")
+    return p.parse_known_args(argv)
+
+
+def run_argv(args: argparse.Namespace, out: Path, rest: list[str]) -> list[str]:
+    """The run_bench.py command line of the run (``rest`` last: a flag given there wins)."""
+    argv = ["--suite", SUITE, "--out", str(out)]
+    for flag, value in (("--models", args.models), ("--tokens", args.tokens), ("--ops", args.kernels),
+                        ("--impls", NO_COMPILE_IMPLS if args.no_compile else None)):
+        if value:
+            argv += [flag, value]
+    return argv + (["--resume"] if args.resume else []) + rest
+
+
+def _fmt(v: float | None, width: int, spec: str) -> str:
+    return f"{'-' if v is None or v != v else format(v, spec):>{width}}"
+
+
+def _interval(r: Ratio | None, point: float | None) -> str:
+    if point is None:
+        return "-"
+    return f"{point:.2f}x" + (f" [{r.lo:.2f}, {r.hi:.2f}]" if r is not None else "")
+
+
+def table(run_dir: Path) -> list[str]:
+    """The lines of the table: one per (model, op, implementation other than the baselines); model by model (by
+    size), the ops in the suite's order."""
+    df, _, env = load_run(run_dir)
+    rounds = sample_rounds(run_dir, env)
+    models = list(dict.fromkeys(df["model"]))
+    ops = [*KERNEL_SUITE_OPS, *(o for o in dict.fromkeys(df["op"]) if o not in KERNEL_SUITE_OPS)]
+    df = df.iloc[sorted(range(len(df)), key=lambda i: (models.index(df["model"].iat[i]), ops.index(df["op"].iat[i])))]
+
+    def timed(row) -> Timed:
+        key = tuple(str(row[k]) for k in KEY)
+        return Timed(rounds.get(key, []), str(row["timing"]), "|".join(key))
+
+    head = (f"{'model':10} {'op':18} {'dtype':5} {'impl':14} {'ms':>9} {'GEMM ms':>9} {'fused/GEMM':>10} "
+            f"{'vs eager':>19} {'vs compile':>19} {'err x torch':>11}")
+    lines = [head]
+    for (op, model, _, dtype), group in df.groupby(["op", "model", "mode", "dtype"], sort=False):
+        ok = {r["impl"]: r for _, r in group.iterrows() if r["status"] == "ok"}
+        for _, row in group.iterrows():
+            if row["impl"] in BASELINES:
+                continue
+            name = f"{model:10} {op:18} {dtype:5} {row['impl']:14}"
+            if row["status"] != "ok":
+                msg = row["message"]
+                msg = msg if msg.startswith(row["status"]) else f"{row['status']}: {msg}"
+                lines.append(f"{name} {msg[:120]}")
+                continue
+            vs = []
+            for base in BASELINES:
+                ref = ok.get(base)
+                point = ref["median_ms"] / row["median_ms"] if ref is not None else None
+                vs.append(_interval(ratio(timed(ref), timed(row), True, point) if ref is not None else None, point))
+            verdict = {True: "pass", False: "FAIL"}.get(row["correct"], "?")
+            lines.append(f"{name} {row['median_ms']:9.4f} {_fmt(row['sol_ms'], 9, '.4f')} "
+                         f"{_fmt(row['sol_ratio'], 10, '.3f')} {vs[0]:>19} {vs[1]:>19} "
+                         f"{_fmt(row['err_ratio'], 6, '.2f')} {verdict}")
+    if (df["timing"] == "cpu-wall").any():
+        lines.append("(cpu-wall: CPU wall times of the Triton interpreter, not performance figures)")
+    return lines
 
 
 def model_check(device: str = "cuda") -> list[str]:
     """The CODA Llama vs the standard unfused Llama in bf16 (2 layers, GQA, M = 2048): one line per tensor."""
+    import torch
+
+    from kernels.coda.model import check_equivalence
+    from workloads.models import ModelShape
+
     shape = ModelShape("check-small", hidden=1024, ffn=2816, heads=16, kv_heads=4, head_dim=64, vocab=8192,
                        tokens=2048, seq_len=1024, rope_theta=500000.0)
     lines = []
     for reduction in ("mean", "sum"):
         for r in check_equivalence(shape, 2, 2, 1024, torch.bfloat16, device, reduction=reduction):
-            ok = r.passed
             lines.append(f"  {reduction:4s} {r.name:22s} ours {r.coda:.2e} torch {r.torch:.2e} "
-                         f"x{r.coda / max(r.torch, 1e-30):.2f}{'' if ok else ' FAIL'}")
+                         f"x{r.coda / max(r.torch, 1e-30):.2f}{'' if r.passed else ' FAIL'}")
     return lines
 
 
-# ---- measurement --------------------------------------------------------------------------------------
-
-ROUNDS = 3
-"""Rounds in which the fused kernel and its GEMM take turns (:func:`bench_rounds`)."""
-
-
-def bench(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100)
-
-
-def warm_up_gpu(seconds: float = 2.0) -> None:
-    """Keep the GPU busy with large GEMMs for ``seconds`` before the first measurement.
-
-    An idle H100 sits at low clocks; timed straight away, the first kernel of the table ran 1.48x its GEMM
-    where the same config measures 1.26x once the GPU is busy.
-    """
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    end = time.time() + seconds
-    while time.time() < end:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
-
-
-def bench_rounds(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Median over ROUNDS of each function's :func:`bench`, the functions taking turns within every round.
-
-    Back-to-back single runs of the same cuBLAS GEMM differed by up to 12% on the H100 (clock drift), more
-    than the epilogue costs being measured; alternating keeps the fused/GEMM ratio from inheriting it.
-    """
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(ROUNDS):
-        for k, fn in fns.items():
-            samples[k].append(bench(fn))
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def run_kernel(spec: KernelSpec, model: ModelShape, compile_: bool) -> tuple[list[str], dict[str, float]]:
-    """Error lines and times (ms) of one kernel on one model."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    t = spec.inputs(model, gen)
-    ours, tuned = with_picked_configs(lambda: spec.fused(t, model))
-    theirs = spec.unfused(t, model)
-    t64 = {k: (v.double() if v.is_floating_point() else v) for k, v in t.items()}
-    ref = spec.unfused(t64, model)
-    del t64
-    lines = []
-    for k, r in ref.items():
-        e_ours, e_torch = rel_err(ours[k], r), rel_err(theirs[k], r)
-        ok = passes(e_ours, e_torch, torch.bfloat16)
-        lines.append(f"{k}: {e_ours:.2e} torch {e_torch:.2e} x{e_ours / max(e_torch, 1e-30):.2f}"
-                     f"{'' if ok else ' FAIL'}")
-    del ours, theirs, ref
-    lines.append(f"config {tuned}")
-    timed = {"fused": lambda: spec.fused(t, model)}
-    if spec.gemm is not None:
-        x, w = spec.gemm(t)
-        timed["gemm"] = lambda: F.linear(x, w)
-    times = {**bench_rounds(timed), "eager": bench(lambda: spec.unfused(t, model))}
-    if compile_:
-        try:
-            torch._dynamo.reset()
-            compiled = torch.compile(lambda inp: spec.unfused(inp, model), fullgraph=True, dynamic=False)
-            compiled(t)
-            times["compile"] = bench(lambda: compiled(t))
-        except Exception as e:  # a torch.compile failure costs only its column
-            lines.append(f"torch.compile failed: {type(e).__name__}")
-    return lines, times
-
-
-def autotuners() -> list[Autotuner]:
-    """Every autotuned CODA kernel."""
-    return [v for name, mod in list(sys.modules.items()) if name.startswith("kernels.") for v in vars(mod).values()
-            if isinstance(v, Autotuner)]
-
-
-def short_config(fn_name: str, cfg: triton.Config) -> str:
-    kw = cfg.kwargs
-    sub = f"/{kw['EPI_SUB']}" if "EPI_SUB" in kw else ""
-    return f"{fn_name.removesuffix('_kernel')}:{kw['BM']}x{kw['BN']}x{kw['BK']}{sub} s{cfg.num_stages} w{cfg.num_warps}"
-
-
-def with_picked_configs(fn: Callable[[], Tensors]) -> tuple[Tensors, str]:
-    """``fn()`` and the tile config of each autotuned kernel launch it made (the tuners' caches also hold the
-    winners of every other shape that the on-disk cache knows, so they are read per launch)."""
-    launches, tuners = [], autotuners()
-    runs = [a.run for a in tuners]  # tuning.attach's wrapper, or the class's own
-    for a, run in zip(tuners, runs):
-        def spy(*args, _a=a, _run=run, **kwargs):
-            launches.append((_a, tuning.tuning_key(_a, args, kwargs)))
-            return _run(*args, **kwargs)
-        a.run = spy
-    try:
-        out = fn()
-    finally:
-        for a, run in zip(tuners, runs):
-            a.run = run
-    picked = dict.fromkeys(short_config(a.base_fn.__name__, a.cache[k]) for a, k in launches if k in a.cache)
-    return out, ", ".join(picked)
-
-
-def fmt(v: float | None, spec: str = "7.3f") -> str:
-    return format(v, spec) if v is not None else " " * (int(spec.split(".")[0]) - 1) + "-"
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--models", default="llama-1b,llama-7b,llama-70b")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--kernels", default=",".join(k.name for k in KERNELS))
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column (saves compile time)")
-    p.add_argument("--model-check", action="store_true", help="also check the CODA Llama against the standard Llama")
-    args = p.parse_args()
-    wanted = args.kernels.split(",")
-    unknown = set(wanted) - {k.name for k in KERNELS}
-    if unknown:
-        raise SystemExit(f"unknown kernel(s) {sorted(unknown)}; known: {[k.name for k in KERNELS]}")
-    print(f"device {torch.cuda.get_device_name()} triton {triton.__version__} torch {torch.__version__}, bf16, "
-          f"M = {args.tokens}; times in ms (median, L2 flushed); errors: rel. Frobenius vs float64")
-    head = (f"{'model':10s} {'kernel':14s} {'fused':>7s} {'gemm':>7s} {'f/gemm':>6s} {'eager':>7s} {'compile':>7s} "
-            f"{'eag/f':>6s} {'cmp/f':>6s} {'took':>5s}  errors (ours, torch, ratio)")
-    print(head, flush=True)
-    warm_up_gpu()
-    start = time.time()
-    rows = []
-    for name in args.models.split(","):
-        model = get_model(name, tokens=args.tokens)
-        for spec in (k for k in KERNELS if k.name in wanted):
-            t0 = time.time()
-            try:
-                lines, tm = run_kernel(spec, model, not args.no_compile)
-            except Exception as e:  # one failing kernel must not stop the table
-                msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:200]
-                print(f"{name:10s} {spec.name:14s} ERROR {msg}", flush=True)
-                traceback.print_exc(limit=2)
-                rows.append((name, spec.name, "ERROR"))
-                continue
-            finally:
-                torch.cuda.empty_cache()
-            fused, gemm, eager, comp = tm["fused"], tm.get("gemm"), tm["eager"], tm.get("compile")
-            ratio = fused / gemm if gemm else None
-            print(f"{name:10s} {spec.name:14s} {fmt(fused)} {fmt(gemm)} {fmt(ratio, '6.3f')} {fmt(eager)} "
-                  f"{fmt(comp)} {fmt(eager / fused, '6.2f')} {fmt(comp / fused if comp else None, '6.2f')} "
-                  f"{time.time() - t0:4.0f}s  " + "; ".join(lines), flush=True)
-            failed = [line.split(":")[0] for line in lines if line.endswith("FAIL")]
-            fails = f"  error FAIL: {', '.join(failed)}" if failed else ""
-            rows.append((name, spec.name, fmt(ratio, "6.3f") + fails))
-    print(f"\nfused / plain cuBLAS GEMM (target <= 1.03-1.10 forward), {time.time() - start:.0f} s in all:")
-    for name, kernel, summary in rows:
-        print(f"  {name:10s} {kernel:14s} {summary}")
+def main(argv: list[str] | None = None) -> int:
+    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    out = args.out or cli.default_out(SUITE, args.resume)
+    code = cli.main(run_argv(args, out, rest))
+    if (out / "results.csv").exists():
+        print(f"\n{SUITE} suite, {out}: each kernel against the plain cuBLAS GEMMs of its shape and the unfused "
+              "PyTorch math (speedups > 1: the kernel is faster)")
+        print("\n".join(table(out)))
     if args.model_check:
         print("\nCODA Llama vs standard Llama, bf16, loss and every parameter gradient vs float64:", flush=True)
         try:
             lines = model_check()
-            print("\n".join(lines))
-            print(f"model check: {sum(line.endswith('FAIL') for line in lines)} FAIL of {len(lines)}")
         except Exception:  # the table above stands on its own
             traceback.print_exc(limit=3)
+            return code or cli.EXIT_CELL_ERRORS
+        print("\n".join(lines))
+        failed = sum(line.endswith("FAIL") for line in lines)
+        print(f"model check: {failed} FAIL of {len(lines)}")
+        if failed:
+            return code or cli.EXIT_CELL_ERRORS
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Experiment: the producer GEMM (out-proj + residual + RMSNorm statistics) as a warp-specialized Gluon kernel.
 
-    python benchmarks/gluon_ws_producer.py [--models llama-1b,llama-7b,llama-70b] [--tokens 16384]
+    python benchmarks/gluon_ws_producer.py [--models llama-1b,llama-7b,llama-70b] [--tokens 16384] [bench_coda flags]
     python benchmarks/gluon_ws_producer.py --compile-only      # no GPU needed: compiles for sm_90
 
 Hopper only, GPU only: Gluon (Triton's lower-level dialect) has no interpreter, so this is a benchmark, not a
@@ -17,19 +17,28 @@ but the schedule is one the Triton language cannot express (benchmarks/PERF_NOTE
 ``H_FROM_X16``: h = bf16(x) * gamma instead of bf16(x_fp32 * gamma) (at most one more rounding of h): the fp32
 form keeps x, gamma and h live together and spills at the 240 registers a consumer thread gets.
 ``PRODUCER=False`` gives the plain GEMM ``C = a @ w^T`` through the same mainloop.
-Prints error (same inputs and rule as bench_coda.py) and time / cuBLAS GEMM for these and the shipped kernel.
+The file is a codabench plugin: ``gluon-ws`` (h from x16) and ``gluon-ws-x32`` implement the op ``producer_out``,
+``gluon-ws`` also the plain GEMM ``gemm_out`` (Hopper only). Run as a script, it runs them through the harness with
+bench_coda.py (the ``kernels`` suite's inputs, float64 check and pass rule, timing rounds beside the cuBLAS GEMMs),
+next to the shipped kernel (``coda-triton``) and torch.compile, and prints bench_coda's table: error, time / cuBLAS
+GEMM, speedup.
 """
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+from codabench.case import Case
+from codabench.registry import register
 
 # Triton 3.6's names; later versions renamed them (async_load, async_store, barrier).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -227,43 +236,46 @@ def compile_only() -> dict[str, int]:
     return shared
 
 
-def main() -> None:
+# ---- the plugin ------------------------------------------------------------------------------------------------
+
+def _with_eps(case: Case) -> dict:
+    return {**case.inputs, "eps": case.model.eps}
+
+
+GLUON = {"modes": ("fwd",), "dtypes": ("bf16", "fp16"), "requires": ("sm90",), "label": "fused"}
+
+
+@register("producer_out", "gluon-ws", prepare=_with_eps, **GLUON)
+def gluon_ws(a, w, residual, gamma, eps):
+    """The warp-specialized Gluon producer, h = bf16(x) * gamma."""
+    return dict(zip(("x", "h", "rstd"), ws_producer(a, w, residual, gamma, eps)))
+
+
+@register("producer_out", "gluon-ws-x32", prepare=_with_eps, **GLUON)
+def gluon_ws_x32(a, w, residual, gamma, eps):
+    """The warp-specialized Gluon producer, h = bf16(x_fp32 * gamma)."""
+    return dict(zip(("x", "h", "rstd"), ws_producer(a, w, residual, gamma, eps, h_from_x16=False)))
+
+
+@register("gemm_out", "gluon-ws", **GLUON)
+def gluon_ws_gemm(x, w):
+    """The plain GEMM through the same warp-specialized mainloop."""
+    return {"out": ws_producer(x, w)}
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="llama-1b,llama-7b,llama-70b")
-    p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--compile-only", action="store_true")
-    args = p.parse_args()
+    args, rest = p.parse_known_args()
     if args.compile_only:
         for name, smem in compile_only().items():
             print(f"{name}: compiled for sm_90, {smem} B shared memory")
-        return
-    from bench_coda import bench_rounds, producer_fused, producer_inputs, producer_unfused, warm_up_gpu
-    from codabench.metrics import rel_err
-    from workloads.models import get_model
-    warm_up_gpu()
-    print(f"{'model':10s} {'variant':24s} {'max rel err (x, h, rstd)':>25s} {'ms':>8s} {'/ GEMM':>7s}")
-    for name in args.models.split(","):
-        m = get_model(name, tokens=args.tokens)
-        t = producer_inputs(lambda s: s.hidden)(m, torch.Generator(device="cuda").manual_seed(0))
-        ref = producer_unfused({k: v.double() for k, v in t.items()}, m)
-        variants = {
-            "shipped (Triton)": lambda: producer_fused(t, m),
-            "gluon-ws, h from x16": lambda: dict(zip("x h rstd".split(), ws_producer(t["a"], t["w"], t["residual"],
-                                                                                    t["gamma"], m.eps))),
-            "gluon-ws, h from x32": lambda: dict(zip("x h rstd".split(), ws_producer(
-                t["a"], t["w"], t["residual"], t["gamma"], m.eps, h_from_x16=False))),
-            "gluon-ws plain GEMM": lambda: {"x": ws_producer(t["a"], t["w"])},
-        }
-        gemm = {"x": F.linear(t["a"].double(), t["w"].double())}
-        errs = {}
-        for v, fn in variants.items():
-            out = fn()
-            want = gemm if "plain" in v else ref
-            errs[v] = max(rel_err(out[k], want[k]) for k in out)
-        times = bench_rounds({"cuBLAS": lambda: F.linear(t["a"], t["w"]), **variants})
-        for v in variants:
-            print(f"{name:10s} {v:24s} {errs[v]:25.1e} {times[v]:8.4f} {times[v] / times['cuBLAS']:7.3f}")
+        return 0
+    # a process of its own: this one imported triton before the harness could pick the device
+    return subprocess.run([sys.executable, str(Path(__file__).with_name("bench_coda.py")), "--kernels",
+                           "producer_out,gemm_out", "--plugin", __file__,
+                           "--impls", "torch-compile,coda-triton,gluon-ws,gluon-ws-x32", *rest]).returncode
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -204,7 +204,7 @@ def _run(args: argparse.Namespace) -> int:
     suite = get_suite(args.suite or ("quick" if device.type == "cuda" else "smoke"))
     if device.type == "cpu":
         print(f"codabench: {INTERPRETER_NOTE}", file=sys.stderr)
-    out = args.out or _default_out(suite.name, args.resume, args.shard)
+    out = args.out or default_out(suite.name, args.resume, args.shard)
     if ranks is not None:  # torchrun: rank 0 names the run, each rank runs its shard on its GPU
         distributed.start(ranks)
         out = distributed.agree(out)
@@ -341,7 +341,9 @@ def _check_names(sel: Selection, registry, defined: dict[str, ModelShape]) -> No
             raise UsageError(f"unknown {kind}(s) {', '.join(bad)}; known: {', '.join(known)}")
 
 
-def _default_out(suite: str, resume: bool, shard: tuple[int, int] | None) -> Path:
+def default_out(suite: str, resume: bool = False, shard: tuple[int, int] | None = None) -> Path:
+    """The run directory of a run without ``--out``: ``reports/<suite>-<date>-<time>[-shardIofN]``; with ``--resume``
+    the newest such directory that holds results."""
     tail = f"-shard{shard[0]}of{shard[1]}" if shard else ""
     if resume:
         runs = sorted(p for p in REPORTS.glob(f"{suite}-*{tail}") if (p / "results.csv").exists())

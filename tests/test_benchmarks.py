@@ -1,6 +1,8 @@
-"""The GPU-only benchmark experiments still build: benchmarks/gluon_ws_producer.py (Gluon has no interpreter)
-compiles for sm_90 here, without a GPU, and fits Hopper's shared memory; so do fused CODA kernels launched through
-their host wrappers (benchmarks/compare_ptx.py)."""
+"""The benchmark scripts. benchmarks/bench_coda.py is a front end of the harness: it runs the kernels suite through
+the command line and prints a table from the run's results (here on the CPU, the Triton interpreter and the tiny
+model). The GPU-only experiments still build: benchmarks/gluon_ws_producer.py (Gluon has no interpreter) compiles for
+sm_90 here, without a GPU, fits Hopper's shared memory and registers its plugin implementations; so do fused CODA
+kernels launched through their host wrappers (benchmarks/compare_ptx.py)."""
 import importlib.util
 import os
 import re
@@ -8,7 +10,105 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+import numpy as np
+
+from codabench import results as tables
+from codabench.results import load_run
+from harness_helpers import isolated_registry
+from synthetic_runs import noisy_rounds, write_run
+
+ROOT = Path(__file__).parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def script_env(**changes: str) -> dict[str, str]:
+    """The environment of a benchmark script run as a subprocess: this checkout's packages first (the script's own
+    folder comes first on its sys.path, not the repository root), with ``changes``."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), **changes}
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- bench_coda.py: the kernels suite through the harness ------------------------------------------------------
+
+def test_bench_coda_runs_the_kernels_suite_and_prints_its_table(tmp_path):
+    """On the CPU (the interpreter; the suite needs --models and --dtypes there): the ops named by --kernels, without
+    torch-compile (--no-compile), each row of the table from results.csv; the checks passed, so exit code 0."""
+    env = {k: v for k, v in script_env().items() if k not in ("TRITON_INTERPRET", "TORCHINDUCTOR_CACHE_DIR")}
+    out = tmp_path / "run"
+    ops = ["producer_out", "gemm_ce_grad", "rmsnorm_dgrad_lm", "rope_bwd", "lm_head_wgrad"]
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_coda.py"), "--models", "tiny", "--dtypes", "fp32",
+                           "--kernels", ",".join(ops), "--no-compile", "--out", str(out), "--quiet"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    df, _, env_json = load_run(out)
+    assert env_json["suite"] == "kernels"
+    assert set(df["impl"]) == {"torch-eager", "coda-triton"} and set(df["op"]) == set(ops)
+    assert (df["status"] == "ok").all() and (df["correct"] == True).all()  # noqa: E712
+    lines = proc.stdout[proc.stdout.index("kernels suite, "):].splitlines()
+    rows = {line.split()[1]: line.split() for line in lines if line.startswith("tiny ")}
+    assert set(rows) == set(ops) and all(r[2:4] == ["fp32", "coda-triton"] and r[-1] == "pass" for r in rows.values())
+    coda = df[df["impl"] == "coda-triton"].set_index("op")
+    for op in ops:  # model, op, dtype, impl, ms, GEMM ms, fused/GEMM, vs eager, vs compile, err x torch, pass
+        ms, gemm_ms, fused_over_gemm, vs_eager, vs_compile = rows[op][4:9]
+        assert float(ms) == round(coda.loc[op, "median_ms"], 4) and vs_eager.endswith("x")  # no interval on the CPU
+        if op == "rope_bwd":  # the elementwise kernel has no speed-of-light
+            assert gemm_ms == fused_over_gemm == "-"
+        else:
+            assert float(fused_over_gemm) == round(coda.loc[op, "sol_ratio"], 3) and float(gemm_ms) > 0
+        assert vs_compile == "-"  # no torch-compile
+    assert lines[-1].startswith("(cpu-wall")
+
+
+def test_bench_coda_table_of_a_gpu_run(tmp_path):
+    """The table of a run with GPU timings: the speedups over eager and compile with their intervals, the
+    fused/GEMM ratio, FAIL where the pass rule failed and the message of an error row."""
+    bench = load_script("bench_coda")
+    rng = np.random.default_rng(0)
+    key = ("producer_out", "llama-7b", "fwd", "bf16")
+    cells = {(*key, "torch-eager"): noisy_rounds(rng, 2.0), (*key, "torch-compile"): noisy_rounds(rng, 1.2),
+             (*key, "coda-triton"): noisy_rounds(rng, 1.0),
+             ("rope_bwd", "llama-7b", "bwd", "bf16", "coda-triton"): noisy_rounds(rng, 0.3)}
+    rows = {(*key, "coda-triton"): {"sol_ms": 0.95, "sol_ratio": 1.0 / 0.95, "err_ratio": 0.8},
+            ("rope_bwd", "llama-7b", "bwd", "bf16", "coda-triton"): {"correct": False, "err_ratio": 3.5}}
+    run = write_run(tmp_path / "run", cells, rows=rows)
+    tables.AppendWriter(run / tables.RESULTS, tables.RESULT_COLUMNS).write([{
+        "op": "gemm_rope", "model": "llama-7b", "mode": "fwd", "dtype": "bf16", "impl": "coda-triton",
+        "status": "error", "message": "timed out after 1200 s"}])
+    lines = bench.table(run)
+    by_op = {line.split()[1]: line for line in lines[1:]}
+    producer = by_op["producer_out"].split()
+    assert producer[2:4] == ["bf16", "coda-triton"]
+    assert producer[4] == f"{np.median([s for r in cells[(*key, 'coda-triton')] for s in r]):.4f}"
+    assert producer[5:7] == ["0.9500", f"{1 / 0.95:.3f}"] and producer[-2:] == ["0.80", "pass"]
+    eager, compile_ = re.findall(r"(\d+\.\d+)x \[(\d+\.\d+), (\d+\.\d+)\]", by_op["producer_out"])
+    assert 1.8 < float(eager[0]) < 2.2 and float(eager[1]) < float(eager[0]) < float(eager[2])
+    assert 1.1 < float(compile_[0]) < 1.3 and float(compile_[1]) <= float(compile_[0]) <= float(compile_[2])
+    assert by_op["rope_bwd"].split()[-1] == "FAIL" and by_op["rope_bwd"].split()[4:9] == ["{:.4f}".format(
+        np.median([s for r in cells[("rope_bwd", "llama-7b", "bwd", "bf16", "coda-triton")] for s in r])), "-", "-",
+        "-", "-"]
+    assert "error: timed out after 1200 s" in by_op["gemm_rope"]
+    assert not any("torch-eager" in line or "torch-compile" in line for line in lines[1:])
+
+
+def test_bench_coda_flags_become_run_bench_flags():
+    bench = load_script("bench_coda")
+    args, rest = bench.parse_args(["--models", "llama-7b", "--kernels", "rope_bwd,gemm_ce", "--no-compile",
+                                   "--reps", "5", "--impls", "coda-triton"])
+    assert bench.run_argv(args, Path("out"), rest) == [
+        "--suite", "kernels", "--out", "out", "--models", "llama-7b", "--ops", "rope_bwd,gemm_ce",
+        "--impls", "torch-eager,coda-triton", "--reps", "5", "--impls", "coda-triton"]  # a flag given last wins
+    args, rest = bench.parse_args(["--tokens", "4096", "--resume"])
+    assert bench.run_argv(args, Path("o"), rest) == ["--suite", "kernels", "--out", "o", "--tokens", "4096",
+                                                     "--resume"]
+
+
+# ---- the GPU-only experiments build ----------------------------------------------------------------------------
 HOPPER_SMEM = 232448
 """Bytes of shared memory one CTA may use on an H100/H200 (227 KB)."""
 
@@ -16,16 +116,17 @@ HOPPER_SMEM = 232448
 def test_gluon_ws_producer_compiles_for_hopper(tmp_path):
     # A process of its own: this one runs Triton's interpreter, whose jit functions (gl.sum's among them) Gluon
     # cannot compile; and an empty cache, so that the kernel is compiled rather than read back.
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    env = script_env(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, str(BENCHMARKS / "gluon_ws_producer.py"), "--compile-only"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     shared = dict(re.findall(r"^(producer=\S+ h_from_x16=\S+): compiled for sm_90, (\d+) B", out.stdout, re.M))
     assert set(shared) == {"producer=False h_from_x16=True", "producer=True h_from_x16=True",
                            "producer=True h_from_x16=False"}, out.stdout
-    spec = importlib.util.spec_from_file_location("gluon_ws_producer", BENCHMARKS / "gluon_ws_producer.py")
-    g = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(g)
+    with isolated_registry() as registry:  # the module registers its implementations (a plugin file)
+        g = load_script("gluon_ws_producer")
+        assert {(i.op, i.name) for i in registry.impls.values() if i.source == "gluon_ws_producer"} == \
+            {("producer_out", "gluon-ws"), ("producer_out", "gluon-ws-x32"), ("gemm_out", "gluon-ws")}
     buffers = g.STAGES * (g.BM + g.BN) * g.BK * 2 + g.BM * g.BN * 2  # operand ring and the epilogue's io tile
     for variant, smem in shared.items():
         assert buffers <= int(smem) <= HOPPER_SMEM, (variant, smem)
@@ -34,7 +135,7 @@ def test_gluon_ws_producer_compiles_for_hopper(tmp_path):
 def test_fused_kernels_compile_for_hopper_through_the_launch_helper():
     """benchmarks/compare_ptx.py --compile-only: the guide's example and the fp8 producer, launched by their host
     wrappers through FusedGemm (arguments caught at the autotuner), compile for sm_90 and fit its shared memory."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the script compiles in a process of its own, empty cache
+    env = script_env(TRITON_INTERPRET="0")  # the script compiles in a process of its own, empty cache
     out = subprocess.run([sys.executable, str(BENCHMARKS / "compare_ptx.py"), "--compile-only",
                           "--cases", "example-bf16,producer-fp8"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -152,7 +152,10 @@ def test_fp8_dgrad_kernels_fold_the_per_tensor_scales():
 # ---- the plugin, through the harness ------------------------------------------------------------------
 
 FP8_OPS = ["gemm_out", "rmsnorm_linear", "rmsnorm_swiglu", "rmsnorm_rope", "rmsnorm_ce", "lm_head_ce", "block",
-           "rmsnorm_dgrad", "swiglu_dgrad"]
+           "rmsnorm_dgrad", "swiglu_dgrad",
+           # the kernel level: each host function on fp8 operands
+           "producer_out", "producer_down", "scaled_linear", "gemm_swiglu", "gemm_swiglu_save", "gemm_rope", "gemm_ce",
+           "gemm_ce_grad", "rmsnorm_dgrad_qkv", "rmsnorm_dgrad_lm"]
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "fp8-row"])

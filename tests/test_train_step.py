@@ -27,7 +27,7 @@ from kernels import hf_train
 from workloads.models import PRESETS, ModelShape, parse_model_spec
 from workloads.ops import OPS
 from workloads.ops.train_step import batch_and_seq
-from workloads.suites import KERNEL_OPS, get_suite
+from workloads.suites import PATTERN_OPS, get_suite
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
 
@@ -205,14 +205,15 @@ def test_layers_from_the_command_line(tmp_path):
     assert (cfg.model("m").layers, cfg.model("llama3-1b").layers, cfg.model("tiny").layers) == (6, 4, 2)
 
 
-def test_train_suite_and_kernel_suites():
+def test_train_suite_and_pattern_suites():
     train = get_suite("train")
     assert (train.ops, train.models, train.modes, train.dtypes) == (("train_step",), ("llama3-1b",), ("fwd_bwd",),
                                                                     ("bf16",))
     shape = PRESETS["llama3-1b"]
     assert (shape.vocab, shape.layers, batch_and_seq(shape), train.check_tokens) == (128256, 4, (2, 8192), 1024)
-    assert "train_step" not in KERNEL_OPS and set(KERNEL_OPS) == set(OPS) - {"train_step"}
-    assert get_suite("quick").ops == get_suite("full").ops == KERNEL_OPS and get_suite("smoke").ops is None
+    assert OPS["train_step"].level == "model" and "train_step" not in PATTERN_OPS
+    assert set(PATTERN_OPS) == {n for n, op in OPS.items() if op.level == "pattern"}
+    assert get_suite("quick").ops == get_suite("full").ops == PATTERN_OPS and get_suite("smoke").ops is None
 
 
 IMPLS = ("torch-eager", "torch-compile", "hf-eager", "hf-compile", "hf-liger", "hf-coda")

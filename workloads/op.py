@@ -68,9 +68,16 @@ class Op:
     """Inputs that get no gradient (targets, positions, saved statistics)."""
     fp8_operands: ClassVar[dict[str, fp8.Role]] = {}
     """Inputs that are GEMM operands, with their role in an fp8 recipe (no entry: the op has no fp8 cells)."""
-    whole_model: ClassVar[bool] = False
-    """A step of a whole model (``train_step``) rather than one kernel's pattern: it has its own suite (``train``)
-    and report section; the kernel suites (``quick``, ``full``) leave it out."""
+    level: ClassVar[Literal["pattern", "kernel", "model"]] = "pattern"
+    """What a cell of the op measures, which decides the suites that hold it (:mod:`workloads.suites`):
+
+    - ``pattern``: a fused pattern of the CODA block as a model calls it (its forward and backward), a direct
+      backward op of the block, or a plain GEMM of its shapes: the ``quick`` and ``full`` suites;
+    - ``kernel``: one CODA kernel's host call alone at one of the block's shapes (the producer GEMM, a consumer
+      epilogue, an elementwise backward): the ``kernels`` suite, which leaves ``quick`` and ``full`` at the level
+      a framework sees;
+    - ``model``: a step of a whole model (``train_step``): the ``train`` suite and its own report section.
+    """
 
     def make_inputs(self, model: ModelShape, dtype: torch.dtype, device: torch.device | str,
                     seed: int) -> dict[str, torch.Tensor]:

@@ -15,6 +15,11 @@ from workloads.models import ModelShape
 IGNORE_INDEX = -100
 
 
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for a low-precision tensor; fp64 stays fp64, so a composition that upcasts is its own float64 reference."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def rmsnorm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     """``g * x * (mean_j x_j^2 + eps)^(-1/2)`` along the last dim."""
     return F.rms_norm(x, (x.shape[-1],), gamma, eps)
@@ -22,12 +27,20 @@ def rmsnorm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-row ``r = (mean_j x_j^2 + eps)^(-1/2)`` in fp32 (fp64 for fp64 input), as F.rms_norm computes it."""
-    xf = x if x.dtype == torch.float64 else x.float()
-    return torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    return torch.rsqrt(upcast(x).pow(2).mean(-1) + eps)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dgate, dup)`` of ``y = silu(gate) up`` given dy, in the inputs' dtype::
+
+        dgate = dy up silu'(gate),   silu'(g) = s (1 + g (1 - s)),  s = sigmoid(g);     dup = dy silu(gate)
+    """
+    s = torch.sigmoid(gate)
+    return dy * up * s * (1 + gate * (1 - s)), dy * gate * s
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> torch.Tensor:
@@ -58,13 +71,11 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: i
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy with ignore_index -100, computed in fp32 (fp64 for an fp64 reference)."""
-    lf = logits if logits.dtype == torch.float64 else logits.float()
-    return F.cross_entropy(lf, target, ignore_index=IGNORE_INDEX, reduction=reduction)
+    return F.cross_entropy(upcast(logits), target, ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    lf = logits if logits.dtype == torch.float64 else logits.float()
-    return torch.logsumexp(lf, -1)
+    return torch.logsumexp(upcast(logits), -1)
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,15 @@ from dataclasses import dataclass, field
 from workloads.op import MODES
 from workloads.ops import OPS
 
-KERNEL_OPS = tuple(name for name, op in OPS.items() if not op.whole_model)
-"""The ops of the kernel suites (quick, full): every op but the whole-model steps, which have their own suite."""
+PATTERN_OPS = tuple(name for name, op in OPS.items() if op.level == "pattern")
+"""The ops of the quick and full suites (``Op.level`` ``pattern``): the fused patterns of the block, its direct
+backward ops and plain GEMMs; neither the kernel-level ops (the kernels suite) nor the whole-model steps (train)."""
+KERNEL_SUITE_OPS = ("producer_out", "producer_down", "scaled_linear", "gemm_swiglu", "gemm_swiglu_save", "gemm_rope",
+                    "gemm_ce", "gemm_ce_grad", "norm_input", "rmsnorm_dgrad", "rmsnorm_dgrad_qkv", "rmsnorm_dgrad_lm",
+                    "swiglu_dgrad", "swiglu_bwd", "rope_bwd", "lm_head_wgrad")
+"""The ops of the kernels suite, forward then backward: every kernel-level op, and the two pattern-level direct
+backward ops that are one CODA kernel each (``rmsnorm_dgrad``: the gate/up dgrad + RMSNorm backward, ``swiglu_dgrad``:
+the down-proj dgrad + SwiGLU backward)."""
 
 
 @dataclass(frozen=True)
@@ -40,13 +47,22 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("smoke", "model tiny, every op, mode and implementation, fp32; runs on the CPU (Triton interpreter)",
           models=("tiny",), modes=MODES, dtypes=("fp32",), needs_gpu=False,
           impl_modes={"torch-compile": ("fwd_bwd",)}),
-    Suite("quick", "llama-7b, bf16, every kernel op, mode and implementation (GPU)",
-          models=("llama-7b",), modes=MODES, dtypes=("bf16",), ops=KERNEL_OPS),
+    Suite("quick", "llama-7b, bf16, every pattern op, mode and implementation (GPU)",
+          models=("llama-7b",), modes=MODES, dtypes=("bf16",), ops=PATTERN_OPS),
     # 513 cells. The correctness pass runs at 2048 tokens (the pass rule compares with PyTorch's own error on
     # the same inputs) and each cell takes 20 samples, so that a warm run fits in 10 minutes on one GPU.
     Suite("full", "llama-1b/7b/70b x fwd/bwd/fwd_bwd x bf16/fp8 x every implementation (GPU)",
-          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"), ops=KERNEL_OPS,
+          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"), ops=PATTERN_OPS,
           check_tokens=2048, reps=20),
+    # Each CODA kernel alone against the plain cuBLAS GEMM of its shape (sol_ratio) and the unfused PyTorch math,
+    # eager and compiled: 16 ops x 3 models x 3 implementations = 144 cells, all direct (one mode each). As in full,
+    # the correctness pass runs at 2048 tokens (the float64 reference of the LM-head ops at M = 16384 and V = 32768
+    # would take 4 GiB per [M, V] tensor; the timed buffers are still compared with PyTorch's results at the timed
+    # shape) and each cell takes 21 samples (7 in each of the 3 rounds), enough for the intervals of the speedups.
+    Suite("kernels", "each CODA kernel alone vs its plain GEMM and the unfused PyTorch math: llama-1b/7b/70b, bf16, "
+          "coda-triton, torch-eager, torch-compile (GPU)",
+          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16",), ops=KERNEL_SUITE_OPS,
+          impls=("torch-eager", "torch-compile", "coda-triton"), check_tokens=2048, reps=20),
     # The training step of issue 19: 4 layers (ModelShape.layers) of Llama-3.2-1B with its 128256-token vocabulary,
     # 2 x 8192 tokens, bf16; every implementation of train_step (hf-eager, hf-compile, hf-liger, hf-coda and the
     # op's own torch-eager / torch-compile). The float64 reference runs at 1024 tokens (the 1B model in float64, its

@@ -24,8 +24,8 @@ COLUMNS = ["op", "model", "dtype", "impl", "tokens", "median_ms", "tokens_per_s"
 
 
 def train_step_table(results: pd.DataFrame, errors: pd.DataFrame) -> pd.DataFrame:
-    """One row per ok cell of a whole-model op (``Op.whole_model``), with :data:`COLUMNS`."""
-    ok = results[results["op"].map(lambda o: o in OPS and OPS[o].whole_model) & (results["status"] == "ok")]
+    """One row per ok cell of a whole-model op (``Op.level`` ``model``), with :data:`COLUMNS`."""
+    ok = results[results["op"].map(lambda o: o in OPS and OPS[o].level == "model") & (results["status"] == "ok")]
     by_cell = dict(list(errors.groupby(KEY, sort=False)))
     rows = []
     for _, group in ok.groupby(["op", "model", "dtype"], sort=False):

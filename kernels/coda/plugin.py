@@ -14,8 +14,23 @@ Each op is composed from the CODA kernels of this package, through the autograd 
   swiglu_dgrad    dz_pre, a, zdz = dgrad_swiglu(dx, Wd, z_pre)   z_pre: gate/up columns interleaved (bwd)
   gemm_*          the plain mainloop GEMM (kernels.coda.gemm.linear)
 
-``prepare`` (untimed) interleaves the gate/up weights and permutes the q/k rows of W_qkv; outputs and
-gradients are converted back to the canonical layouts (half-split qkv, separate gate/up weights).
+The kernel-level ops (``Op.level`` ``kernel``, the kernels suite) call one host function each, directly::
+
+  producer_out/_down   x, h, rstd = gemm_residual_norm(a, Wp, residual, gamma)
+  scaled_linear        z = scaled_linear(h, Wc, rstd)
+  gemm_swiglu(_save)   y (, z_pre) = gemm_swiglu(h, W_gu, rstd, save_preact)
+  gemm_rope            qkv = gemm_rope(h, W_qkv', rstd, positions)
+  gemm_ce(_grad)       loss, lse (, dlogits, zdz) = gemm_cross_entropy(h, Wlm, rstd, target, with_grad)
+  norm_input           h, rstd = norm_input(x, gamma)
+  rmsnorm_dgrad_qkv    as rmsnorm_dgrad, at the QKV shape
+  rmsnorm_dgrad_lm     dx, y, dgamma = dgrad_rmsnorm(dz, Wlm, x, rstd, gamma, zdz, dz_scale=scale)   (no dres)
+  swiglu_bwd           dz_pre, zdz = swiglu_bwd(dy, z_pre)
+  rope_bwd             dz, zdz = rope_bwd(dqkv, qkv, positions)     dqkv, qkv, dz: adjacent RoPE pairs
+  lm_head_wgrad        dw = matmul(dz^T, y, scale=scale)
+
+``prepare`` (untimed) interleaves the gate/up weights (and saved gate/up activations) and permutes the q/k rows of
+W_qkv (and the q/k columns of packed qkv activations); outputs and gradients are converted back to the canonical
+layouts (half-split qkv, separate gate/up weights and activations).
 Side outputs: rstd (rstd_mlp / rstd_attn for the block) and lse.
 
 fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` also quantizes the op's GEMM operands
@@ -34,9 +49,15 @@ from codabench.registry import REGISTRY, Implementation, Tensors
 from kernels import layouts
 from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer,
                                     producer_consumer)
-from kernels.coda.gemm import linear
+from kernels.coda.cross_entropy import gemm_cross_entropy
+from kernels.coda.gemm import linear, matmul
+from kernels.coda.producer import gemm_residual_norm, norm_input
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
-from kernels.coda.swiglu_bwd import dgrad_swiglu
+from kernels.coda.rope import gemm_rope
+from kernels.coda.rope_bwd import rope_bwd
+from kernels.coda.scaled_linear import scaled_linear
+from kernels.coda.swiglu import gemm_swiglu
+from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
 from workloads import fp8
 from workloads.models import ModelShape
 from workloads.ops.gemm import GEMM_SHAPES
@@ -106,8 +127,9 @@ def _promote(n: Tensors) -> bool:
 
 
 def rmsnorm_dgrad_run(n: Tensors) -> Tensors:
-    dx, y, dgamma = dgrad_rmsnorm(n["dz"], _dgrad_weight(n["w"]), n["x"], n["rstd"], n["gamma"], n["zdz"], n["dres"],
-                                  promote=_promote(n))
+    """rmsnorm_dgrad(_qkv) with the incoming residual gradient dres; rmsnorm_dgrad_lm with the loss scale instead."""
+    dx, y, dgamma = dgrad_rmsnorm(n["dz"], _dgrad_weight(n["w"]), n["x"], n["rstd"], n["gamma"], n["zdz"],
+                                  n.get("dres"), dz_scale=n.get("scale", 1.0), promote=_promote(n))
     return {"dx": dx, "dgamma": dgamma, "y": y}
 
 
@@ -118,6 +140,58 @@ def swiglu_dgrad_run(n: Tensors) -> Tensors:
 
 def gemm_run(n: Tensors) -> Tensors:
     return {"out": linear(n["x"], n["w"], promote=_promote(n))}
+
+
+# ---- the kernel-level ops: one host function each (native layouts) ------------------------------------------
+
+def producer_run(n: Tensors) -> Tensors:
+    x, h, rstd = gemm_residual_norm(n["a"], n["w"], n["residual"], n["gamma"], n["model"].eps, promote=_promote(n))
+    return {"x": x, "h": h, "rstd": rstd}
+
+
+def scaled_linear_run(n: Tensors) -> Tensors:
+    return {"z": scaled_linear(n["h"], n["w"], n["rstd"], promote=_promote(n))}
+
+
+def _gemm_swiglu(save_preact: bool) -> Callable[[Tensors], Tensors]:
+    def run(n: Tensors) -> Tensors:
+        y, z_pre = gemm_swiglu(n["h"], n["w_gu"], n["rstd"], save_preact, promote=_promote(n))
+        return {"y": y, "z_pre": z_pre} if save_preact else {"y": y}
+    return run
+
+
+def gemm_rope_run(n: Tensors) -> Tensors:
+    model = n["model"]
+    return {"qkv": gemm_rope(n["h"], n["w_qkv"], n["rstd"], n["positions"], *_qkv_args(model), model.rope_theta,
+                             promote=_promote(n))}
+
+
+def _gemm_ce(with_grad: bool) -> Callable[[Tensors], Tensors]:
+    def run(n: Tensors) -> Tensors:
+        loss, lse, dlogits, zdz = gemm_cross_entropy(n["h"], n["w_lm"], n["rstd"], n["target"], with_grad=with_grad,
+                                                     promote=_promote(n))
+        return {"loss": loss, "lse": lse, "dlogits": dlogits, "zdz": zdz} if with_grad else {"loss": loss, "lse": lse}
+    return run
+
+
+def norm_input_run(n: Tensors) -> Tensors:
+    h, rstd = norm_input(n["x"], n["gamma"], n["model"].eps)
+    return {"h": h, "rstd": rstd}
+
+
+def swiglu_bwd_run(n: Tensors) -> Tensors:
+    dz_pre, zdz = swiglu_bwd(n["dy"], n["z_pre"])
+    return {"dz_pre": dz_pre, "zdz": zdz}
+
+
+def rope_bwd_run(n: Tensors) -> Tensors:
+    model = n["model"]
+    dz, zdz = rope_bwd(n["dqkv"], n["qkv"], n["positions"], *_qkv_args(model), model.rope_theta)
+    return {"dz": dz, "zdz": zdz}
+
+
+def lm_head_wgrad_run(n: Tensors) -> Tensors:
+    return {"dw": matmul(n["dz"].T, n["y"], scale=n["scale"])}
 
 
 # ---- the implementation -----------------------------------------------------------------------
@@ -142,8 +216,12 @@ class CodaTriton(Implementation):
             native["w_gu"] = layouts.interleave_rows(case.inputs["w_gate"], case.inputs["w_up"])
         if "w_qkv" in case.inputs:
             native["w_qkv"] = layouts.qkv_rows_to_adjacent(case.inputs["w_qkv"], *_qkv_args(case.model))
-        if "gate" in case.inputs:  # swiglu_dgrad: the saved pre-activation, interleaved as the forward keeps it
+        # swiglu_dgrad, swiglu_bwd: the saved pre-activation, interleaved as the forward keeps it
+        if "gate" in case.inputs:
             native["z_pre"] = layouts.interleave_cols(native.pop("gate"), native.pop("up"))
+        for k in ("qkv", "dqkv"):  # rope_bwd: the saved output and its gradient, adjacent pairs as the forward's
+            if k in case.inputs:
+                native[k] = layouts.qkv_cols_to_adjacent(case.inputs[k], *_qkv_args(case.model))
         native = case.quantize(native, {"w_gate": "w_gu", "w_up": "w_gu"})
         native["model"], native["recipe"] = case.model, case.recipe
         return native
@@ -157,6 +235,10 @@ class CodaTriton(Implementation):
             out["qkv"] = layouts.qkv_cols_to_halfsplit(out["qkv"], *_qkv_args(native["model"]))
         if "dz_pre" in out:
             out["dgate"], out["dup"] = layouts.deinterleave_cols(out.pop("dz_pre"))
+        if "z_pre" in out:
+            out["gate"], out["up"] = layouts.deinterleave_cols(out.pop("z_pre"))
+        if "dqkv" in native:  # rope_bwd: dz, the gradient of the pre-RoPE qkv, has adjacent pairs too
+            out["dz"] = layouts.qkv_cols_to_halfsplit(out["dz"], *_qkv_args(native["model"]))
         return out
 
     def grad_outputs_to_native(self, grad_outputs: Tensors, native: Tensors) -> Tensors:
@@ -192,3 +274,22 @@ for _op, _fn, _modes, _desc in [
     REGISTRY.add(CodaTriton(_op, _fn, _modes, _desc))
 for _op in GEMM_SHAPES:  # the speed-of-light of the fused kernels
     REGISTRY.add(CodaTriton(_op, gemm_run, ("fwd",), "plain GEMM, CODA mainloop"))
+for _op, _fn, _modes, _desc in [  # the kernel level: one host function each
+    ("producer_out", producer_run, ("fwd",), "gemm_residual_norm: GEMM + residual + gamma + sum-of-squares partials"),
+    ("producer_down", producer_run, ("fwd",), "gemm_residual_norm: GEMM + residual + gamma + sum-of-squares partials"),
+    ("scaled_linear", scaled_linear_run, ("fwd",), "scaled_linear: GEMM + row scale"),
+    ("gemm_swiglu", _gemm_swiglu(False), ("fwd",), "gemm_swiglu: GEMM + row scale + SwiGLU"),
+    ("gemm_swiglu_save", _gemm_swiglu(True), ("fwd",), "gemm_swiglu: GEMM + row scale + SwiGLU, pre-activation saved"),
+    ("gemm_rope", gemm_rope_run, ("fwd",), "gemm_rope: GEMM + row scale + RoPE"),
+    ("gemm_ce", _gemm_ce(False), ("fwd",), "gemm_cross_entropy: GEMM + row scale + LSE partials; CE finish"),
+    ("gemm_ce_grad", _gemm_ce(True), ("fwd",), "gemm_cross_entropy: GEMM + row scale + logits + LSE partials; "
+                                               "CE finish writing dlogits in place and ZdZ"),
+    ("norm_input", norm_input_run, ("fwd",), "norm_input: one pass, h and rstd"),
+    ("rmsnorm_dgrad_qkv", rmsnorm_dgrad_run, ("bwd",), "dgrad GEMM + RMSNorm backward epilogue + dgamma partials"),
+    ("rmsnorm_dgrad_lm", rmsnorm_dgrad_run, ("bwd",), "dgrad GEMM x loss scale + RMSNorm backward epilogue + "
+                                                      "dgamma partials"),
+    ("swiglu_bwd", swiglu_bwd_run, ("bwd",), "swiglu_bwd: elementwise, one pass"),
+    ("rope_bwd", rope_bwd_run, ("bwd",), "rope_bwd: elementwise, one pass"),
+    ("lm_head_wgrad", lm_head_wgrad_run, ("bwd",), "matmul: dz^T y GEMM + loss scale"),
+]:
+    REGISTRY.add(CodaTriton(_op, _fn, _modes, _desc))

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
-import torch
-
+from workloads import reference as R
 from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
 from workloads.op import Gemm, InputMaker, Op
@@ -31,15 +30,11 @@ class SwiGLUDgrad(Op):
 
     def reference(self, inp, model, mm=TORCH_GEMMS):
         dt = inp["gate"].dtype
-        up32 = (lambda t: t if t.dtype == torch.float64 else t.float())
-        da = up32(mm.dgrad(inp["dx"], inp["w_down"]))
-        g, u = up32(inp["gate"]), up32(inp["up"])
-        s = torch.sigmoid(g)
-        silu = g * s
-        dgate = da * u * s * (1 + g * (1 - s))
-        dup = da * silu
+        da = R.upcast(mm.dgrad(inp["dx"], inp["w_down"]))
+        g, u = R.upcast(inp["gate"]), R.upcast(inp["up"])
+        dgate, dup = R.swiglu_backward(da, g, u)
         zdz = (g * dgate + u * dup).sum(-1)
-        return {"dgate": dgate.to(dt), "dup": dup.to(dt), "a": (silu * u).to(dt), "zdz": zdz}
+        return {"dgate": dgate.to(dt), "dup": dup.to(dt), "a": R.swiglu(g, u).to(dt), "zdz": zdz}
 
     def forward_gemms(self, model):
         return [Gemm(model.tokens, model.ffn, model.hidden, "mk", "kn")]

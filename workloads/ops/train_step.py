@@ -53,7 +53,7 @@ class TrainStep(Op):
 
     name = "train_step"
     description = "forward + backward of an N-layer Llama (HF layout), loss and every weight's gradient"
-    whole_model = True
+    level = "model"
     modes = ("fwd_bwd",)
     outputs = ("loss",)
     consts = ("input_ids", "labels")
