@@ -143,6 +143,18 @@ def test_ce_grad_scale_and_scaled_matmul_epilogue():
     check("matmul(scale=s)", c, 0.37 * (a.double().T @ b.double()), 0.37 * (a.T @ b))
 
 
+def test_matmul_accumulates_in_place():
+    """``acc``: C += s (A @ B) in C's dtype (fp32 here, from fp16 operands: a weight gradient summed over chunks)."""
+    a, b, c0 = rand(40, 72, dtype=torch.float16, seed=12), rand(40, 56, dtype=torch.float16, seed=13), rand(72, 56)
+    acc, s = c0.clone(), torch.tensor([0.37])
+    with launches() as names:
+        out = matmul(a.T, b, scale=s, acc=acc)
+    assert names == ["gemm_kernel"] and out is acc and acc.dtype == torch.float32
+    check("matmul(acc=C)", acc, c0.double() + 0.37 * (a.double().T @ b.double()), c0 + 0.37 * (a.float().T @ b.float()))
+    with pytest.raises(ValueError, match="row-major"):
+        matmul(a.T, b, acc=torch.zeros(56, 72).T)
+
+
 # ---- autograd Functions ---------------------------------------------------------------------------------
 
 def consumers(model: ModelShape, pos: torch.Tensor, target: torch.Tensor):
