@@ -16,7 +16,8 @@ from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.registry import REGISTRY
 from kernels import layouts as L
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
-from kernels.coda.cross_entropy_bwd import ce_grad_scale
+from kernels.coda import cross_entropy_bwd
+from kernels.coda.cross_entropy_bwd import ce_chunk_rows, ce_grad_scale
 from kernels.coda.gemm import matmul
 from kernels.coda.functions import CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer, producer_consumer
 from kernels.coda.reduce import row_dot
@@ -143,6 +144,18 @@ def test_ce_grad_scale_and_scaled_matmul_epilogue():
     check("matmul(scale=s)", c, 0.37 * (a.double().T @ b.double()), 0.37 * (a.T @ b))
 
 
+def test_matmul_accumulates_in_place():
+    """``acc``: C += s (A @ B) in C's dtype (fp32 here, from fp16 operands: a weight gradient summed over chunks)."""
+    a, b, c0 = rand(40, 72, dtype=torch.float16, seed=12), rand(40, 56, dtype=torch.float16, seed=13), rand(72, 56)
+    acc, s = c0.clone(), torch.tensor([0.37])
+    with launches() as names:
+        out = matmul(a.T, b, scale=s, acc=acc)
+    assert names == ["gemm_kernel"] and out is acc and acc.dtype == torch.float32
+    check("matmul(acc=C)", acc, c0.double() + 0.37 * (a.double().T @ b.double()), c0 + 0.37 * (a.float().T @ b.float()))
+    with pytest.raises(ValueError, match="row-major"):
+        matmul(a.T, b, acc=torch.zeros(56, 72).T)
+
+
 # ---- autograd Functions ---------------------------------------------------------------------------------
 
 def consumers(model: ModelShape, pos: torch.Tensor, target: torch.Tensor):
@@ -167,32 +180,45 @@ def grads_of(fn, inputs: list[torch.Tensor], dout: torch.Tensor):
     return out.detach(), [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("composition", ["producer_consumer", "block", "norm_consumer"])
-@pytest.mark.parametrize("consumer_name", ["linear", "swiglu", "rope", "ce"])
-def test_functions_match_autograd(composition, consumer_name):
-    """Output and every input gradient of each composition x consumer, fp32, against fp64 autograd."""
-    model = TINY.with_(tokens=48)
+COMPOSITIONS = ["producer_consumer", "block", "norm_consumer"]
+
+
+def composition_case(composition: str, model: ModelShape, consumer, n_out: int, ref_out):
+    """``(inputs, ours, ref)``: the composition's differentiable inputs (fp32, W of ``n_out`` rows last) and its
+    outputs ``(x, consumer output)`` (norm_consumer: the consumer output alone) by the CODA Function and by the
+    torch reference (``ref_out`` of the normalized activation and W)."""
     m, d, f, eps = model.tokens, model.hidden, model.ffn, model.eps
-    pos = torch.arange(m) % model.seq_len
-    target = torch.randint(0, model.vocab, (m,), generator=torch.Generator().manual_seed(0))
-    target[::5] = R.IGNORE_INDEX
-    consumer, n_out, ref_out = consumers(model, pos, target)[consumer_name]
     gamma, w = rand(d, seed=20, scale=0.1, mean=1.0), rand(n_out, d, seed=21, scale=d ** -0.5)
-    rms = lambda x, g: R.rmsnorm(x, g, eps)  # noqa: E731
     if composition == "norm_consumer":
         inputs = [rand(m, d, seed=22), gamma, w]
-        ours = lambda x, g, w: flat(norm_consumer(x, g, w, consumer, eps)[0])  # noqa: E731
-        ref = lambda x, g, w: flat(ref_out(rms(x, g), w))  # noqa: E731
+        ours = lambda x, g, w: norm_consumer(x, g, w, consumer, eps)[:1]  # noqa: E731
+        ref = lambda x, g, w: (ref_out(R.rmsnorm(x, g, eps), w),)  # noqa: E731
     elif composition == "producer_consumer":
         inputs = [rand(m, 56, seed=22), rand(m, d, seed=23), rand(d, 56, seed=24, scale=56 ** -0.5), gamma, w]
-        ours = lambda *t: flat(*producer_consumer(*t, consumer, eps)[:2])  # noqa: E731
-        ref = lambda *t: flat(*_pc_ref(*t, ref_out, eps))  # noqa: E731
+        ours = lambda *t: producer_consumer(*t, consumer, eps)[:2]  # noqa: E731
+        ref = lambda *t: _pc_ref(*t, ref_out, eps)  # noqa: E731
     else:
         inputs = [rand(m, 64, seed=22), rand(m, d, seed=23), rand(d, 64, seed=24, scale=64 ** -0.5),
                   rand(d, seed=25, scale=0.1, mean=1.0), rand(2 * f, d, seed=26, scale=d ** -0.5),
                   rand(d, f, seed=27, scale=f ** -0.5), gamma, w]
-        ours = lambda *t: flat(*block(*t, consumer, eps)[:2])  # noqa: E731
-        ref = lambda *t: flat(*_block_ref(*t, ref_out, eps))  # noqa: E731
+        ours = lambda *t: block(*t, consumer, eps)[:2]  # noqa: E731
+        ref = lambda *t: _block_ref(*t, ref_out, eps)  # noqa: E731
+    return inputs, ours, ref
+
+
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+@pytest.mark.parametrize("consumer_name", ["linear", "swiglu", "rope", "ce"])
+def test_functions_match_autograd(composition, consumer_name):
+    """Output and every input gradient of each composition x consumer, fp32, against fp64 autograd."""
+    model = TINY.with_(tokens=48)
+    m = model.tokens
+    pos = torch.arange(m) % model.seq_len
+    target = torch.randint(0, model.vocab, (m,), generator=torch.Generator().manual_seed(0))
+    target[::5] = R.IGNORE_INDEX
+    consumer, n_out, ref_out = consumers(model, pos, target)[consumer_name]
+    inputs, ours_t, ref_t = composition_case(composition, model, consumer, n_out, ref_out)
+    ours = lambda *t: flat(*ours_t(*t))  # noqa: E731
+    ref = lambda *t: flat(*ref_t(*t))  # noqa: E731
     n_flat = ref(*[t.double() for t in inputs]).numel()
     dout = rand(n_flat, seed=30)
     if consumer_name == "ce":  # a scalar loss gets one upstream gradient: 1.7 (exercises the loss scale)
@@ -249,8 +275,10 @@ def test_no_grad_forward_saves_nothing(monkeypatch):
     from kernels.coda import functions
 
     calls: list[bool] = []
-    real = functions.gemm_cross_entropy
-    monkeypatch.setattr(functions, "gemm_cross_entropy", lambda *a, **k: calls.append(k["with_grad"]) or real(*a, **k))
+    for module in (functions, cross_entropy_bwd):  # the forward alone; the chunked gradient pass
+        real = module.gemm_cross_entropy
+        monkeypatch.setattr(module, "gemm_cross_entropy",
+                            lambda *a, real=real, **k: calls.append(k.get("with_grad", False)) or real(*a, **k))
     model = TINY
     x, g = rand(model.tokens, model.hidden, seed=1), rand(model.hidden, seed=2, mean=1.0)
     w = rand(model.vocab, model.hidden, seed=3, scale=0.1).requires_grad_()
@@ -261,6 +289,116 @@ def test_no_grad_forward_saves_nothing(monkeypatch):
     assert calls == [False, True]
     assert loss_ng.grad_fn is None and loss.requires_grad
     torch.testing.assert_close(loss_ng, loss.detach(), rtol=1e-6, atol=1e-6)
+
+
+# ---- cross-entropy: the gradients computed in forward, over chunks of rows ---------------------------------
+
+CE_MODEL = TINY.with_(tokens=40)  # 40 rows: chunks of 16, 16 and 8 rows; vocab 200, d 72
+CE_CHUNK = 16
+
+
+def ce_target(model: ModelShape) -> torch.Tensor:
+    target = torch.randint(0, model.vocab, (model.tokens,), generator=torch.Generator().manual_seed(3))
+    target[::5] = R.IGNORE_INDEX
+    return target
+
+
+def ce_grads(fn, inputs: list[torch.Tensor], dloss: float, dx_out: torch.Tensor | None):
+    """(loss, input gradients) of ``fn`` (outputs ``(x, loss)`` or ``(loss,)``) for upstream gradients dloss and
+    dx_out (None: x unused); a second backward on the same graph must add the very same gradients."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    *x, loss = fn(*leaves)
+    outs, grads = [loss], [torch.tensor(dloss, dtype=loss.dtype)]
+    if dx_out is not None:
+        outs, grads = outs + x, grads + [dx_out.to(x[0].dtype)]
+    torch.autograd.backward(outs, grads, retain_graph=True)
+    first = [t.grad.clone() for t in leaves]
+    torch.autograd.backward(outs, grads)
+    for i, (g, t) in enumerate(zip(first, leaves)):
+        assert torch.equal(t.grad, 2 * g), f"grad {i}: the first backward changed what the second one reads"
+    return loss.detach(), first
+
+
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+@pytest.mark.parametrize("reduction,dloss", [("mean", 1.0), ("mean", 3.0), ("sum", 3.0)])
+def test_ce_chunks_match_autograd(composition, reduction, dloss):
+    """Cross-entropy over 3 chunks (ignored rows, M not a multiple of the chunk): the loss and every input gradient
+    against fp64 autograd and against one chunk. dloss 1: the loss alone, x unused (the LM head in apply_coda);
+    dloss 3: x gets an upstream gradient too (producer_consumer, block)."""
+    model, target = CE_MODEL, ce_target(CE_MODEL)
+    ref_out = lambda n, w: R.cross_entropy(F.linear(n, w), target, reduction)  # noqa: E731
+    dx_out = rand(model.tokens, model.hidden, seed=31) if dloss != 1 and composition != "norm_consumer" else None
+    results = {}
+    for chunk in (CE_CHUNK, None):  # None: the default rule, one chunk of 40 rows here
+        inputs, ours, ref = composition_case(composition, model, CrossEntropy(target, reduction=reduction,
+                                                                              chunk_rows=chunk), model.vocab, ref_out)
+        with launches() as names:
+            results[chunk] = ce_grads(ours, inputs, dloss, dx_out)
+        assert names.count("gemm_cross_entropy_kernel") == (3 if chunk else 1)
+    loss64, g64 = ce_grads(ref, [t.double() for t in inputs], dloss, dx_out)
+    loss32, g32 = ce_grads(ref, inputs, dloss, dx_out)
+    (loss, g), (loss1, g1) = results[CE_CHUNK], results[None]
+    check("loss", loss, loss64, loss32)
+    torch.testing.assert_close(loss, loss1, rtol=1e-6, atol=0)
+    assert len(g) == len(g64) and all(t is not None for t in g)
+    for i, (a, one, r, t) in enumerate(zip(g, g1, g64, g32)):
+        check(f"grad {i}", a, r, t)
+        torch.testing.assert_close(a, one, rtol=1e-5, atol=1e-6, msg=f"grad {i}: chunks vs one chunk")
+
+
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+def test_ce_saves_no_m_by_v_tensor(composition, monkeypatch):
+    """The memory property: nothing of V columns but the weight and its gradient [V, d] is saved for backward (the
+    unchunked path saved dlogits [M, V]), and every chunk writes its logits into one [chunk, V] buffer."""
+    model, target = CE_MODEL, ce_target(CE_MODEL)
+    V, d = model.vocab, model.hidden
+    buffers: list[tuple[int, tuple[int, ...], int]] = []
+    real = cross_entropy_bwd.gemm_cross_entropy
+
+    def recording(h, *args, out, **kwargs):
+        buffers.append((out.data_ptr(), tuple(out.shape), out.untyped_storage().nbytes()))
+        return real(h, *args, out=out, **kwargs)
+
+    monkeypatch.setattr(cross_entropy_bwd, "gemm_cross_entropy", recording)
+    inputs, ours, _ = composition_case(composition, model, CrossEntropy(target, chunk_rows=CE_CHUNK), V,
+                                       lambda n, w: None)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        loss = ours(*leaves)[-1]
+    assert [s for s in saved if V in s] == [(V, d), (V, d)], saved  # W and dW; no dlogits [M, V]
+    assert [b[1] for b in buffers] == [(16, V), (16, V), (8, V)]
+    assert len({b[0] for b in buffers}) == 1 and {b[2] for b in buffers} == {CE_CHUNK * V * 4}
+    loss.backward()
+    assert all(t.grad is not None for t in leaves)
+
+
+def test_ce_forward_launches_per_chunk_and_backward_none():
+    """norm_consumer + cross-entropy over 3 chunks: the forward launches the loss scale once, then per chunk the
+    LM head, its two finishing kernels, the dgrad (+ dgamma sum) and the accumulating weight-gradient GEMM; the
+    backward of loss.backward() (dloss = 1) launches no kernel."""
+    model, target = CE_MODEL, ce_target(CE_MODEL)
+    inputs, ours, _ = composition_case("norm_consumer", model, CrossEntropy(target, chunk_rows=CE_CHUNK),
+                                       model.vocab, lambda n, w: None)
+    leaves = [t.requires_grad_() for t in inputs]
+    with launches() as fwd:
+        (loss,) = ours(*leaves)
+    chunk = ["gemm_cross_entropy_kernel", "ce_rows_kernel", "ce_loss_kernel", "dgrad_rmsnorm_kernel",
+             "col_sum_kernel", "gemm_kernel"]
+    assert fwd == ["norm_input_kernel", "ce_grad_scale_kernel"] + 3 * chunk
+    with launches() as bwd:
+        loss.backward()
+    assert bwd == [] and all(t.grad is not None for t in leaves)
+
+
+def test_ce_chunk_rows_rule():
+    """The default chunk: the most rows (a multiple of 256) whose [rows, V] buffer fits 512 MiB, 1024 at least, M at
+    most."""
+    assert ce_chunk_rows(16384, 128256, 2) == 2048  # Llama 3, bf16: 501 MiB, 8 chunks of 2 x 8192 tokens
+    assert ce_chunk_rows(16384, 128256, 4) == 1024
+    assert ce_chunk_rows(10 ** 6, 32000, 2) == 8192
+    assert ce_chunk_rows(10 ** 6, 1 << 20, 2) == 1024  # the minimum
+    assert ce_chunk_rows(1000, 128256, 2) == 1000  # capped by M
 
 
 # ---- the plugin, through the harness's correctness check ------------------------------------------------

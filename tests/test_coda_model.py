@@ -10,21 +10,29 @@ import os
 import pytest
 import torch
 
+from kernels.coda import cross_entropy_bwd
 from kernels.coda.model import CodaLlama, check_equivalence, init_params, make_batch
 from workloads import reference as R
 from workloads.models import ModelShape
+
+from kernel_helpers import launches
 
 # d, f, q all multiples of 8 but not of the interpreter's 32-wide tiles; GQA (4 heads, 2 kv heads)
 SMALL = ModelShape("small", hidden=40, ffn=56, heads=4, kv_heads=2, head_dim=8, vocab=72, tokens=24, seq_len=12)
 IGNORE_FRAC, SEED = 0.25, 0
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_coda_llama_matches_standard_llama_fp32(reduction):
+@pytest.mark.parametrize("reduction,ce_chunk", [("mean", None), ("sum", None), ("mean", 10)])
+def test_coda_llama_matches_standard_llama_fp32(reduction, ce_chunk, monkeypatch):
+    """ce_chunk: rows per chunk of the LM head's gradient pass (10: chunks of 10, 10 and 4 of the 24 tokens)."""
+    if ce_chunk:
+        monkeypatch.setattr(cross_entropy_bwd, "ce_chunk_rows", lambda m, v, element_size: ce_chunk)
     _, targets = make_batch(SMALL, 2, 12, IGNORE_FRAC, "cpu", SEED + 1)
     assert (targets == R.IGNORE_INDEX).any() and (targets != R.IGNORE_INDEX).any()
-    rows = check_equivalence(SMALL, n_layers=2, batch=2, seq=12, dtype=torch.float32, device="cpu",
-                             reduction=reduction, ignore_frac=IGNORE_FRAC, seed=SEED)
+    with launches() as names:
+        rows = check_equivalence(SMALL, n_layers=2, batch=2, seq=12, dtype=torch.float32, device="cpu",
+                                 reduction=reduction, ignore_frac=IGNORE_FRAC, seed=SEED)
+    assert names.count("gemm_cross_entropy_kernel") == (3 if ce_chunk else 1)
     assert len(rows) == 1 + 3 + 2 * 9  # loss; embed, gamma_final, w_lm; 9 weights per layer
     for r in rows:
         assert r.passed and r.coda < 1e-5, (r.name, r.coda, r.torch)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from codabench.metrics import passes, rel_err
+from kernels.coda import cross_entropy_bwd
 from kernels.coda.hf import CodaUnsupportedError, apply_coda, apply_coda_to_mistral, apply_coda_to_qwen2
 
 from kernel_helpers import launches
@@ -74,8 +75,11 @@ def loss_and_grads(model: nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, 
     return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}, out
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_loss_and_every_gradient_match_the_unpatched_model(arch):
+@pytest.mark.parametrize("arch,ce_chunk", [(arch, None) for arch in ARCHS] + [("llama", 20)])
+def test_loss_and_every_gradient_match_the_unpatched_model(arch, ce_chunk, monkeypatch):
+    """ce_chunk: rows per chunk of the LM head's gradient pass (20: chunks of 20, 20 and 8 of the 48 tokens)."""
+    if ce_chunk:
+        monkeypatch.setattr(cross_entropy_bwd, "ce_chunk_rows", lambda m, v, element_size: ce_chunk)
     model = tiny(arch)
     ids, mask, labels = batch()
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -86,6 +90,7 @@ def test_loss_and_every_gradient_match_the_unpatched_model(arch):
         loss, grads, out = loss_and_grads(model, **inputs)
     assert out.logits is None  # the fused cross-entropy wrote no logits: the CODA forward ran
     assert FUSED <= set(names), sorted(set(names))
+    assert names.count("gemm_cross_entropy_kernel") == (3 if ce_chunk else 1)
     assert set(grads) == set(grads64) and all(g is not None for g in grads.values())
     assert_passes("loss", loss, loss32, loss64)
     for name in grads64:

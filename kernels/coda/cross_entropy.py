@@ -45,14 +45,15 @@ def gemm_cross_entropy_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, s
 
 def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: torch.Tensor, target: torch.Tensor,
                        ignore_index: int = -100, reduction: str = "mean", with_grad: bool = False,
-                       promote: bool = False
+                       promote: bool = False, out: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(loss, lse, dlogits, zdz)`` of ``CE(rstd[:, None] * (h @ w_lm.T), target)``.
 
     loss: fp32 scalar ("mean" over non-ignored rows, or "sum"); lse: fp32 [M]. With ``with_grad``:
     dlogits [M, V] in h's dtype, ``softmax - onehot`` (zero rows where ignored, not yet multiplied by the
-    loss scale), and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the logits are never written
-    and both are None.
+    loss scale), written into ``out`` when given (a contiguous [M, V] buffer in h's dtype, which a caller
+    going over chunks of rows reuses), and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the
+    logits are never written and both are None.
     """
     gemm = FusedGemm(h, w_lm.T, promote)
     M, V = gemm.M, gemm.N
@@ -60,7 +61,10 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     kernel = gemm_cross_entropy_kernel
     lse_part = row_partials(kernel, M, V, gemm.device)
     tgt_logit = torch.zeros(M, device=gemm.device, dtype=torch.float32)
-    logits = gemm.empty() if with_grad else None
+    if out is not None and (out.shape != (M, V) or out.dtype != gemm.out_dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {(M, V)} {gemm.out_dtype} tensor, got {tuple(out.shape)}, "
+                         f"{out.dtype}")
+    logits = (gemm.empty() if out is None else out) if with_grad else None
     gemm.launch(kernel, rstd_ptr=rstd, target_ptr=target, logits_ptr=logits if with_grad else tgt_logit,
                 lse_part_ptr=lse_part, tgt_logit_ptr=tgt_logit, stride_l=logits.stride(0) if with_grad else 0,
                 stride_p=lse_part.stride(0), WITH_GRAD=with_grad)

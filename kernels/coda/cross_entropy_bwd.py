@@ -1,14 +1,20 @@
-"""Cross-entropy backward through the LM head, with the loss scale as a scalar epilogue multiplier.
+"""Cross-entropy through the LM head: the loss and its gradients in one sweep over chunks of rows.
 
-The forward (:func:`kernels.coda.cross_entropy.gemm_cross_entropy`, ``with_grad=True``) already wrote
-``dlogits = softmax - onehot`` (unscaled, zero rows where ignored) and ``zdz = <logits, dlogits>``. The
-gradient of the logits is ``s * dlogits`` with the loss scale ``s = dloss / n_valid`` ("mean") or
-``s = dloss`` ("sum"); s is never applied as a pass over [M, V]:
+For ``loss = CE(z, target)`` with logits ``z = rstd * (h @ W^T)`` and ``h = x * gamma`` (RMSNorm + LM head),
+the gradient of z is ``s * dlogits`` with ``dlogits = softmax(z) - onehot(target)`` (zero rows where ignored)
+and the loss scale ``s = dloss / n_valid`` ("mean") or ``s = dloss`` ("sum"); :func:`ce_grad_scale` computes
+s on the device (no host synchronization). :func:`lm_head_ce_grad` computes the loss and the gradients for
+``dloss = 1`` chunk by chunk (rows ``c`` of ``mc``, :func:`ce_chunk_rows`), so that no [M, V] tensor exists::
 
-    dx, y, dgamma = dgrad_rmsnorm(dlogits, W_lm, x, rstd, gamma, zdz, dres, dz_scale=s)
-    dW_lm = s * (dlogits^T @ y)               (:func:`kernels.coda.gemm.matmul` with ``scale=s``)
+    loss_c, lse_c, dlogits_c, zdz_c = gemm_cross_entropy(h_c, W, rstd_c, target_c, "sum", with_grad=True)
+    dx_c, y_c, dgamma_c = dgrad_rmsnorm(dlogits_c, W, x_c, rstd_c, gamma, zdz_c, dz_scale=s)
+    dW += s * (dlogits_c^T @ y_c)              (:func:`kernels.coda.gemm.matmul`, ``scale=s``, fp32 ``acc``)
 
-:func:`ce_grad_scale` computes s on the device (no host synchronization).
+then ``loss = s * sum_c loss_c`` and ``dgamma = sum_c dgamma_c`` (fp32); dW and dgamma are rounded to the
+weights' dtype once, at the end. Every chunk writes its logits, then dlogits, into the same [mc, V] buffer.
+Memory during the sweep: that buffer, the fp32 [V, d] accumulator and dx [M, d]; after it: dx, dgamma, dW.
+The autograd Functions keep those three and multiply them by dloss in backward when it is not 1
+(:mod:`kernels.coda.functions`).
 """
 from __future__ import annotations
 
@@ -16,6 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.cross_entropy import gemm_cross_entropy
+from kernels.coda.gemm import matmul
+from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
+
+CHUNK_BYTES = 1 << 29
+"""The most a chunk's [mc, V] dlogits buffer takes (512 MiB), unless that is under CHUNK_MIN_ROWS rows."""
+CHUNK_MIN_ROWS = 1024
+"""Every chunk's weight-gradient GEMM reads and writes the fp32 [V, d] accumulator: fewer rows make that dominate."""
+CHUNK_ALIGN = 256
+"""Chunks are a multiple of 256 rows: of every BM of the autotune space, so only the last chunk has a partial tile."""
 
 
 @triton.jit
@@ -42,3 +58,48 @@ def ce_grad_scale(dloss: torch.Tensor, target: torch.Tensor, ignore_index: int =
                                MEAN=reduction == "mean", BLOCK=1024)
     return out
 
+
+def ce_chunk_rows(m: int, v: int, element_size: int) -> int:
+    """Rows per chunk of :func:`lm_head_ce_grad`: the largest multiple of CHUNK_ALIGN whose [rows, v] buffer of
+    ``element_size``-byte elements fits CHUNK_BYTES, at least CHUNK_MIN_ROWS, at most m.
+
+    Llama 3 (V = 128256, bf16): 2048 rows (501 MiB). A chunk's dgrad GEMM, [mc, d] with K = V, then has
+    (2048 / 128) x (d / 256) tiles of 128 x 256: 128 for d = 2048, one wave of an H100's 132 SMs; its weight
+    gradient GEMM reads and writes the fp32 [V, d] accumulator once, 8 bytes per element against 2 mc FLOPs.
+    """
+    rows = CHUNK_BYTES // (v * element_size) // CHUNK_ALIGN * CHUNK_ALIGN
+    return min(m, max(CHUNK_MIN_ROWS, rows))
+
+
+def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor,
+                    target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
+                    chunk_rows: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, lse, dx, dgamma, dW)`` of ``CE(rstd[:, None] * (h @ w_lm.T), target)`` with ``h = x * gamma``
+    (see the module docstring): the loss as :func:`kernels.coda.cross_entropy.gemm_cross_entropy` computes it, and
+    the gradients of x, gamma and w_lm for ``dloss = 1``, in x's, gamma's and w_lm's dtypes.
+
+    h, x [M, d]; w_lm [V, d]; rstd fp32 [M]; target [M]. ``chunk_rows``: rows per chunk (default
+    :func:`ce_chunk_rows`).
+    """
+    M, V = h.shape[0], w_lm.shape[0]
+    if x.shape != h.shape:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)} for h {tuple(h.shape)}")
+    rows = chunk_rows or ce_chunk_rows(M, V, h.element_size())
+    s = ce_grad_scale(torch.ones((), device=h.device, dtype=torch.float32), target, ignore_index, reduction)
+    gamma32 = gamma.float()  # dgamma of each chunk in fp32, summed over the chunks before rounding
+    buf = torch.empty(min(rows, M), V, device=h.device, dtype=h.dtype)
+    dx = torch.zeros_like(x)  # each chunk's dgrad adds its rows in place
+    losses, lses, dgammas, dw = [], [], [], None
+    for r0 in range(0, M, rows):
+        c = slice(r0, min(r0 + rows, M))
+        loss, lse, dlogits, zdz = gemm_cross_entropy(h[c], w_lm, rstd[c], target[c], ignore_index, "sum",
+                                                     with_grad=True, out=buf[:c.stop - r0])
+        _, y, dgamma = dgrad_rmsnorm(dlogits, w_lm, x[c], rstd[c], gamma32, zdz, dx[c], dz_scale=s, inplace=True)
+        dw = matmul(dlogits.T, y, torch.float32, scale=s, acc=dw)
+        losses.append(loss)
+        lses.append(lse)
+        dgammas.append(dgamma)
+    del buf, dlogits  # the chunk buffer goes before the copies below (peak: the fp32 accumulator and dW)
+    loss = (torch.stack(losses).sum() * s).reshape(())
+    return loss, torch.cat(lses), dx, torch.stack(dgammas).sum(0).to(gamma.dtype), dw.to(w_lm.dtype)

@@ -9,33 +9,41 @@ Three compositions, each parametrized by the *consumer* GEMM that reads a normal
     norm_consumer       out = consumer(rmsnorm(x; gamma) W^T) for an x no GEMM produced   (first layer, LM head)
 
 Consumers: :class:`Linear` (z), :class:`SwiGLU` (y), :class:`RoPE` (rotated qkv), :class:`CrossEntropy`
-(loss). A consumer's backward yields ``(dz, zdz, s)``: the gradient of its GEMM output ``z``, the ZdZ
-statistic ``<z, dz>`` and a scalar multiplier ``s`` of dz (the loss scale; 1 otherwise). Then
+(loss). A consumer's backward yields ``(dz, zdz)``: the gradient of its GEMM output ``z`` and the ZdZ
+statistic ``<z, dz>``. Then
 
-    dx, y, dgamma = dgrad_rmsnorm(dz, W, x, rstd, gamma, zdz, dres, s)    (one fused dgrad GEMM)
-    dW = s dz^T y;   producer: da = dx Wp, dWp = dx^T a, dresidual = dx     (plain mainloop GEMMs)
+    dx, y, dgamma = dgrad_rmsnorm(dz, W, x, rstd, gamma, zdz, dres)       (one fused dgrad GEMM)
+    dW = dz^T y;   producer: da = dx Wp, dWp = dx^T a, dresidual = dx       (plain mainloop GEMMs)
 
 and the block's down-proj dgrad carries the SwiGLU backward (:func:`dgrad_swiglu`). Backward of the
 block: 1 elementwise kernel (RoPE) + 3 fused dgrad GEMMs + small sums + 5 plain GEMMs.
+
+Cross-entropy computes its gradients in the forward instead (:attr:`Consumer.grad_in_forward`), as Liger's
+fused linear cross-entropy does: the same dgrad and dW for ``dloss = 1``, over chunks of rows, each chunk's as
+soon as its dlogits exist (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`), so that no [M, V] tensor
+outlives a chunk. Its backward multiplies them by dloss (when dloss != 1) and adds dres to dx; the producer's
+and the block's own GEMMs stay in backward.
 
 fp8 (:mod:`workloads.fp8` recipes) is forward-only: ``FP8_FORWARD`` maps each composition to its forward on
 fp8 weights and inputs, each epilogue handing the next GEMM its input already quantized (absmax partials
 + one quantizing pass), with the dequantization folded into every epilogue.
 
 Saved for backward (coda-spec "The block"): the residual streams x (x1), the rstd vectors, the SwiGLU
-pre-activation, the rotated qkv; the linear consumer keeps its output z and cross-entropy the dlogits and
-zdz its forward already computed (plus the GEMM inputs a and the weights). h, y and the pre-RoPE values
-are recomputed in epilogues. Without grad (or when no input needs one) nothing is saved and the LM head
-never writes logits.
+pre-activation, the rotated qkv; the linear consumer keeps its output z, and cross-entropy the gradients
+dx [M, d], dgamma [d] and dW [V, d] that its forward computed (plus the GEMM inputs a and the weights). h,
+y and the pre-RoPE values are recomputed in epilogues. Cross-entropy's forward holds one [mc, V] chunk
+buffer and an fp32 [V, d] accumulator while it runs, nothing of size [M, V]. Without grad (or when no input
+needs one) nothing is saved and the LM head never writes logits.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.cross_entropy_bwd import ce_grad_scale
+from kernels.coda.cross_entropy_bwd import lm_head_ce_grad
 from kernels.coda.gemm import matmul
 from kernels.coda.mainloop import set_scratch_allocator
 from kernels.coda.producer import gemm_residual_norm, norm_input
@@ -56,14 +64,24 @@ Saved = tuple[torch.Tensor, ...]
 class Consumer:
     """The GEMM ``z = rstd * (h @ W^T)`` on ``h = x * gamma`` and the epilogue op applied to z."""
 
+    grad_in_forward: ClassVar[bool] = False
+    """Whether the forward computes the gradients (:meth:`forward_grad`, for a scalar output) instead of
+    :meth:`backward` computing dz."""
+
     def forward(self, h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, save: bool,
                 promote: bool = False) -> tuple[torch.Tensor, Saved, Saved]:
         """``(output, non-differentiable side outputs, tensors saved for backward)``; fp8 h and w are dequantized
         in the epilogue (``promote``: accumulation mode)."""
         raise NotImplementedError
 
-    def backward(self, grad: torch.Tensor, saved: Saved) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]:
-        """``(dz, zdz, s)`` from the output's gradient: the gradient of z is ``s * dz``, zdz = <z, dz>."""
+    def backward(self, grad: torch.Tensor, saved: Saved) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dz, zdz)`` from the output's gradient: the gradient of z and zdz = <z, dz>."""
+        raise NotImplementedError
+
+    def forward_grad(self, h: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
+                     gamma: torch.Tensor) -> tuple[torch.Tensor, Saved, Saved]:
+        """With :attr:`grad_in_forward`: ``(output, side outputs, (dx, dgamma, dW))``, the gradients of the
+        normalized input x, of gamma and of W for a unit gradient of the scalar output."""
         raise NotImplementedError
 
 
@@ -76,7 +94,7 @@ class Linear(Consumer):
 
     def backward(self, dz, saved):
         (z,) = saved
-        return dz, row_dot(z, dz), 1.0
+        return dz, row_dot(z, dz)
 
 
 class SwiGLU(Consumer):
@@ -87,8 +105,7 @@ class SwiGLU(Consumer):
         return y, (), (z_pre,) if save else ()
 
     def backward(self, dy, saved):
-        dz, zdz = swiglu_bwd(dy, saved[0])
-        return dz, zdz, 1.0
+        return swiglu_bwd(dy, saved[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,43 +128,63 @@ class RoPE(Consumer):
         return qkv, (), (qkv,) if save else ()
 
     def backward(self, dqkv, saved):
-        dz, zdz = rope_bwd(dqkv, saved[0], self.positions, self.heads, self.kv_heads, self.head_dim, self.theta,
-                           self.inv_freq)
-        return dz, zdz, 1.0
+        return rope_bwd(dqkv, saved[0], self.positions, self.heads, self.kv_heads, self.head_dim, self.theta,
+                        self.inv_freq)
 
 
 @dataclass(frozen=True, eq=False)
 class CrossEntropy(Consumer):
-    """Cross-entropy loss of the logits z (side output: lse); keeps dlogits and zdz from the forward."""
+    """Cross-entropy loss of the logits z (side output: lse). Without grad the logits are never written; with
+    grad the forward computes dx, dgamma and dW over chunks of ``chunk_rows`` rows (default:
+    :func:`kernels.coda.cross_entropy_bwd.ce_chunk_rows`) and keeps those."""
 
     target: torch.Tensor
     ignore_index: int = -100
     reduction: str = "mean"
+    chunk_rows: int | None = None
+
+    grad_in_forward: ClassVar[bool] = True
 
     def forward(self, h, w_lm, rstd, save, promote=False):
-        loss, lse, dlogits, zdz = gemm_cross_entropy(h, w_lm, rstd, self.target, self.ignore_index,
-                                                     self.reduction, with_grad=save, promote=promote)
-        return loss, (lse,), (dlogits, zdz) if save else ()
+        loss, lse, _, _ = gemm_cross_entropy(h, w_lm, rstd, self.target, self.ignore_index, self.reduction,
+                                             promote=promote)
+        return loss, (lse,), ()
 
-    def backward(self, dloss, saved):
-        dlogits, zdz = saved
-        return dlogits, zdz, ce_grad_scale(dloss, self.target, self.ignore_index, self.reduction)
+    def forward_grad(self, h, w_lm, x, rstd, gamma):
+        loss, lse, *grads = lm_head_ce_grad(h, w_lm, x, rstd, gamma, self.target, self.ignore_index,
+                                            self.reduction, self.chunk_rows)
+        return loss, (lse,), tuple(grads)
 
 
 # ---- backward pieces -------------------------------------------------------------------------------
+
+def _consumer_fwd(consumer: Consumer, h: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
+                  gamma: torch.Tensor, save: bool) -> tuple[torch.Tensor, Saved, Saved]:
+    """The consumer's ``(output, side outputs, saved)``; with ``save``, one that computes its gradients in forward
+    does so here and saves them."""
+    if save and consumer.grad_in_forward:
+        return consumer.forward_grad(h, w, x, rstd, gamma)
+    return consumer.forward(h, w, rstd, save)
+
 
 def _consumer_bwd(consumer: Consumer, grad: torch.Tensor | None, saved: Saved, w: torch.Tensor, x: torch.Tensor,
                   rstd: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None):
     """``(dx, dgamma, dW)`` through the consumer, the RMSNorm backward and the consumer's weight gradient.
 
-    dx includes dres (the incoming residual gradient); with no gradient for the output it is dres itself.
+    dx includes dres (the incoming residual gradient); with no gradient for the output it is dres itself. The
+    gradients a consumer computed in forward (for a unit gradient of its scalar output) are multiplied by grad
+    when it is not 1: one host synchronization, as in Liger's fused linear cross-entropy.
     """
     if grad is None:
         return dres, None, None
-    dz, zdz, scale = consumer.backward(grad.contiguous(), saved)
-    dx, y, dgamma = dgrad_rmsnorm(dz, w, x, rstd, gamma, zdz, dres, dz_scale=scale)
-    dw = matmul(dz.T, y, scale=scale if isinstance(scale, torch.Tensor) else None)
-    return dx, dgamma, dw
+    if consumer.grad_in_forward:
+        dx, dgamma, dw = saved
+        if bool(grad != 1):
+            dx, dgamma, dw = dx * grad, dgamma * grad, dw * grad
+        return (dx if dres is None else dres + dx), dgamma, dw
+    dz, zdz = consumer.backward(grad.contiguous(), saved)
+    dx, y, dgamma = dgrad_rmsnorm(dz, w, x, rstd, gamma, zdz, dres)
+    return dx, dgamma, matmul(dz.T, y)
 
 
 def _producer_bwd(dx: torch.Tensor | None, a: torch.Tensor, w_p: torch.Tensor):
@@ -167,7 +204,7 @@ class ProducerConsumerFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, residual, w_p, gamma, w, consumer: Consumer, eps: float, save: bool):
         x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps)
-        out, side, saved = consumer.forward(h, w, rstd, save)
+        out, side, saved = _consumer_fwd(consumer, h, w, x, rstd, gamma, save)
         ctx.consumer = consumer
         if save:
             ctx.save_for_backward(a, w_p, gamma, w, x, rstd, *saved)
@@ -191,7 +228,7 @@ class BlockFn(torch.autograd.Function):
         x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps)
         y, z_pre = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=save)
         x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps)
-        out, side, saved = consumer.forward(h2, w, rstd, save)
+        out, side, saved = _consumer_fwd(consumer, h2, w, x, rstd, gamma, save)
         ctx.consumer = consumer
         if save:
             ctx.save_for_backward(a, w_o, gamma_mlp, w_gu, w_down, gamma, w, x1, x, rstd_mlp, rstd, z_pre, *saved)
@@ -203,13 +240,16 @@ class BlockFn(torch.autograd.Function):
     def backward(ctx, dx_out, dout, *_):
         set_scratch_allocator()
         a, w_o, gamma_mlp, w_gu, w_down, gamma, w, x1, x, rstd_mlp, rstd, z_pre, *saved = ctx.saved_tensors
-        dx, dgamma, dw = _consumer_bwd(ctx.consumer, dout, saved, w, x, rstd, gamma, _contig(dx_out))
+        dres = _contig(dx_out)
+        dx, dgamma, dw = _consumer_bwd(ctx.consumer, dout, saved, w, x, rstd, gamma, dres)
         if dx is None:
             return (None,) * 11
         dz_pre, y, zdz = dgrad_swiglu(dx, w_down, z_pre)
         dw_down = matmul(dx.T, y)
-        # dx is this function's own buffer unless the consumer had no gradient: then add into a copy.
-        dx1, y1, dgamma_mlp = dgrad_rmsnorm(dz_pre, w_gu, x1, rstd_mlp, gamma_mlp, zdz, dx, inplace=dout is not None)
+        # Add into dx in place when it is this function's own buffer, not dres (the consumer had no gradient)
+        # nor a gradient saved by the consumer's forward; otherwise into a copy.
+        own = all(dx is not t for t in (dres, *saved))
+        dx1, y1, dgamma_mlp = dgrad_rmsnorm(dz_pre, w_gu, x1, rstd_mlp, gamma_mlp, zdz, dx, inplace=own)
         dw_gu = matmul(dz_pre.T, y1)
         da, dw_o = _producer_bwd(dx1, a, w_o)
         return da, dx1, dw_o, dgamma_mlp, dw_gu, dw_down, dgamma, dw, None, None, None
@@ -219,7 +259,7 @@ class NormConsumerFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gamma, w, consumer: Consumer, eps: float, save: bool):
         h, rstd = norm_input(x, gamma, eps)
-        out, side, saved = consumer.forward(h, w, rstd, save)
+        out, side, saved = _consumer_fwd(consumer, h, w, x, rstd, gamma, save)
         ctx.consumer = consumer
         if save:
             ctx.save_for_backward(x, gamma, w, rstd, *saved)

@@ -2,7 +2,9 @@
 
 Operands are bf16/fp16/fp32, or both fp8 (:class:`workloads.fp8.Fp8`, per-tensor or rowwise scales,
 bf16 out): ``C = (sa sb) * (qa @ qb)``. A lone fp32 scalar ``s`` on plain operands (a device tensor: a
-loss scale) is the same epilogue multiply, ``C = s * (A @ B)``.
+loss scale) is the same epilogue multiply, ``C = s * (A @ B)``. Accumulating into an existing C,
+``C += s * (A @ B)``, the epilogue adds the tile C holds before it stores: an fp32 C sums a GEMM split
+over K (a weight gradient over chunks of rows) in fp32.
 """
 from __future__ import annotations
 
@@ -10,34 +12,48 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import dequant, store_tile
+from kernels.coda.epilogue import add_tile, col_subtile, dequant, store_tile
 from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
 from workloads.fp8 import Fp8
 
 
-@coda_autotune()
+@coda_autotune(key=("M", "N", "K", "ACC"), restore_value=("c_ptr",))
 @triton.jit
 def gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
                 PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, c_ptr, stride_c):
+                BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, c_ptr, stride_c, ACC: tl.constexpr):
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
-    c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
+    # Accumulating, the epilogue loads C's tile too: it works on 4 column sub-tiles to fit in shared memory.
+    SUB: tl.constexpr = 4 if ACC else 1
+    SN: tl.constexpr = BN // SUB
+    c_desc = tile_desc(c_ptr, M, N, stride_c, BM, SN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
         acc = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
-        store_tile(c_desc, off_m, off_n, acc)
+        for i in tl.static_range(SUB):
+            c = col_subtile(acc, i, SUB, BM, BN)
+            if ACC:
+                c = add_tile(c, c_desc, off_m, off_n + i * SN)
+            store_tile(c_desc, off_m, off_n + i * SN, c)
 
 
 def matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, out_dtype: torch.dtype | None = None,
-           scale: torch.Tensor | None = None, promote: bool = False) -> torch.Tensor:
+           scale: torch.Tensor | None = None, promote: bool = False, acc: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """``a @ b`` for a (M, K) and b (K, N), each row-major or a transposed row-major view (fp8: a (M, K) and
     b (K, N) as the transpose of an (N, K) tensor, per-channel scales along N); ``scale``: an optional fp32
-    one-element device tensor multiplying plain operands; ``promote``: fp8 accumulation mode."""
+    one-element device tensor multiplying plain operands; ``promote``: fp8 accumulation mode.
+
+    ``acc``: a row-major (M, N) tensor to accumulate into, ``acc += a @ b`` (in acc's dtype), returned;
+    otherwise a new (M, N) tensor in ``out_dtype`` (default: the operands' dtype).
+    """
     gemm = FusedGemm(a, b, promote, scale)
-    c = gemm.empty(out_dtype)
-    gemm.launch(gemm_kernel, c_ptr=c, stride_c=c.stride(0))
+    if acc is not None and (acc.shape != (gemm.M, gemm.N) or acc.stride(1) != 1):
+        raise ValueError(f"acc must be a row-major {(gemm.M, gemm.N)} tensor, got {tuple(acc.shape)}")
+    c = gemm.empty(out_dtype) if acc is None else acc
+    gemm.launch(gemm_kernel, c_ptr=c, stride_c=c.stride(0), ACC=acc is not None)
     return c
 
 

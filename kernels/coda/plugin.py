@@ -33,6 +33,11 @@ W_qkv (and the q/k columns of packed qkv activations); outputs and gradients are
 layouts (half-split qkv, separate gate/up weights and activations).
 Side outputs: rstd (rstd_mlp / rstd_attn for the block) and lse.
 
+rmsnorm_ce and lm_head_ce with grad compute the LM head's gradients in the forward, over chunks of rows
+(:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`), as Liger's fused linear cross-entropy does: their
+``bwd`` cells time little more than handing those gradients back, ``fwd`` (no grad) is unchanged, and
+``fwd_bwd`` is the comparison that counts.
+
 fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` also quantizes the op's GEMM operands
 (after the layout changes) under the cell's recipe; the compositions run through
 ``kernels.coda.functions.FP8_FORWARD``, the dgrad ops and plain GEMMs on the fp8 operands directly.
