@@ -18,6 +18,9 @@ Each op is composed from the CODA kernels of this package, through the autograd 
 gradients are converted back to the canonical layouts (half-split qkv, separate gate/up weights).
 Side outputs: rstd (rstd_mlp / rstd_attn for the block) and lse.
 
+Each fused kernel runs fused or split (:mod:`kernels.coda.strategy`); ``describe`` reports which, for the cell's last
+call (the ``strategy`` column).
+
 fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` also quantizes the op's GEMM operands
 (after the layout changes) under the cell's recipe; the compositions run through
 ``kernels.coda.functions.FP8_FORWARD``, the dgrad ops and plain GEMMs on the fp8 operands directly.
@@ -36,6 +39,7 @@ from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, Swi
                                     producer_consumer)
 from kernels.coda.gemm import linear
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
+from kernels.coda.strategy import Recorder, summary
 from kernels.coda.swiglu_bwd import dgrad_swiglu
 from workloads import fp8
 from workloads.models import ModelShape
@@ -122,6 +126,10 @@ def gemm_run(n: Tensors) -> Tensors:
 
 # ---- the implementation -----------------------------------------------------------------------
 
+RECORDER = Recorder()
+"""The strategies of the last call of a coda-triton op: its forward and, in autograd modes, its backward."""
+
+
 class CodaTriton(Implementation):
     """One op as CODA fused GEMM-epilogue Triton kernels (the fixed mainloop + epilogue primitives)."""
 
@@ -149,7 +157,11 @@ class CodaTriton(Implementation):
         return native
 
     def run(self, native: Tensors) -> Tensors:
+        RECORDER.start()
         return self._forward(native)
+
+    def describe(self, native: Tensors) -> str:
+        return summary(RECORDER.launches())
 
     def outputs_to_canonical(self, outputs: Tensors, native: Tensors) -> Tensors:
         out = dict(outputs)
