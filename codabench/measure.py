@@ -3,7 +3,8 @@
 Per cell, :meth:`Measurer.first`: the untimed correctness pass on fresh inputs (:mod:`codabench.correctness`), the
 first timing round on other inputs (:mod:`codabench.timing`) with the GPU's clock sampled during it
 (:mod:`codabench.clocks`), then the checks that make the time count (:mod:`codabench.verify`: the timed buffers,
-refilled, new buffers; on the GPU the calling stream and the events) and the peak memory of a call. Later rounds
+refilled, new buffers; on the GPU the calling stream and the events), the peak memory of a call, and the
+implementation's account of how it ran (``describe``). Later rounds
 (:meth:`Measurer.again`) time the cell again and check the timed buffers once more. :meth:`Measurer.gemms` times the
 plain GEMMs of a cell's speed-of-light. The shared state of a group (one op, model, mode and dtype: the float64
 reference, PyTorch's results on the verification inputs, the timing's upstream gradients, the fp8 cast time) is
@@ -72,7 +73,8 @@ class CellResult:
     """The worker's answer to a cell's first request."""
 
     updates: dict[str, Any]
-    """Row fields: errors and pass mark; on failure status and message; else peak_mem_mib, min_bytes, cast_ms."""
+    """Row fields: errors and pass mark; on failure status and message; else peak_mem_mib, min_bytes, cast_ms and
+    the implementation's strategy (:meth:`Implementation.describe`)."""
     err_rows: list[dict[str, Any]] = field(default_factory=list)
     round: RoundResult | None = None
     """The first timing round; None when the cell did not get that far (an error row)."""
@@ -179,7 +181,7 @@ class Measurer:
         except Exception as e:
             result.updates.update(_error(f"timing run: {describe_exception(e)}"))
             return self._failed(result)
-        result.updates.update(cast_ms=group.cast_ms)
+        result.updates.update(cast_ms=group.cast_ms, strategy=_describe(impl, timed.native))
         if group.cast_note:
             rnd.note = "; ".join(n for n in (rnd.note, group.cast_note) if n)
         if result.updates.get("status") != "error":
@@ -335,6 +337,15 @@ class Measurer:
                 self._after_error()
                 break
         return updates
+
+
+def _describe(impl: Implementation, native: Tensors) -> str:
+    """The implementation's own account of how it ran the cell (:meth:`Implementation.describe`); a failure is the
+    text of the column, never the loss of the measured row."""
+    try:
+        return str(impl.describe(native) or "")
+    except Exception as e:
+        return f"describe() failed: {describe_exception(e)}"
 
 
 def _round(timing: Timing, sampled: Sampled) -> RoundResult:

@@ -6,6 +6,7 @@ An implementation computes one op in its own ("native") layout. The harness call
     out    = impl.run(native)              # timed (forward; autograd graph when grads are on)
     impl.outputs_to_canonical(out, native) # untimed, for comparison
     impl.grad_outputs_to_native(dy, native), impl.grads_to_canonical(grads, native)   # untimed
+    impl.describe(native)                  # after the timed calls: how it ran them (the strategy column)
 
 Register a plain function (it is ``run``, called with the native tensors as keywords)::
 
@@ -79,6 +80,12 @@ class Implementation:
     def metadata(self) -> dict[str, Any]:
         """Provider facts recorded with every result row (package versions, resolved backends)."""
         return {}
+
+    def describe(self, native: Tensors) -> str:
+        """How the implementation ran the cell just measured (e.g. each fused kernel's strategy), in a few words: the
+        row's ``strategy`` column, shown in the report. Called once per cell, after its first timing round and
+        checks, with that round's native inputs; "" says nothing."""
+        return ""
 
 
 class FunctionImplementation(Implementation):

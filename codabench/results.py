@@ -26,12 +26,15 @@ RESULTS, ERRORS, SAMPLES, ENV = "results.csv", "errors.csv", "samples.jsonl", "e
 KEY = ["op", "model", "mode", "dtype", "impl"]
 
 RESULT_COLUMNS = [
-    "op", "impl", "model", "mode", "dtype", "status", "message", "label", "tokens", "check_tokens", "fp8_recipe",
+    "op", "impl", "model", "mode", "dtype", "status", "message", "label", "strategy", "tokens", "check_tokens",
+    "fp8_recipe",
     "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "tflops", "speedup", "speedup_lo",
     "speedup_hi", "vs_best", "vs_best_lo", "vs_best_hi", "verdict", "sol_ms", "sol_ratio", "pct_ceiling", "floor_ms",
     "peak_mem_mib", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct",
     "sm_clock_min_mhz", "sm_clock_median_mhz", "sm_clock_mhz", "power_w", "temp_c", "finished_at"]
-"""``timing`` is ``cuda-events``, ``cuda-graph`` or ``cpu-wall`` (cpu-wall is not a performance figure).
+"""``strategy`` = how the implementation ran the cell, in its own words (:meth:`codabench.registry.Implementation.
+describe`; coda-triton: each fused kernel's ``fused`` or ``split`` path), "" when it says nothing. ``timing`` is
+``cuda-events``, ``cuda-graph`` or ``cpu-wall`` (cpu-wall is not a performance figure).
 ``first_call_s`` = wall seconds of the first call at the timed shape, before any sample (torch.compile
 compiling, FlashInfer's JIT, Triton autotuning: each provider's warm-up cost in this process);
 ``speedup`` = torch-compile median / this median on the same cell; ``sol_ms`` = sum of the cell's

@@ -3,7 +3,8 @@
 Shapes are multiples of 8 but not of the interpreter's 32x32x32 tile, so every edge is masked. Each output
 passes when its relative error is at most 2x that of plain PyTorch in the same dtype plus a floor (the
 suite's pass rule), and each fused kernel is checked to be one launch plus the finishing reductions its
-math needs.
+math needs. The tests of a host function, of the autograd Functions and of the plugin run both paths of the
+kernels (the ``strategy`` fixture).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def f64(inp: dict) -> dict:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", ["residual", "scaled_no_residual", "inplace"])
-def test_dgrad_rmsnorm(dtype, variant):
+def test_dgrad_rmsnorm(dtype, variant, strategy):
     op = OPS["rmsnorm_dgrad"]
     inp = op.make_inputs(TINY, dtype, "cpu", seed=1)
     ref, tor = op.reference(f64(inp), TINY), op.reference(inp, TINY)
@@ -55,7 +56,7 @@ def test_dgrad_rmsnorm(dtype, variant):
     with launches() as names:
         dx, y, dgamma = dgrad_rmsnorm(inp["dz"], inp["w"], inp["x"], inp["rstd"], inp["gamma"], inp["zdz"], dres,
                                       dz_scale=scale, inplace=variant == "inplace")
-    assert names == ["dgrad_rmsnorm_kernel", "col_sum_kernel"]
+    assert names == [{"fused": "dgrad_rmsnorm_kernel", "split": "rmsnorm_bwd_rows_kernel"}[strategy], "col_sum_kernel"]
     if variant == "inplace":
         assert dx.data_ptr() == dres.data_ptr()
     check("dx", dx, ref["dx"], tor["dx"])
@@ -64,13 +65,13 @@ def test_dgrad_rmsnorm(dtype, variant):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dgrad_swiglu(dtype):
+def test_dgrad_swiglu(dtype, strategy):
     op = OPS["swiglu_dgrad"]
     inp = op.make_inputs(TINY, dtype, "cpu", seed=2)
     ref, tor = op.reference(f64(inp), TINY), op.reference(inp, TINY)
     with launches() as names:
         dz_pre, y, zdz = dgrad_swiglu(inp["dx"], inp["w_down"], L.interleave_cols(inp["gate"], inp["up"]))
-    assert names == ["dgrad_swiglu_kernel", "row_sum_kernel"]
+    assert names == {"fused": ["dgrad_swiglu_kernel", "row_sum_kernel"], "split": ["swiglu_bwd_kernel"]}[strategy]
     dgate, dup = L.deinterleave_cols(dz_pre)
     for name, out in [("dgate", dgate), ("dup", dup), ("a", y), ("zdz", zdz)]:
         check(name, out, ref[name], tor[name])
@@ -208,7 +209,7 @@ def composition_case(composition: str, model: ModelShape, consumer, n_out: int, 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)
 @pytest.mark.parametrize("consumer_name", ["linear", "swiglu", "rope", "ce"])
-def test_functions_match_autograd(composition, consumer_name):
+def test_functions_match_autograd(composition, consumer_name, strategy):
     """Output and every input gradient of each composition x consumer, fp32, against fp64 autograd."""
     model = TINY.with_(tokens=48)
     m = model.tokens
@@ -385,7 +386,7 @@ def test_ce_forward_launches_per_chunk_and_backward_none():
         (loss,) = ours(*leaves)
     chunk = ["gemm_cross_entropy_kernel", "ce_rows_kernel", "ce_loss_kernel", "dgrad_rmsnorm_kernel",
              "col_sum_kernel", "gemm_kernel"]
-    assert fwd == ["norm_input_kernel", "ce_grad_scale_kernel"] + 3 * chunk
+    assert fwd == ["norm_rows_kernel", "ce_grad_scale_kernel"] + 3 * chunk
     with launches() as bwd:
         loss.backward()
     assert bwd == [] and all(t.grad is not None for t in leaves)
@@ -408,7 +409,7 @@ AUTOGRAD_OPS = ["rmsnorm_linear", "rmsnorm_swiglu", "rmsnorm_rope", "rmsnorm_ce"
 
 @pytest.mark.parametrize("op_name,mode", [(o, m) for o in AUTOGRAD_OPS for m in ("bwd", "fwd_bwd")]
                          + [("rmsnorm_dgrad", "bwd"), ("swiglu_dgrad", "bwd")])
-def test_plugin_bwd_passes_the_harness_check(op_name, mode):
+def test_plugin_bwd_passes_the_harness_check(op_name, mode, strategy):
     op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
     case = Case(op, TINY, mode, "fp32", torch.device("cpu"), op.make_inputs(TINY, torch.float32, "cpu", CHECK_SEED))
     assert impl.skip_reason(case) is None

@@ -34,6 +34,7 @@ th,td{border:1px solid #ccc;padding:3px 5px;text-align:right;white-space:nowrap}
 th{background:#f2f2f2;white-space:normal;vertical-align:bottom}td.l,th.l{text-align:left}
 td.msg{text-align:left;white-space:normal;min-width:160px;max-width:300px;overflow-wrap:anywhere}
 td.msg[colspan]{max-width:none}td.note{color:#555;padding-left:24px}
+td.txt{text-align:left;white-space:normal;min-width:120px;max-width:260px}
 td.msg details{margin:0}td.msg summary{cursor:pointer}
 .pass{background:#dff3df}.fail{background:#f8d7d7}.err{background:#f3b6b6}.na{background:#eee;color:#777}
 .skip{background:#f6f0dc;color:#6b5a1e}.dip{background:#ffe08a}
@@ -72,6 +73,11 @@ plain cuBLAS GEMMs the op must do (ideal 1.00); <i>% ceiling</i> its TFLOP/s as 
 at the start of the run (the roofline of these GEMM-bound ops); <i>peak MiB</i> the memory one call allocates above
 its inputs; <i>SM MHz</i> the NVML clock during the cell's timed region (min / median), highlighted where it fell more
 than {100 * CLOCK_DIP:.0f}% below the run's median clock.</p>
+<p><i>strategy</i> (per-op tables): how the implementation ran the cell, in its own words (blank where it says
+nothing). coda-triton names each of its GEMM kernels with <code>fused</code> (the epilogue in the GEMM's kernel, the
+CODA idea) or <code>split</code> (the plain GEMM, then one bandwidth-bound kernel over its output), whichever measured
+faster for the shape on this GPU (or what <code>CODABENCH_STRATEGY</code> forced); <code>fused,split</code>: the
+kernel's calls in order.</p>
 <p>fp8 cells (<code>fp8</code>: per-tensor scales, <code>fp8-row</code>: rowwise; forward and the dgrad ops)
 take bf16 inputs whose GEMM operands lie on the fp8 grid; quantizing them is untimed, and its time is the
 separate <i>cast ms</i> column. Their float64 reference is computed on those inputs, and PyTorch's error is
@@ -140,8 +146,8 @@ def _message(v: Any) -> str:
 
 
 Column = tuple[str, str, "str | Callable[[pd.Series], str]"]
-"""(column, header, format): a format spec, ``l`` (left-aligned text), ``msg`` (a message) or a function of the row
-returning HTML."""
+"""(column, header, format): a format spec, ``l`` (left-aligned text), ``txt`` (left-aligned text that wraps),
+``msg`` (a message) or a function of the row returning HTML."""
 
 
 def _table(df: pd.DataFrame, columns: list[Column], row_class=None, cell_class=None, css: str = "",
@@ -149,7 +155,7 @@ def _table(df: pd.DataFrame, columns: list[Column], row_class=None, cell_class=N
     """``cell_class(row, column)``: an extra class for one cell; ``css``: the table's class. ``span_from``: the
     messages take no column: in rows that are not ``ok`` (no figures to show) the cells from that column on merge
     into one that holds the message, and an ok row's message (a note) gets a row of its own below it."""
-    head = "".join(f'<th class="{"l" if f in ("l", "msg") else ""}">{_esc(h)}</th>' for _, h, f in columns)
+    head = "".join(f'<th class="{"l" if f in ("l", "txt", "msg") else ""}">{_esc(h)}</th>' for _, h, f in columns)
     names = [c for c, _, _ in columns]
     body = []
     for _, r in df.iterrows():
@@ -163,6 +169,8 @@ def _table(df: pd.DataFrame, columns: list[Column], row_class=None, cell_class=N
             extra = (cell_class(r, col) if cell_class else "") or ""
             if callable(f):
                 tds.append(f'<td class="{extra}">{f(r)}</td>')
+            elif f == "txt":
+                tds.append(f'<td class="txt {extra}">{_esc(_fmt(r.get(col)))}</td>')
             elif f in ("l", "msg"):
                 tds.append(f'<td class="{f} {extra}">{_message(r.get(col)) if f == "msg" else _esc(_fmt(r.get(col)))}'
                            "</td>")
@@ -263,7 +271,8 @@ def _mib(r: pd.Series) -> str:
 
 PER_OP_COLUMNS: list[Column] = [
     ("impl", "impl", "l"), ("model", "model", "l"), ("mode", "mode", "l"), ("dtype", "dtype", "l"),
-    ("status", "status", "l"), ("median_ms", "median ms", ".4g"), ("p20_ms", "p20–p80 ms", _range("p20_ms", "p80_ms", ".4g")),
+    ("status", "status", "l"), ("strategy", "strategy", "txt"), ("median_ms", "median ms", ".4g"),
+    ("p20_ms", "p20–p80 ms", _range("p20_ms", "p80_ms", ".4g")),
     ("cv", "CV", ".2f"), ("speedup", f"speedup vs {SPEED_BASELINE} [95%]", lambda r: _interval(r, "speedup")),
     ("vs_best", "vs fastest other [95%], verdict", lambda r: f"{_interval(r, 'vs_best')} {_verdict(r)}".strip()),
     ("sol_ratio", "time / GEMMs", ".3f"), ("pct_ceiling", "% ceiling", ".1f"),

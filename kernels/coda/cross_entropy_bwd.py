@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.gemm import matmul
+from kernels.coda.reduce import check_reduction
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 
 CHUNK_BYTES = 1 << 29
@@ -51,8 +52,7 @@ def ce_grad_scale_kernel(dloss_ptr, target_ptr, out_ptr, M, ignore_index, MEAN: 
 def ce_grad_scale(dloss: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                   reduction: str = "mean") -> torch.Tensor:
     """fp32 [1]: the loss scale s of the logits gradient ``s * (softmax - onehot)``, computed on the device."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_reduction(reduction)
     out = torch.empty(1, device=target.device, dtype=torch.float32)
     ce_grad_scale_kernel[(1,)](dloss.reshape(1), target.contiguous(), out, target.numel(), ignore_index,
                                MEAN=reduction == "mean", BLOCK=1024)

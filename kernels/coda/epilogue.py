@@ -143,7 +143,9 @@ def round_to_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr):
     bits = x.to(tl.int32, bitcast=True)
     ulp = ((tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN) - MANT + 127) << 23).to(tl.float32, bitcast=True)
     r = ((tl.abs(x) / ulp + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2^23: rounds to an integer, ties to even
-    return tl.where(x < 0, -r, r)  # keeps the sign of values that round to zero
+    # |r|: where the grid's ulp is below fp32's normal range (bf16 under 2^-119, zero included) the bits above are not
+    # the ulp but a negative number; those values round to zero, and zero must keep x's sign (0 -> +0, not -0)
+    return tl.where(x < 0, -tl.abs(r), tl.abs(r))  # keeps the sign of values that round to zero
 
 
 # ---- 4. block reductions ----------------------------------------------------------------------

@@ -60,3 +60,14 @@ def matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, out_dtype: torch.dtype 
 def linear(x: torch.Tensor | Fp8, w: torch.Tensor | Fp8, promote: bool = False) -> torch.Tensor:
     """``x @ w.T`` with w in nn.Linear layout (N, K); fp8 x, w: scales per tensor or per row of each."""
     return matmul(x, w.T, promote=promote)
+
+
+def split_matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, promote: bool = False,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMM of a split path (:mod:`kernels.coda.strategy`): ``a @ b`` by cuBLAS (torch) for plain operands, by
+    :func:`matmul` (the mainloop, dequantizing) for fp8 ones; the result rounded to the operands' dtype (bf16 for
+    fp8), as PyTorch's unfused code rounds it; written into ``out`` when given."""
+    c = matmul(a, b, promote=promote) if isinstance(a, Fp8) else torch.matmul(a, b, out=out)
+    if out is not None and c is not out:
+        out.copy_(c)
+    return out if out is not None else c

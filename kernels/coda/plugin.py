@@ -37,6 +37,8 @@ rmsnorm_ce and lm_head_ce with grad compute the LM head's gradients in the forwa
 (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`), as Liger's fused linear cross-entropy does: their
 ``bwd`` cells time little more than handing those gradients back, ``fwd`` (no grad) is unchanged, and
 ``fwd_bwd`` is the comparison that counts.
+Each fused kernel runs fused or split (:mod:`kernels.coda.strategy`); ``describe`` reports which, for the cell's last
+call (the ``strategy`` column).
 
 fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` also quantizes the op's GEMM operands
 (after the layout changes) under the cell's recipe; the compositions run through
@@ -61,6 +63,7 @@ from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.rope import gemm_rope
 from kernels.coda.rope_bwd import rope_bwd
 from kernels.coda.scaled_linear import scaled_linear
+from kernels.coda.strategy import Recorder, summary
 from kernels.coda.swiglu import gemm_swiglu
 from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
 from workloads import fp8
@@ -201,6 +204,10 @@ def lm_head_wgrad_run(n: Tensors) -> Tensors:
 
 # ---- the implementation -----------------------------------------------------------------------
 
+RECORDER = Recorder()
+"""The strategies of the last call of a coda-triton op: its forward and, in autograd modes, its backward."""
+
+
 class CodaTriton(Implementation):
     """One op as CODA fused GEMM-epilogue Triton kernels (the fixed mainloop + epilogue primitives)."""
 
@@ -232,7 +239,11 @@ class CodaTriton(Implementation):
         return native
 
     def run(self, native: Tensors) -> Tensors:
+        RECORDER.start()
         return self._forward(native)
+
+    def describe(self, native: Tensors) -> str:
+        return summary(RECORDER.launches())
 
     def outputs_to_canonical(self, outputs: Tensors, native: Tensors) -> Tensors:
         out = dict(outputs)

@@ -188,8 +188,7 @@ def finish_cross_entropy(lse_part: torch.Tensor, n_tiles: int, tgt_logit: torch.
     ``dlogits = softmax - onehot`` (zero rows where ignored; not scaled by the loss reduction) and the
     returned ``zdz_m = sum_j logits_mj dlogits_mj``. ``reduction``: "mean" over non-ignored rows or "sum".
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_reduction(reduction)
     M = lse_part.shape[0]
     dev = lse_part.device
     lse = torch.empty(M, device=dev, dtype=torch.float32)
@@ -200,6 +199,17 @@ def finish_cross_entropy(lse_part: torch.Tensor, n_tiles: int, tgt_logit: torch.
                          logits if with_grad else lse, logits.stride(0) if with_grad else 0,
                          logits.shape[1] if with_grad else 0, zdz if with_grad else lse, ignore_index,
                          WITH_GRAD=with_grad, BLOCK_T=triton.next_power_of_2(n_tiles), BLOCK_V=1024)
-    loss = torch.empty((), device=dev, dtype=torch.float32)
-    ce_loss_kernel[(1,)](loss_rows, target, loss, M, ignore_index, MEAN=reduction == "mean", BLOCK=1024)
-    return loss, lse, zdz
+    return reduce_loss(loss_rows, target, ignore_index, reduction), lse, zdz
+
+
+def check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def reduce_loss(loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """fp32 scalar: the sum of the per-row losses, divided by the number of non-ignored rows for "mean"."""
+    loss = torch.empty((), device=loss_rows.device, dtype=torch.float32)
+    ce_loss_kernel[(1,)](loss_rows, target, loss, loss_rows.shape[0], ignore_index, MEAN=reduction == "mean",
+                         BLOCK=1024)
+    return loss

@@ -11,7 +11,9 @@ For ``y = gamma * x * rstd`` (normalized, scaled) feeding ``z = y @ W^T``, given
 One fused GEMM writes dx, y and the dgamma partials; :func:`kernels.coda.reduce.finish_col_sum` sums
 the partials. dx may overwrite dres (each tile is read and written by the one program that owns it).
 The epilogue runs on EPI_SUB column sub-tiles of the accumulator (autotuned: 2 or 4), so the large tile
-fits in shared memory next to its TMA staging buffers.
+fits in shared memory next to its TMA staging buffers. Split path (:mod:`kernels.coda.strategy`): gy = dz @ W by the
+plain GEMM, then the same epilogue on the tiles of gy in a row kernel (y written over gy, dgamma partials per row
+block).
 """
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ import triton.language as tl
 
 from kernels.coda.epilogue import (col_subtile, col_sum_partial, dequant, load_cols, load_rows, load_tile,
                                    rmsnorm_dx, store_tile)
+from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import FusedGemm
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
-                                   tile_desc)
+from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
+                                   tile_coords, tile_desc)
 from kernels.coda.reduce import col_partials, finish_col_sum, launched_tiles
+from kernels.coda.strategy import with_split
 from workloads.fp8 import Fp8
 
 
@@ -81,6 +85,66 @@ def scale_arg(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor
     return torch.full((1,), scale, device=device, dtype=torch.float32)
 
 
+@triton.jit
+def rmsnorm_bwd_rows_kernel(gy_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_ptr, dx_ptr, dg_ptr, M, N,
+                            stride_gy, stride_x, stride_dres, stride_dx, stride_dg, HAS_RES: tl.constexpr,
+                            HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Rows [pid BM, pid BM + BM) of the dgrad GEMM's output ``dz @ W``: the fused kernel's epilogue
+    (:func:`_rmsnorm_bwd_subtile`) on each (BM, BN) tile of it, y written over it; dgamma partials per row block."""
+    off_m = tl.program_id(0) * BM
+    gy_desc = tile_desc(gy_ptr, M, N, stride_gy, BM, BN)
+    x_desc = tile_desc(x_ptr, M, N, stride_x, BM, BN)
+    dres_desc = tile_desc(dres_ptr, M, N, stride_dres, BM, BN)
+    dx_desc = tile_desc(dx_ptr, M, N, stride_dx, BM, BN)
+    c_scale = 1.0 / N
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+        c_scale = c_scale * scale
+    rstd = load_rows(rstd_ptr, off_m, M, BM)
+    c = load_rows(zdz_ptr, off_m, M, BM) * c_scale
+    for off_n in range(0, N, BN):
+        gy = load_tile(gy_desc, off_m, off_n)
+        if HAS_SCALE:
+            gy = gy * scale
+        _rmsnorm_bwd_subtile(gy, off_m, off_n, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, gy_desc, dg_ptr, N,
+                             stride_dg, HAS_RES, BM, BN)
+
+
+def _check(M: int, N: int, x: torch.Tensor, dres: torch.Tensor | None, inplace: bool) -> None:
+    if x.shape != (M, N):
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)} for dz @ w of shape {(M, N)}")
+    if inplace and dres is None:
+        raise ValueError("inplace=True needs dres")
+
+
+def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
+                        gamma: torch.Tensor, zdz: torch.Tensor, dres: torch.Tensor | None = None,
+                        dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, promote: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dgrad_rmsnorm` split: ``gy = dz @ w`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over its
+    rows (:func:`rmsnorm_bwd_rows_kernel`: dx, y over gy, dgamma partials) and the partials' sum."""
+    gy = split_matmul(dz, w, promote)
+    M, N = gy.shape
+    _check(M, N, x, dres, inplace)
+    x, gamma = x.contiguous(), gamma.contiguous()
+    dres = dres.contiguous() if dres is not None else None
+    dx = dres if inplace else torch.empty(M, N, device=gy.device, dtype=(dres if dres is not None else x).dtype)
+    bm, bn = (16, 32) if INTERPRET else (32, 128)
+    dg = torch.empty(triton.cdiv(M, bm), N, device=gy.device, dtype=torch.float32)
+    scale = scale_arg(dz_scale, gy.device)
+    res = dres if dres is not None else dx
+    rmsnorm_bwd_rows_kernel[(triton.cdiv(M, bm),)](
+        gy, x, rstd, gamma, zdz, scale if scale is not None else rstd, res, dx, dg, M, N, gy.stride(0), x.stride(0),
+        res.stride(0), dx.stride(0), dg.stride(0), HAS_RES=dres is not None, HAS_SCALE=scale is not None, BM=bm, BN=bn)
+    return dx, gy, finish_col_sum(dg, dg.shape[0], gamma.dtype)
+
+
+def _not_inplace(arguments: dict) -> dict:
+    """A call's arguments for measuring it repeatedly: dx into a new buffer instead of into dres (same traffic)."""
+    return {**arguments, "inplace": False}
+
+
+@with_split(dgrad_rmsnorm_split, safe=_not_inplace)
 def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
                   gamma: torch.Tensor, zdz: torch.Tensor, dres: torch.Tensor | None = None,
                   dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, promote: bool = False
@@ -98,10 +162,7 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     """
     gemm = FusedGemm(dz, w, promote)
     M, N = gemm.M, gemm.N
-    if x.shape != (M, N):
-        raise ValueError(f"shape mismatch: x {tuple(x.shape)} for dz @ w of shape {(M, N)}")
-    if inplace and dres is None:
-        raise ValueError("inplace=True needs dres")
+    _check(M, N, x, dres, inplace)
     x, gamma = x.contiguous(), gamma.contiguous()
     dres = dres.contiguous() if dres is not None else None
     dx = dres if inplace else gemm.empty((dres if dres is not None else x).dtype)

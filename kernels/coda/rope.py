@@ -9,6 +9,8 @@ head's rotary pairs are adjacent columns. Epilogue, for pair p = (column 2p, col
 with i = p mod (dh / 2) the pair's index within its head; v columns have frequency 0 (cos 1, sin 0). A scaled
 RoPE (linear, llama3) replaces ``theta^(-2i/dh)`` by its own frequencies ``inv_freq_i``. This equals Hugging
 Face's half-split RoPE after the layout permutation.
+Split path (:mod:`kernels.coda.strategy`): the plain GEMM, then the row scale and rotation in place over its output,
+with the same angle computation (:func:`kernels.coda.epilogue.rope_cos_sin`).
 """
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import col_subtile, dequant_scale, load_rows, rope_cos_sin, rotate_pairs, store_tile
+from kernels.coda.epilogue import (col_subtile, dequant_scale, load_rows, load_tile, rope_cos_sin, rotate_pairs,
+                                   store_tile)
+from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import FusedGemm
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
-                                   tile_desc)
+from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
+                                   tile_coords, tile_desc)
+from kernels.coda.strategy import with_split
 from workloads.fp8 import Fp8
 
 
@@ -66,6 +71,40 @@ def gemm_rope_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, 
             store_tile(out_desc, off_m, off_s, rotate_pairs(col_subtile(z, i, EPI_SUB, BM, BN), cos, sin, BM, SN))
 
 
+@triton.jit
+def rope_rows_kernel(z_ptr, rstd_ptr, pos_ptr, freq_ptr, M, N, stride_z, BM: tl.constexpr, BN: tl.constexpr):
+    """Rows [pid BM, pid BM + BM) of the GEMM output c: ``rotate_pairs(rstd[:, None] * c)`` in place, one pass."""
+    off_m = tl.program_id(0) * BM
+    z_desc = tile_desc(z_ptr, M, N, stride_z, BM, BN)
+    rstd = load_rows(rstd_ptr, off_m, M, BM)
+    for off_n in range(0, N, BN):
+        z = load_tile(z_desc, off_m, off_n) * rstd[:, None]
+        cos, sin = rope_cos_sin(pos_ptr, freq_ptr, off_m, off_n, M, N, BM, BN)
+        store_tile(z_desc, off_m, off_n, rotate_pairs(z, cos, sin, BM, BN))
+
+
+def gemm_rope_split(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tensor, positions: torch.Tensor,
+                    heads: int, kv_heads: int, head_dim: int, theta: float, promote: bool = False,
+                    inv_freq: tuple[float, ...] | None = None) -> torch.Tensor:
+    """:func:`gemm_rope` split: ``c = h @ w_qkv.T`` (:func:`kernels.coda.gemm.split_matmul`), then the row scale and
+    the rotation in place over c (:func:`rope_rows_kernel`, the fused epilogue's angles)."""
+    out = split_matmul(h, w_qkv.T, promote)
+    M, N = out.shape
+    freq = _freq(N, heads, kv_heads, head_dim, theta, out.device, inv_freq)
+    bm, bn = (16, 32) if INTERPRET else (16, 256)
+    rope_rows_kernel[(triton.cdiv(M, bm),)](out, rstd, positions.contiguous(), freq, M, N, out.stride(0), BM=bm, BN=bn)
+    return out
+
+
+def _freq(n: int, heads: int, kv_heads: int, head_dim: int, theta: float, device: torch.device,
+          inv_freq: tuple[float, ...] | None) -> torch.Tensor:
+    """The frequency table of a qkv output with n columns (:func:`rope_freq_table`), after checking n."""
+    if n != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
+        raise ValueError(f"w_qkv has {n} rows; expected (heads + 2 kv_heads) * head_dim with an even head_dim")
+    return rope_freq_table(heads, kv_heads, head_dim, float(theta), device, inv_freq)
+
+
+@with_split(gemm_rope_split)
 def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tensor, positions: torch.Tensor,
               heads: int, kv_heads: int, head_dim: int, theta: float, promote: bool = False,
               inv_freq: tuple[float, ...] | None = None) -> torch.Tensor:
@@ -76,9 +115,7 @@ def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tens
     inv_freq: the head's dh/2 frequencies instead of ``theta^(-2i/dh)`` (:func:`rope_freq_table`).
     """
     gemm = FusedGemm(h, w_qkv.T, promote)
-    if gemm.N != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
-        raise ValueError(f"w_qkv has {gemm.N} rows; expected (heads + 2 kv_heads) * head_dim with an even head_dim")
-    freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), gemm.device, inv_freq)
+    freq = _freq(gemm.N, heads, kv_heads, head_dim, theta, gemm.device, inv_freq)
     out = gemm.empty()
     gemm.launch(gemm_rope_kernel, rstd_ptr=rstd, pos_ptr=positions.contiguous(), freq_ptr=freq, out_ptr=out,
                 stride_o=out.stride(0))

@@ -10,7 +10,8 @@ computed ``y_i = silu(gate_i) up_i``, ``x = ... + y @ Wd^T``. Given the gradient
 recomputed activation ``y`` for the weight gradient ``dWd = dx^T y``; zdz comes from per-N-tile row
 partials and :func:`kernels.coda.reduce.finish_row_sum`; its epilogue runs on EPI_SUB column sub-tiles
 (autotuned: 2 or 4), each reading a [BM, 2 * BN / EPI_SUB] tile of z_pre. :func:`swiglu_bwd` is the
-elementwise kernel for a given dy (one pass over the rows; zdz summed in the kernel).
+elementwise kernel for a given dy (one pass over the rows; zdz summed in the kernel), the same epilogue on the tiles
+of dy; with y stored too it is :func:`dgrad_swiglu`'s split path (:mod:`kernels.coda.strategy`) after the plain GEMM.
 """
 from __future__ import annotations
 
@@ -20,20 +21,24 @@ import triton.language as tl
 
 from kernels.coda.epilogue import (col_subtile, dequant, join_pairs, load_tile, silu_mul_pairs_bwd, split_pairs,
                                    store_row_partial, store_tile)
+from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
                                    tile_coords, tile_desc)
 from kernels.coda.reduce import finish_row_sum, launched_tiles, row_partials
+from kernels.coda.strategy import with_split
 from workloads.fp8 import Fp8
 
 
 @triton.jit
-def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.constexpr, BN: tl.constexpr):
-    """The epilogue on the (BM, BN) sub-tile dy at (off_m, off_n): y and interleaved (dgate, dup); returns the
-    sub-tile's row sums of ``gate dgate + up dup``."""
+def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.constexpr, BN: tl.constexpr,
+                        STORE_Y: tl.constexpr = True):
+    """The epilogue on the (BM, BN) sub-tile dy at (off_m, off_n): interleaved (dgate, dup) and (STORE_Y) y; returns
+    the sub-tile's row sums of ``gate dgate + up dup``."""
     gate, up = split_pairs(load_tile(zp_desc, off_m, 2 * off_n), BM, 2 * BN)
     dgate, dup, y = silu_mul_pairs_bwd(dy, gate, up)
-    store_tile(y_desc, off_m, off_n, y)
+    if STORE_Y:
+        store_tile(y_desc, off_m, off_n, y)
     store_tile(dzp_desc, off_m, 2 * off_n, join_pairs(dgate, dup, BM, 2 * BN))
     return tl.sum(gate * dgate + up * dup, axis=1)
 
@@ -66,6 +71,58 @@ def _check_preact(z_pre: torch.Tensor, M: int, f: int) -> None:
                          f"got {tuple(z_pre.shape)}")
 
 
+@triton.jit
+def swiglu_bwd_kernel(dy_ptr, zp_ptr, dzp_ptr, y_ptr, zdz_ptr, M, N, stride_dy, stride_zp, stride_dzp, stride_y,
+                      STORE_Y: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Rows [pid BM, pid BM + BM): the fused kernel's epilogue (:func:`_swiglu_bwd_subtile`) on each (BM, BN) tile
+    of dy: interleaved (dgate, dup), (STORE_Y) y, and zdz = sum_i gate dgate + up dup."""
+    off_m = tl.program_id(0) * BM
+    dy_desc = tile_desc(dy_ptr, M, N, stride_dy, BM, BN)
+    zp_desc = tile_desc(zp_ptr, M, 2 * N, stride_zp, BM, 2 * BN)
+    dzp_desc = tile_desc(dzp_ptr, M, 2 * N, stride_dzp, BM, 2 * BN)
+    y_desc = tile_desc(y_ptr, M, N, stride_y, BM, BN)
+    zdz = tl.zeros((BM,), dtype=tl.float32)
+    for off_n in range(0, N, BN):
+        zdz += _swiglu_bwd_subtile(load_tile(dy_desc, off_m, off_n), off_m, off_n, zp_desc, dzp_desc, y_desc, BM, BN,
+                                   STORE_Y)
+    rows = off_m + tl.arange(0, BM)
+    tl.store(zdz_ptr + rows, zdz, mask=rows < M)
+
+
+def _swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor, y: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dz_pre, zdz)`` by :func:`swiglu_bwd_kernel`, which also writes y into ``y`` when given (it may be dy)."""
+    M, N = dy.shape
+    _check_preact(z_pre, M, N)
+    dy, z_pre = dy.contiguous(), z_pre.contiguous()
+    dz_pre = torch.empty_like(z_pre)
+    zdz = torch.empty(M, device=dy.device, dtype=torch.float32)
+    out = y if y is not None else dy
+    bm, bn = (16, 32) if INTERPRET else (16, 128)
+    swiglu_bwd_kernel[(triton.cdiv(M, bm),)](dy, z_pre, dz_pre, out, zdz, M, N, dy.stride(0), z_pre.stride(0),
+                                             dz_pre.stride(0), out.stride(0), STORE_Y=y is not None, BM=bm, BN=bn)
+    return dz_pre, zdz
+
+
+def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dz_pre, zdz)``: SwiGLU backward for a given dy [M, f]; z_pre [M, 2f] interleaved (gate, up).
+
+    dz_pre [M, 2f] (interleaved dgate/dup) is in z_pre's dtype, zdz fp32 [M]. One pass, one launch.
+    """
+    return _swiglu_bwd(dy, z_pre, None)
+
+
+def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor, promote: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dgrad_swiglu` split: ``dy = dx @ w_down`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over
+    its rows (:func:`swiglu_bwd_kernel`: dz_pre, zdz, and y written over dy)."""
+    dy = split_matmul(dx, w_down, promote)
+    y = dy if dy.dtype == z_pre.dtype else torch.empty(dy.shape, device=dy.device, dtype=z_pre.dtype)
+    dz_pre, zdz = _swiglu_bwd(dy, z_pre, y)
+    return dz_pre, y, zdz
+
+
+@with_split(dgrad_swiglu_split)
 def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor, promote: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dz_pre, y, zdz)``: SwiGLU backward of ``dy = dx @ w_down`` fused into that dgrad GEMM.
@@ -86,37 +143,3 @@ def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torc
     gemm.launch(kernel, zp_ptr=z_pre, dzp_ptr=dz_pre, y_ptr=y, part_ptr=part, stride_zp=z_pre.stride(0),
                 stride_dzp=dz_pre.stride(0), stride_y=y.stride(0), stride_p=part.stride(0))
     return dz_pre, y, finish_row_sum(part, launched_tiles(kernel, M, N)[1])
-
-
-@triton.jit
-def swiglu_bwd_kernel(dy_ptr, zp_ptr, dzp_ptr, zdz_ptr, M, N, stride_dy, stride_zp, stride_dzp,
-                      BM: tl.constexpr, BN: tl.constexpr):
-    """Rows [pid BM, pid BM + BM): interleaved (dgate, dup) and zdz = sum_i gate dgate + up dup."""
-    off_m = tl.program_id(0) * BM
-    dy_desc = tile_desc(dy_ptr, M, N, stride_dy, BM, BN)
-    zp_desc = tile_desc(zp_ptr, M, 2 * N, stride_zp, BM, 2 * BN)
-    dzp_desc = tile_desc(dzp_ptr, M, 2 * N, stride_dzp, BM, 2 * BN)
-    zdz = tl.zeros((BM,), dtype=tl.float32)
-    for off_n in range(0, N, BN):
-        gate, up = split_pairs(load_tile(zp_desc, off_m, 2 * off_n), BM, 2 * BN)
-        dgate, dup, _ = silu_mul_pairs_bwd(load_tile(dy_desc, off_m, off_n), gate, up)
-        store_tile(dzp_desc, off_m, 2 * off_n, join_pairs(dgate, dup, BM, 2 * BN))
-        zdz += tl.sum(gate * dgate + up * dup, axis=1)
-    rows = off_m + tl.arange(0, BM)
-    tl.store(zdz_ptr + rows, zdz, mask=rows < M)
-
-
-def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dz_pre, zdz)``: SwiGLU backward for a given dy [M, f]; z_pre [M, 2f] interleaved (gate, up).
-
-    dz_pre [M, 2f] (interleaved dgate/dup) is in z_pre's dtype, zdz fp32 [M]. One pass, one launch.
-    """
-    M, N = dy.shape
-    _check_preact(z_pre, M, N)
-    dy, z_pre = dy.contiguous(), z_pre.contiguous()
-    dz_pre = torch.empty_like(z_pre)
-    zdz = torch.empty(M, device=dy.device, dtype=torch.float32)
-    bm, bn = (16, 32) if INTERPRET else (16, 128)
-    swiglu_bwd_kernel[(triton.cdiv(M, bm),)](dy, z_pre, dz_pre, zdz, M, N, dy.stride(0), z_pre.stride(0),
-                                             dz_pre.stride(0), BM=bm, BN=bn)
-    return dz_pre, zdz

@@ -11,10 +11,15 @@ argument dtypes) in a process: seconds to a minute per kernel and shape on a col
 makes an autotuned kernel remember its winners in one JSON file per GPU model and Triton version::
 
     $CODABENCH_CACHE_DIR/autotune/<gpu>--triton-<version>.json      (default ~/.cache/codabench)
-    {"<kernel name>:<source hash>": {"<tuning key as JSON>": {"kwargs": {...}, "num_warps": 8, "num_stages": 3}}}
+    {"<kernel name>:<source hash>": {"<tuning key as JSON>": {"kwargs": {...}, "num_warps": 8, "num_stages": 3}},
+     "strategy:<host function>:<source hash>": {"<call key as JSON>": {"strategy": "split", "fused_ms": 1.31,
+                                                                         "split_ms": 1.17}}}
 
 so that a second run on the same kind of GPU starts timing within seconds. A kernel edit changes the source
-hash (it retunes); a stored config that is no longer in the kernel's list is ignored. Writes merge with the
+hash (it retunes); a stored config that is no longer in the kernel's list is ignored. The ``strategy:`` entries
+are the fused-or-split choices of the host functions (:mod:`kernels.coda.strategy`), keyed by their calls'
+shapes, dtypes and flags, with the two medians they were chosen by; :func:`load_entries` and
+:func:`store_entries` read and merge any entry. Writes merge with the
 file's current content under a lock and replace it atomically, so concurrent runs (shards on the GPUs of one
 host) lose nothing.
 
@@ -119,13 +124,19 @@ def kernel_name(tuner: Autotuner) -> str:
 
 def load(tuner: Autotuner, path: Path) -> int:
     """Put the cached winners of ``tuner``'s kernel into its in-memory cache; the number loaded."""
-    return _fill(tuner, _read(path).get(kernel_id(tuner), {}))
+    return _fill(tuner, load_entries(path, kernel_id(tuner)))
+
+
+def table_entries(path: Path, name: str) -> dict[str, Any]:
+    """The records the shipped table ``path`` holds under ``name`` (a kernel's name, or ``strategy:<function>``),
+    by key (JSON text); none when tables are turned off."""
+    return _read(path).get("kernels", {}).get(name, {}) if tables_enabled() else {}
 
 
 def load_table(tuner: Autotuner, path: Path) -> int:
     """Put the shipped table's winners of ``tuner``'s kernel (by name) for keys it does not know yet into its
     in-memory cache; the number loaded."""
-    return _fill(tuner, _read(path).get("kernels", {}).get(kernel_name(tuner), {}))
+    return _fill(tuner, table_entries(path, kernel_name(tuner)))
 
 
 def export(cache: Path, table: Path | None = None) -> tuple[Path, int]:
@@ -148,12 +159,22 @@ def export(cache: Path, table: Path | None = None) -> tuple[Path, int]:
 
 def store(tuner: Autotuner, keys: list[tuple], path: Path) -> None:
     """Add ``tuner``'s winners for ``keys`` to the file (merged with what is there, replaced atomically)."""
+    store_entries(path, kernel_id(tuner), {json.dumps(list(k)): _config_json(tuner.cache[k]) for k in keys})
+
+
+def load_entries(path: Path, entry: str) -> dict[str, Any]:
+    """The records the file holds under ``entry`` (a kernel id, or ``strategy:...``), by key (JSON text)."""
+    return _read(path).get(entry, {})
+
+
+def store_entries(path: Path, entry: str, records: dict[str, Any]) -> None:
+    """Add ``records`` (by key) under ``entry`` to the file: merged with what is there, under a lock (runs on several
+    GPUs of one host share the file), replaced atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # runs on several GPUs of one host (shards) share the file
+        fcntl.flock(lock, fcntl.LOCK_EX)
         data = _read(path)
-        entries = data.setdefault(kernel_id(tuner), {})
-        entries.update({json.dumps(list(k)): _config_json(tuner.cache[k]) for k in keys})
+        data.setdefault(entry, {}).update(records)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(f.name, path)
@@ -221,8 +242,7 @@ def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
             gpu = gpu_name()
             path = cache_file(gpu)
             load(tuner, path)
-            if tables_enabled():
-                load_table(tuner, table_file(gpu))
+            load_table(tuner, table_file(gpu))
         key = tuning_key(tuner, args, kwargs)
         if key in tuner.cache:  # the common case: a known shape, nothing to tune or store
             return run(*args, **kwargs)

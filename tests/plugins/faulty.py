@@ -98,3 +98,14 @@ class Detached(Implementation):
     def run(self, native):
         with torch.no_grad():
             return get_op("rmsnorm_linear").reference(native, self.model)
+
+
+@register("gemm_out", "test-describe-fails", dtypes=("fp32",))
+class DescribeFails(Implementation):
+    """Computes correctly, then fails to say how: the row keeps its time, the failure is its strategy text."""
+
+    def run(self, native):
+        return {"out": F.linear(native["x"], native["w"])}
+
+    def describe(self, native):
+        raise RuntimeError("no words")

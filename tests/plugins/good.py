@@ -26,3 +26,14 @@ class GoodAutograd(Implementation):
 
     def run(self, native):
         return get_op("rmsnorm_linear").reference(native, self.model)
+
+
+@register("gemm_out", "test-describes", dtypes=("fp32",))
+class Describes(Implementation):
+    """A plain GEMM that says how it ran: the row's strategy column."""
+
+    def run(self, native):
+        return {"out": F.linear(native["x"], native["w"])}
+
+    def describe(self, native):
+        return f"gemm:split ({tuple(native['x'].shape)[0]} rows)"

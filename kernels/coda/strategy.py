@@ -1,0 +1,247 @@
+"""Fused or split: every fused kernel's host function also has a split alternative, and runs the faster.
+
+The fused path is CODA itself: one GEMM whose epilogue does the memory-bound work. Its *split* alternative
+computes the same outputs (same dtypes, shapes and layouts) as the plain GEMM (cuBLAS through torch;
+:func:`kernels.coda.gemm.matmul`, the mainloop with dequantization, for fp8 operands), then ONE bandwidth-bound
+Triton kernel that does the epilogue's math on that output, built from the same epilogue primitives. The GEMM output
+is rounded to the activation dtype, as PyTorch's eager code rounds it: the pass rule's reference error (PyTorch's)
+has that rounding too, and an fp32 output would double the bytes the split path moves. Where the epilogue is not
+overlapped with the next tile's mainloop (PERF_NOTES.md: small K, large epilogue traffic) the split path can be
+faster::
+
+    def gemm_residual_norm_split(a, w, residual, gamma, eps, promote=False, h_fp8=None): ...
+
+    @with_split(gemm_residual_norm_split)
+    def gemm_residual_norm(a, w, residual, gamma, eps, promote=False, h_fp8=None): ...   # the fused path
+
+The decorated function dispatches each call by its key (:func:`call_key`: the shape and dtype of each tensor
+argument, its flags) to the strategy chosen for that key:
+
+- ``CODABENCH_STRATEGY=fused|split`` forces one everywhere (tests run the split paths on the interpreter this
+  way; benchmarks compare the two); ``auto`` (the default) chooses:
+- on a GPU, the first call of a key measures both: each is launched once (compiling and autotuning), then they take
+  turns over :data:`ROUNDS` rounds of ``triton.testing.do_bench``; split wins if its median is lower than fused's
+  by more than :data:`MARGIN` (ties go to the fused path, the reference of the CODA idea). The choice is stored in
+  the autotuning cache file (:mod:`kernels.coda.tuning`: same file, keyed by GPU model and Triton version, entry
+  ``strategy:<function>:<hash of the source of both paths' modules>``), so later processes reuse it; a key the
+  cache lacks is first looked up in the GPU model's shipped table (``strategy:<function>``). Measurement
+  runs on arguments that are safe to repeat (``safe``: e.g. not in place), never during CUDA graph capture or
+  torch.compile tracing (there an unknown key runs fused, unstored);
+- on the CPU (the Triton interpreter) nothing is measured: fused.
+
+:class:`Recorder` records which strategy each call used (host function, strategy), from any thread (autograd's
+backward threads too), so an implementation can say how it ran a cell (:func:`summary`).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import os
+import statistics
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import triton
+
+from kernels.coda import tuning
+from workloads.fp8 import Fp8
+
+FUSED, SPLIT, AUTO = "fused", "split", "auto"
+ENV = "CODABENCH_STRATEGY"
+ROUNDS = 3
+"""Interleaved timing rounds of the two candidates."""
+MARGIN = 0.02
+"""Split is chosen when its median is below (1 - MARGIN) x the fused median."""
+BENCH_MS = 25
+"""``do_bench``'s repetition time per candidate and round (its warm-up: a fifth of it)."""
+
+
+def forced() -> str | None:
+    """The strategy ``CODABENCH_STRATEGY`` forces (``fused`` or ``split``), None for ``auto`` or unset."""
+    value = os.environ.get(ENV, AUTO)
+    if value not in (FUSED, SPLIT, AUTO):
+        raise ValueError(f"{ENV} must be {FUSED}, {SPLIT} or {AUTO}, got {value!r}")
+    return None if value == AUTO else value
+
+
+def call_key(arguments: dict[str, Any]) -> str:
+    """A call's key as JSON: per argument, a tensor's shape and dtype (an fp8 operand's, with whether its scales are
+    per row), or a flag (bool, int, str, None, a recipe); floats and tuples (eps, theta, scalar multipliers,
+    frequencies) do not change the cost and are left out."""
+    parts = []
+    for name, v in arguments.items():
+        if isinstance(v, Fp8):
+            parts.append([name, list(v.data.shape), str(v.data.dtype), v.scale.numel() > 1])
+        elif isinstance(v, torch.Tensor):
+            parts.append([name, list(v.shape), str(v.dtype)])
+        elif v is None or isinstance(v, (bool, int, str)):
+            parts.append([name, v])
+        elif not isinstance(v, (float, tuple)):
+            parts.append([name, str(v)])
+    return json.dumps(parts)
+
+
+def _device(arguments: dict[str, Any]) -> torch.device:
+    first = next(v for v in arguments.values() if isinstance(v, (torch.Tensor, Fp8)))
+    return (first.data if isinstance(first, Fp8) else first).device
+
+
+def measurable(device: torch.device) -> bool:
+    """Whether a choice can be measured now: on a GPU, not while a CUDA graph is captured or torch.compile traces."""
+    return (device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+            and not torch.compiler.is_compiling())
+
+
+def bench_ms(fn: Callable[[], Any]) -> float:
+    """Median time of ``fn`` in ms (``triton.testing.do_bench``, L2 cleared between calls)."""
+    return triton.testing.do_bench(fn, warmup=BENCH_MS // 5, rep=BENCH_MS, return_mode="median")
+
+
+def measure(candidates: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """The median over :data:`ROUNDS` interleaved rounds of each candidate's time, after one launch of each."""
+    for fn in candidates.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in candidates}
+    for _ in range(ROUNDS):
+        for k, fn in candidates.items():
+            times[k].append(bench_ms(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def pick(times: dict[str, float]) -> str:
+    """Split when it beats fused by more than :data:`MARGIN`; fused otherwise."""
+    return SPLIT if times[SPLIT] < (1 - MARGIN) * times[FUSED] else FUSED
+
+
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+# ---- what ran ---------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_active: list[Recorder] = []
+
+
+class Recorder:
+    """The (host function, strategy) of each call while started; thread-safe.
+
+    ``start()`` clears the record and (re)starts it; ``stop()`` ends it. An implementation that starts its recorder
+    at each call of its op has, when the harness asks, the record of its last call, backward included."""
+
+    def __init__(self) -> None:
+        self._launches: list[tuple[str, str]] = []
+
+    def start(self) -> None:
+        with _lock:
+            self._launches = []
+            if self not in _active:
+                _active.append(self)
+
+    def stop(self) -> None:
+        with _lock:
+            if self in _active:
+                _active.remove(self)
+
+    def launches(self) -> list[tuple[str, str]]:
+        with _lock:
+            return list(self._launches)
+
+    def __enter__(self) -> Recorder:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _record(name: str, strategy: str) -> None:
+    with _lock:
+        for r in _active:
+            r._launches.append((name, strategy))
+
+
+def summary(launches: list[tuple[str, str]]) -> str:
+    """``residual_norm:fused swiglu:split ...``: each host function (without its ``gemm_`` prefix) in the order of its
+    first call, with its strategy, or the strategies of its calls in order where they differ (``fused,split``)."""
+    calls: dict[str, list[str]] = {}
+    for name, strategy in launches:
+        calls.setdefault(name.removeprefix("gemm_"), []).append(strategy)
+    return " ".join(f"{n}:{s[0] if len(set(s)) == 1 else ','.join(s)}" for n, s in calls.items())
+
+
+# ---- dispatch ---------------------------------------------------------------------------------------
+
+class Chooser:
+    """The strategy of each key of one host function: forced, known (this process or the cache file), or measured."""
+
+    def __init__(self, fused: Callable, split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]]):
+        self.fused, self.split, self.safe = fused, split, safe
+        self.name = fused.__name__
+        sources = dict.fromkeys(inspect.getsource(inspect.getmodule(f)) for f in (fused, split))
+        self.entry = f"strategy:{self.name}:{hashlib.sha256(''.join(sources).encode()).hexdigest()[:16]}"
+        self.known: dict[Path, dict[str, str]] = {}
+        """Per cache file (GPU model, Triton version): call key -> strategy."""
+        self._lock = threading.Lock()
+
+    def choose(self, arguments: dict[str, Any]) -> str:
+        strategy = forced()
+        if strategy is not None:
+            return strategy
+        device = _device(arguments)
+        if device.type != "cuda":
+            return FUSED
+        with self._lock:
+            gpu = gpu_name(device)
+            path = tuning.cache_file(gpu)
+            known = self._known(gpu)
+            key = call_key(arguments)
+            if key in known:
+                return known[key]
+            if not measurable(device):
+                return FUSED
+            safe = self.safe(arguments)
+            times = measure({FUSED: lambda: self.fused(**safe), SPLIT: lambda: self.split(**safe)})
+            known[key] = strategy = pick(times)
+            if tuning.enabled():
+                tuning.store_entries(path, self.entry, {key: {"strategy": strategy, "fused_ms": times[FUSED],
+                                                              "split_ms": times[SPLIT]}})
+            return strategy
+
+    def _known(self, gpu: str) -> dict[str, str]:
+        """The choices for GPU model ``gpu``: its shipped table's, overridden by its cache file's (both read once;
+        records that are not a choice are stale or foreign and ignored), then this process's."""
+        path = tuning.cache_file(gpu)
+        if path not in self.known:
+            stored = {**tuning.table_entries(tuning.table_file(gpu), self.entry.rsplit(":", 1)[0]),
+                      **(tuning.load_entries(path, self.entry) if tuning.enabled() else {})}
+            self.known[path] = {k: r["strategy"] for k, r in stored.items()
+                                if isinstance(r, dict) and r.get("strategy") in (FUSED, SPLIT)}
+        return self.known[path]
+
+
+def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> Callable:
+    """Decorate a fused host function: each call runs it or ``split`` (same signature, same results), by
+    :class:`Chooser`. ``safe`` maps a call's arguments to ones a measurement may repeat (no input written in place).
+    The decorated function keeps the two as ``.fused`` and ``.split``, and its chooser as ``.chooser``."""
+
+    def deco(fused: Callable) -> Callable:
+        signature = inspect.signature(fused)
+        chooser = Chooser(fused, split, safe)
+
+        @functools.wraps(fused)
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            strategy = chooser.choose(bound.arguments)
+            _record(chooser.name, strategy)
+            return (fused if strategy == FUSED else split)(**bound.arguments)
+
+        dispatch.fused, dispatch.split, dispatch.chooser = fused, split, chooser
+        return dispatch
+
+    return deco

@@ -1,0 +1,359 @@
+"""Fused or split (kernels/coda/strategy.py): the split paths against the fused ones, the choice (forced, measured,
+cached), the record of what ran, and the harness's ``strategy`` column.
+
+The numerics of each split path against float64 are the kernel tests' (test_coda_fwd/bwd/fp8 run every host function
+under both strategies); here the two paths are compared with each other: same outputs, dtypes, shapes and layouts.
+The choice on a GPU is exercised on the CPU with stand-ins (a fake device, scripted timings); the GPU tests at the end
+run the real thing.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import pandas as pd
+import pytest
+import torch
+
+from codabench.case import Case
+from codabench.correctness import CHECK_SEED, build_reference, check_impl
+from codabench.discovery import load_plugin_file
+from codabench.metrics import rel_err
+from codabench.registry import REGISTRY
+from codabench.report import finalize
+from codabench.results import load_run
+from harness_helpers import PLUGINS, isolated_registry, make_runner
+from kernel_helpers import rand
+from kernels import layouts as L
+from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
+from kernels.coda import strategy as S
+from kernels.coda import tuning
+from kernels.coda.cross_entropy import gemm_cross_entropy
+from kernels.coda.producer import gemm_residual_norm
+from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
+from kernels.coda.rope import gemm_rope
+from kernels.coda.scaled_linear import scaled_linear
+from kernels.coda.swiglu import gemm_swiglu
+from kernels.coda.swiglu_bwd import dgrad_swiglu
+from workloads.models import get_model
+from workloads.ops import OPS
+
+M, K, D, F2, V = 72, 40, 56, 48, 104  # tokens, producer K, hidden, 2 * ffn, vocab: none a multiple of the 32 tile
+H, HKV, DH = 2, 1, 8
+
+
+def calls(dtype: torch.dtype) -> dict[str, tuple]:
+    """Every host function with a split path, and arguments that exercise its flags."""
+    def r(*shape, seed, scale=1.0, mean=0.0):
+        return rand(*shape, dtype=dtype, seed=seed, scale=scale, mean=mean)
+
+    h, rstd = r(M, D, seed=1), rand(M, seed=2).abs() + 0.5
+    gamma, x, zdz = r(D, seed=3, scale=0.1, mean=1.0), r(M, D, seed=4), rand(M, seed=5)
+    target = torch.randint(0, V, (M,), generator=torch.Generator().manual_seed(6))
+    target[::5] = -100
+    return {
+        "producer": (gemm_residual_norm, (r(M, K, seed=7), r(D, K, seed=8, scale=K ** -0.5), r(M, D, seed=9), gamma,
+                                          1e-5), {}),
+        "scaled_linear": (scaled_linear, (h, r(F2, D, seed=10, scale=D ** -0.5), rstd), {}),
+        "swiglu_save": (gemm_swiglu, (h, r(F2, D, seed=11, scale=D ** -0.5), rstd, True), {}),
+        "swiglu": (gemm_swiglu, (h, r(F2, D, seed=11, scale=D ** -0.5), rstd, False), {}),
+        "rope": (gemm_rope, (h, r((H + 2 * HKV) * DH, D, seed=12, scale=D ** -0.5), rstd,
+                             (torch.arange(M) * 331) % 4096, H, HKV, DH, 10000.0), {}),
+        "ce": (gemm_cross_entropy, (h, r(V, D, seed=13, scale=D ** -0.5), rstd, target), {}),
+        "ce_grad": (gemm_cross_entropy, (h, r(V, D, seed=13, scale=D ** -0.5), rstd, target),
+                    {"reduction": "sum", "with_grad": True}),
+        "dgrad_rmsnorm": (dgrad_rmsnorm, (r(M, F2, seed=14), r(F2, D, seed=15, scale=F2 ** -0.5), x, rstd, gamma, zdz,
+                                          r(M, D, seed=16)), {"dz_scale": torch.tensor(0.75)}),
+        "dgrad_rmsnorm_nores": (dgrad_rmsnorm, (r(M, F2, seed=14), r(F2, D, seed=15, scale=F2 ** -0.5), x, rstd, gamma,
+                                                zdz), {"dz_scale": 0.5}),
+        "dgrad_swiglu": (dgrad_swiglu, (r(M, D, seed=17), r(D, F2 // 2, seed=18, scale=D ** -0.5),
+                                        r(M, F2, seed=19)), {}),
+    }
+
+
+def flat(out) -> list:
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(calls(torch.float32)))
+def test_split_path_returns_what_the_fused_path_returns(name, dtype):
+    """Same outputs in the same dtypes, shapes and (contiguous) layouts; values equal up to the GEMM's summation order
+    in fp32, and up to the rounding of the GEMM output to the dtype (the split path's, as PyTorch's) in fp16."""
+    fn, args, kwargs = calls(dtype)[name]
+    fused, split = flat(fn.fused(*args, **kwargs)), flat(fn.split(*args, **kwargs))
+    assert len(fused) == len(split)
+    tol = 2e-6 if dtype == torch.float32 else 3e-3
+    for i, (f, s) in enumerate(zip(fused, split)):
+        assert (f is None) == (s is None), (name, i)
+        if f is None:
+            continue
+        assert (s.shape, s.dtype, s.stride()) == (f.shape, f.dtype, f.stride()), (name, i)
+        assert rel_err(s, f.double()) <= tol, (name, i, rel_err(s, f.double()))
+
+
+def test_split_dgrad_rmsnorm_adds_into_dres_in_place():
+    fn, args, kwargs = calls(torch.float32)["dgrad_rmsnorm"]
+    dres = args[6].clone()
+    dx, _, _ = fn.split(*args[:6], dres, inplace=True, **kwargs)
+    assert dx.data_ptr() == dres.data_ptr()
+    torch.testing.assert_close(dx, fn.fused(*args, **kwargs)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_split_layouts_are_the_fused_ones():
+    """Interleaved gate/up columns in z_pre and dz_pre, the adjacent-pair RoPE layout: checked against PyTorch
+    on the deinterleaved / half-split views."""
+    _, (h, w_gu, rstd, _), _ = calls(torch.float32)["swiglu_save"]
+    y, z = gemm_swiglu.split(h, w_gu, rstd, True)
+    gate, up = L.deinterleave_cols(z)
+    torch.testing.assert_close(gate, rstd[:, None] * (h @ w_gu[0::2].T), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    _, (dx, w_down, z_pre), _ = calls(torch.float32)["dgrad_swiglu"]
+    dz_pre, _, _ = dgrad_swiglu.split(dx, w_down, z_pre)
+    g, u = (t.clone().requires_grad_() for t in L.deinterleave_cols(z_pre))
+    (torch.nn.functional.silu(g) * u).backward(dx @ w_down)
+    torch.testing.assert_close(dz_pre, L.interleave_cols(g.grad, u.grad), rtol=1e-5, atol=1e-5)
+
+
+# ---- the choice -----------------------------------------------------------------------------------------
+
+def test_the_environment_forces_a_strategy_everywhere(monkeypatch):
+    fn, args, kwargs = calls(torch.float32)["scaled_linear"]
+    for forced in ("split", "fused"):
+        monkeypatch.setenv(S.ENV, forced)
+        with S.Recorder() as rec:
+            fn(*args, **kwargs)
+        assert rec.launches() == [("scaled_linear", forced)]
+    monkeypatch.setenv(S.ENV, "auto")
+    with S.Recorder() as rec:
+        fn(*args, **kwargs)
+    assert rec.launches() == [("scaled_linear", "fused")]  # auto on the CPU: nothing measured, fused
+    monkeypatch.setenv(S.ENV, "fastest")
+    with pytest.raises(ValueError, match="CODABENCH_STRATEGY must be fused, split or auto"):
+        fn(*args, **kwargs)
+
+
+def _fused(x: torch.Tensor, n: int, inplace: bool = False, eps: float = 1e-5) -> str:
+    return "fused"
+
+
+def _split(x: torch.Tensor, n: int, inplace: bool = False, eps: float = 1e-5) -> str:
+    return "split"
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+    """A stand-in GPU for the chooser: CPU tensors count as on "Test GPU", measurable, timed by ``times`` (per
+    candidate, the do_bench medians it returns in turn); ``log`` lists each timed candidate."""
+    monkeypatch.setenv("CODABENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODABENCH_AUTOTUNE_CACHE", raising=False)
+    monkeypatch.delenv(S.ENV, raising=False)
+    monkeypatch.setattr(S, "_device", lambda arguments: torch.device("cuda"))
+    monkeypatch.setattr(S, "gpu_name", lambda device: "Test GPU")
+    monkeypatch.setattr(S, "measurable", lambda device: True)
+    state = {"times": {}, "log": []}
+
+    def bench(fn):
+        out = fn()
+        state["log"].append(out)
+        return state["times"][out].pop(0)
+
+    monkeypatch.setattr(S, "bench_ms", bench)
+    return state
+
+
+def test_a_new_key_is_measured_once_chosen_by_the_lower_median_and_cached(gpu):
+    seen = []
+    dispatch = S.with_split(_split, safe=lambda a: (seen.append(dict(a)), {**a, "inplace": False})[1])(_fused)
+    x = torch.zeros(8, 4)
+    gpu["times"] = {"fused": [1.0, 1.3, 1.0], "split": [0.9, 0.9, 2.0]}  # medians 1.0 and 0.9
+    with S.Recorder() as rec:
+        assert dispatch(x, 3, inplace=True) == "split"
+    assert gpu["log"] == ["fused", "split"] * S.ROUNDS  # interleaved rounds (after one untimed launch of each)
+    assert seen == [{"x": x, "n": 3, "inplace": True, "eps": 1e-5}]  # measured on the safe arguments
+    assert rec.launches() == [("_fused", "split")]
+    assert dispatch(x, 3, inplace=True) == "split" and len(gpu["log"]) == 2 * S.ROUNDS  # known: not measured again
+    stored = json.loads(tuning.cache_file("Test GPU").read_text())
+    (entry, records), = stored.items()
+    assert entry == dispatch.chooser.entry and entry.startswith("strategy:_fused:")
+    assert records == {S.call_key({"x": x, "n": 3, "inplace": True, "eps": 1e-5}):
+                       {"strategy": "split", "fused_ms": 1.0, "split_ms": 0.9}}
+    again = S.Chooser(_fused, _split, dict)  # another process: the file's choice, no timing
+    assert again.choose({"x": x, "n": 3, "inplace": True, "eps": 1e-5}) == "split" and len(gpu["log"]) == 2 * S.ROUNDS
+    gpu["times"] = {"fused": [1.0] * 3, "split": [0.99] * 3}  # another shape; split 1% faster: a tie, fused
+    assert dispatch(torch.zeros(16, 4), 3) == "fused"
+    assert len(json.loads(tuning.cache_file("Test GPU").read_text())[entry]) == 2
+
+
+def test_a_shipped_table_choice_serves_a_key_the_cache_lacks(gpu, tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "TABLES", tmp_path / "tuned")
+    x = torch.zeros(8, 4)
+    shipped, cached = ({"x": x, "n": n, "inplace": False, "eps": 1e-5} for n in (3, 4))
+    chooser = S.Chooser(_fused, _split, dict)
+    table = tuning.table_file("Test GPU")
+    table.parent.mkdir()
+    name = chooser.entry.rsplit(":", 1)[0]  # "strategy:_fused": tables are keyed by name, not source hash
+    table.write_text(json.dumps({"kernels": {name: {S.call_key(shipped): {"strategy": "split"},
+                                                    S.call_key(cached): {"strategy": "split"}}}}))
+    tuning.store_entries(tuning.cache_file("Test GPU"), chooser.entry, {S.call_key(cached): {"strategy": "fused"}})
+    assert chooser.choose(shipped) == "split" and chooser.choose(cached) == "fused" and not gpu["log"]
+    monkeypatch.setenv("CODABENCH_TUNING_TABLES", "0")
+    gpu["times"] = {"fused": [1.0] * 3, "split": [2.0] * 3}
+    assert S.Chooser(_fused, _split, dict).choose(shipped) == "fused" and gpu["log"]  # measured, table off
+
+
+def test_the_key_holds_shapes_dtypes_and_flags_not_floats():
+    key = S.call_key({"x": torch.zeros(8, 4, dtype=torch.float16), "n": 3, "flag": True, "none": None,
+                      "eps": 1e-5, "freqs": (0.5, 0.25)})
+    assert json.loads(key) == [["x", [8, 4], "torch.float16"], ["n", 3], ["flag", True], ["none", None]]
+
+
+def test_stale_and_foreign_entries_are_ignored(gpu):
+    x = torch.zeros(8, 4)
+    args = {"x": x, "n": 3, "inplace": False, "eps": 1e-5}
+    chooser = S.Chooser(_fused, _split, dict)
+    path = tuning.cache_file("Test GPU")
+    key = S.call_key(args)
+    tuning.store_entries(path, chooser.entry.rsplit(":", 1)[0] + ":0123456789abcdef", {key: {"strategy": "split"}})
+    tuning.store_entries(path, chooser.entry, {key: {"strategy": "fastest"}})
+    gpu["times"] = {"fused": [1.0] * 3, "split": [2.0] * 3}
+    assert chooser.choose(args) == "fused" and gpu["log"]  # measured: neither stored record counts
+    assert json.loads(path.read_text())[chooser.entry][key]["strategy"] == "fused"  # the bad record replaced
+
+
+def test_no_measurement_during_capture_or_tracing_and_no_file_when_the_cache_is_off(gpu, monkeypatch):
+    x = torch.zeros(8, 4)
+    args = {"x": x, "n": 3, "inplace": False, "eps": 1e-5}
+    monkeypatch.setattr(S, "measurable", lambda device: False)
+    assert S.Chooser(_fused, _split, dict).choose(args) == "fused" and not gpu["log"]
+    assert not tuning.cache_file("Test GPU").exists()  # an unmeasured default is not stored
+    monkeypatch.setattr(S, "measurable", lambda device: True)
+    monkeypatch.setenv("CODABENCH_AUTOTUNE_CACHE", "0")
+    gpu["times"] = {"fused": [2.0] * 3, "split": [1.0] * 3}
+    assert S.Chooser(_fused, _split, dict).choose(args) == "split"
+    assert not tuning.cache_file("Test GPU").exists()
+
+
+def test_measurable_only_on_a_gpu_outside_capture_and_compilation(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert S.measurable(cuda) and not S.measurable(torch.device("cpu"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not S.measurable(cuda)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not S.measurable(cuda)
+
+
+def test_strategy_entries_share_the_autotuning_file(tmp_path):
+    path = tmp_path / "gpu.json"
+    tuning.store_entries(path, "some_kernel:abc", {"[1]": {"kwargs": {"BM": 64}, "num_warps": 4, "num_stages": 3}})
+    tuning.store_entries(path, "strategy:f:abc", {"[2]": {"strategy": "split"}})
+    tuning.store_entries(path, "strategy:f:abc", {"[3]": {"strategy": "fused"}})
+    assert tuning.load_entries(path, "strategy:f:abc") == {"[2]": {"strategy": "split"}, "[3]": {"strategy": "fused"}}
+    assert tuning.load_entries(path, "some_kernel:abc")["[1]"]["num_warps"] == 4
+    assert tuning.load_entries(path, "strategy:g:abc") == {}
+
+
+# ---- the record -------------------------------------------------------------------------------------------
+
+def test_the_recorder_sees_every_thread_and_restarts():
+    fn, args, kwargs = calls(torch.float32)["scaled_linear"]
+    rec = S.Recorder()
+    rec.start()
+    thread = threading.Thread(target=lambda: fn(*args, **kwargs))  # as autograd's backward thread would
+    thread.start()
+    thread.join()
+    assert rec.launches() == [("scaled_linear", "fused")]
+    rec.start()
+    assert rec.launches() == []
+    rec.stop()
+    fn(*args, **kwargs)
+    assert rec.launches() == []
+
+
+def test_summary_names_each_function_once_in_order():
+    assert S.summary([]) == ""
+    launches = [("gemm_residual_norm", "fused"), ("gemm_swiglu", "split"), ("gemm_residual_norm", "split"),
+                ("dgrad_rmsnorm", "fused"), ("dgrad_rmsnorm", "fused")]
+    assert S.summary(launches) == "residual_norm:fused,split swiglu:split dgrad_rmsnorm:fused"
+
+
+# ---- the harness's strategy column ---------------------------------------------------------------------------
+
+def test_describe_fills_the_strategy_column_and_the_report(tmp_path, monkeypatch):
+    """Each implementation's describe() after its cell's timing, as the row's strategy; a describe() that raises
+    keeps the measured row; coda-triton names the path of each kernel of its last call (forward and backward)."""
+    monkeypatch.setenv(S.ENV, "split")  # the worker process inherits it
+    with isolated_registry():
+        load_plugin_file(PLUGINS / "good.py")
+        load_plugin_file(PLUGINS / "faulty.py")
+        make_runner(tmp_path / "gemm", modes=("fwd",), impls=["torch-eager", "test-describes", "test-describe-fails"]
+                    ).run()
+        make_runner(tmp_path / "coda", ops=["rmsnorm_swiglu"], modes=("fwd", "bwd"), impls=["coda-triton"]).run()
+    df, _, _ = load_run(tmp_path / "gemm")
+    rows = df.set_index("impl")
+    assert rows.loc["test-describes", "strategy"] == f"gemm:split ({get_model('tiny').tokens} rows)"
+    bad = rows.loc["test-describe-fails"]
+    assert bad["status"] == "ok" and bad["median_ms"] > 0 and bad["correct"] is True
+    assert bad["strategy"].startswith("describe() failed: RuntimeError: no words")
+    assert pd.isna(rows.loc["torch-eager", "strategy"])  # says nothing
+    coda = load_run(tmp_path / "coda")[0].set_index("mode")["strategy"]
+    assert coda["fwd"] == "residual_norm:split swiglu:split"
+    assert coda["bwd"] == "residual_norm:split swiglu:split dgrad_rmsnorm:split"
+    html = finalize(tmp_path / "gemm").read_text()
+    assert "<th class=\"l\">strategy</th>" in html and ">gemm:split (" in html and "describe() failed" in html
+    assert "coda-triton names each of its GEMM kernels" in html  # the legend
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the choice is measured there)")
+GPU_OPS = [("rmsnorm_linear", "fwd_bwd"), ("rmsnorm_swiglu", "fwd_bwd"), ("rmsnorm_rope", "fwd_bwd"),
+           ("rmsnorm_ce", "fwd_bwd"), ("lm_head_ce", "fwd"), ("block", "fwd_bwd"), ("rmsnorm_dgrad", "bwd"),
+           ("swiglu_dgrad", "bwd")]
+
+
+@gpu_only
+@pytest.mark.parametrize("op_name,mode", GPU_OPS)
+def test_split_and_fused_pass_the_harness_check_in_bf16_on_the_gpu(op_name, mode, strategy):
+    """Every op of coda-triton under each strategy, bf16, at a 1B-like shape with 1024 tokens: the pass rule."""
+    op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
+    model = get_model("llama-1b").with_(tokens=1024, vocab=8192)
+    case = Case(op, model, mode, "bf16", torch.device("cuda"),
+                op.make_inputs(model, torch.bfloat16, "cuda", CHECK_SEED))
+    outcome = check_impl(build_reference(op, case), impl)
+    assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])
+    assert impl.describe({}) and all(s == strategy for part in impl.describe({}).split() for s in
+                                     part.split(":")[1].split(","))
+
+
+@gpu_only
+def test_auto_measures_a_choice_on_the_gpu_stores_it_and_a_new_process_reuses_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODABENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODABENCH_AUTOTUNE_CACHE", raising=False)
+    monkeypatch.setenv(S.ENV, "auto")
+    dev = torch.device("cuda")
+    a, w = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16), torch.randn(2048, 2048, device=dev,
+                                                                                dtype=torch.bfloat16) * 0.02
+    res, gamma = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16), torch.ones(2048, device=dev,
+                                                                                       dtype=torch.bfloat16)
+    with S.Recorder() as rec:
+        x, h, rstd = gemm_residual_norm(a, w, res, gamma, 1e-5)
+    (name, chosen), = rec.launches()
+    records = tuning.load_entries(tuning.cache_file(torch.cuda.get_device_name(dev)), gemm_residual_norm.chooser.entry)
+    (key, record), = records.items()
+    assert record["strategy"] == chosen and record["fused_ms"] > 0 and record["split_ms"] > 0
+    assert chosen == S.pick({"fused": record["fused_ms"], "split": record["split_ms"]})
+    monkeypatch.setattr(S, "measure", lambda candidates: pytest.fail("a stored choice must not be measured again"))
+    fresh = S.Chooser(gemm_residual_norm.fused, gemm_residual_norm.split, dict)
+    arguments = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "promote": False, "h_fp8": None}
+    assert S.call_key(arguments) == key and fresh.choose(arguments) == chosen
+    x2, _, _ = gemm_residual_norm(a, w, res, gamma, 1e-5)  # the stored choice, and the same result as the first call
+    assert torch.equal(x2, x)
+    other = {**arguments, "a": a[:1000]}  # an unknown key while a CUDA graph is captured: fused, nothing measured
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        assert fresh.choose(other) == "fused"
