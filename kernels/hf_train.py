@@ -120,6 +120,18 @@ class HFCoda(HFTrainStep):
 
         return apply_coda(model)
 
+    def run(self, native: Tensors) -> Tensors:
+        from kernels.coda.plugin import RECORDER
+
+        RECORDER.start()  # the step's forward and backward: which kernels ran fused or split
+        return super().run(native)
+
+    def describe(self, native: Tensors) -> str:
+        from kernels.coda.plugin import RECORDER
+        from kernels.coda.strategy import summary
+
+        return summary(RECORDER.launches())
+
 
 @contextmanager
 def _setattrs(module: Any, values: dict[str, Any]) -> Iterator[None]:

@@ -278,6 +278,8 @@ def test_summary_names_each_function_once_in_order():
     launches = [("gemm_residual_norm", "fused"), ("gemm_swiglu", "split"), ("gemm_residual_norm", "split"),
                 ("dgrad_rmsnorm", "fused"), ("dgrad_rmsnorm", "fused")]
     assert S.summary(launches) == "residual_norm:fused,split swiglu:split dgrad_rmsnorm:fused"
+    many = [("dgrad_rmsnorm", "fused")] * 3 + [("dgrad_rmsnorm", "split")] * 8 + [("dgrad_rmsnorm", "fused")]
+    assert S.summary(many) == "dgrad_rmsnorm:fusedx3,splitx8,fused"
 
 
 # ---- the harness's strategy column ---------------------------------------------------------------------------

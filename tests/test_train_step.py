@@ -169,19 +169,25 @@ def test_hf_liger_runs_liger_and_leaves_transformers_unpatched(monkeypatch):
 
 def test_cells_in_the_harness(tmp_path):
     """The worker's whole path (correctness, timing, the same-buffers / refilled / new-buffers checks) for hf-eager;
-    hf-liger is a skipped row on the CPU, --layers reaches the model, and the training-step table reads the rows."""
+    hf-liger is a skipped row on the CPU, --layers reaches the model, hf-coda says which path each CODA kernel of
+    its step took, and the training-step table reads the rows."""
     with isolated_registry():
-        make_runner(tmp_path, ops=("train_step",), modes=("fwd_bwd",), impls=("torch-eager", "hf-eager", "hf-liger"),
-                    layers=1).run()
+        make_runner(tmp_path, ops=("train_step",), modes=("fwd_bwd",),
+                    impls=("torch-eager", "hf-eager", "hf-liger", "hf-coda"), layers=1).run()
     df, errors, _ = load_run(tmp_path)
     rows = {r["impl"]: r for _, r in df.iterrows()}
     assert rows["hf-eager"]["status"] == "ok" and rows["hf-eager"]["correct"] is True, rows["hf-eager"]["message"]
+    assert rows["hf-coda"]["correct"] is True, rows["hf-coda"]["message"]
+    assert rows["hf-coda"]["strategy"].split() == ["rope:fused", "residual_norm:fused",
+                                                   "swiglu:fused", "cross_entropy:fused", "dgrad_rmsnorm:fused",
+                                                   "dgrad_swiglu:fused"]  # forward and backward, fused on the CPU
+    assert pd.isna(rows["hf-eager"]["strategy"])
     assert rows["hf-liger"]["status"] == "skipped" and "CUDA" in rows["hf-liger"]["message"]
     errs = errors[errors["impl"] == "hf-eager"].set_index("output")["rel_err"]
     assert "grad_model.layers.0.self_attn.q_proj.weight" in errs and not any("layers.1." in g for g in errs.index)
 
     table = train_step_table(df, errors).set_index("impl")  # the training-step section's figures
-    assert set(table.index) == {"torch-eager", "hf-eager"}  # the ok cells
+    assert set(table.index) == {"torch-eager", "hf-eager", "hf-coda"}  # the ok cells
     eager = table.loc["hf-eager"]
     assert eager["tokens_per_s"] == pytest.approx(48 / rows["hf-eager"]["median_ms"] * 1e3)
     assert eager["vs_hf-eager"] == 1 and table.loc["torch-eager", "vs_hf-eager"] == pytest.approx(
@@ -189,7 +195,7 @@ def test_cells_in_the_harness(tmp_path):
     assert eager["loss_rel_err"] == errs["loss"] and eager["grad_rel_err"] == errs.drop("loss").max()
     html = (finalize(tmp_path)).read_text()  # the report's own section, one row per ok cell (CPU: no speed figures)
     section = html[html.index("<h2>Training step</h2>"):html.index("<h2>Per-op results</h2>")]
-    assert "train_step &middot; tiny &middot; 1 layers" in section and section.count("<tr class=") == 2
+    assert "train_step &middot; tiny &middot; 1 layers" in section and section.count("<tr class=") == 3
     assert "tokens/s" not in section.split("</p>", 1)[1]
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import os
 import statistics
@@ -167,11 +168,19 @@ def _record(name: str, strategy: str) -> None:
 
 def summary(launches: list[tuple[str, str]]) -> str:
     """``residual_norm:fused swiglu:split ...``: each host function (without its ``gemm_`` prefix) in the order of its
-    first call, with its strategy, or the strategies of its calls in order where they differ (``fused,split``)."""
+    first call, with its strategy, or the strategies of its calls in order where they differ (``fused,split``; a run
+    of n > 1 equal ones as ``fusedxn``, so a model's many calls stay short)."""
     calls: dict[str, list[str]] = {}
     for name, strategy in launches:
         calls.setdefault(name.removeprefix("gemm_"), []).append(strategy)
-    return " ".join(f"{n}:{s[0] if len(set(s)) == 1 else ','.join(s)}" for n, s in calls.items())
+
+    def runs(s: list[str]) -> str:
+        if len(set(s)) == 1:
+            return s[0]
+        groups = [(k, len(list(g))) for k, g in itertools.groupby(s)]
+        return ",".join(k if n == 1 else f"{k}x{n}" for k, n in groups)
+
+    return " ".join(f"{n}:{runs(s)}" for n, s in calls.items())
 
 
 # ---- dispatch ---------------------------------------------------------------------------------------
