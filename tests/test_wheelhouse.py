@@ -125,7 +125,12 @@ def test_download_and_install_commands():
     for flag in ("--no-deps", "--only-binary=:all:"):
         assert flag in cmd
     assert cmd[cmd.index("--python-version") + 1] == "3.12"
-    assert cmd[cmd.index("--platform") + 1] == "manylinux_2_28_x86_64"
+    platforms = [cmd[i + 1] for i, c in enumerate(cmd) if c == "--platform"]
+    assert platforms[0] == "manylinux_2_28_x86_64"
+    # an older pip takes each tag literally: the abi3 wheels tagged manylinux_2_17 / 2014 must be asked for too
+    assert {"manylinux_2_17_x86_64", "manylinux2014_x86_64"} <= set(platforms)
+    assert "manylinux_2_29_x86_64" not in platforms
+    assert W.compatible_platforms("win_amd64") == ["win_amd64"]
     assert {"liger-kernel==0.8.5", "flashinfer-python==0.7.2.post1", "transformers==5.24.0"} <= set(cmd)
     assert any(c.startswith("apache-tvm-ffi") for c in cmd) and set(W.HF_SPECS) <= set(cmd)
 

@@ -154,9 +154,25 @@ def join_parts(folder: Path) -> list[Path]:
     return joined
 
 
+def compatible_platforms(platform: str) -> list[str]:
+    """``platform`` and the older manylinux tags a node of that glibc also installs, newest first.
+
+    pip before 24 takes ``--platform manylinux_2_28_x86_64`` literally and misses wheels tagged only
+    ``manylinux_2_17`` (tokenizers' abi3 wheel); every tag a node accepts is passed instead.
+    """
+    m = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", platform)
+    if not m:
+        return [platform]
+    minor, arch = int(m.group(1)), m.group(2)
+    legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+    tags = [f"manylinux_2_{v}_{arch}" for v in range(minor, 4, -1)]
+    return tags + [f"{legacy[v]}_{arch}" for v in sorted(legacy, reverse=True) if v <= minor]
+
+
 def pip_download_command(specs: list[str], dest: Path, python_version: str, platform: str) -> list[str]:
+    platforms = [arg for tag in compatible_platforms(platform) for arg in ("--platform", tag)]
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--python-version", python_version, "--platform", platform, "-d", str(dest), *specs]
+            "--python-version", python_version, *platforms, "-d", str(dest), *specs]
 
 
 def default_specs(liger_version: str = LIGER_VERSION, flashinfer_version: str = FLASHINFER_VERSION) -> list[str]:
