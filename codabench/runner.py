@@ -87,7 +87,7 @@ class Runner:
                 if not isinstance(providers, Failure):
                     writer.update_env(providers=providers)
         finally:
-            trace = worker.call("clock_trace") if self.cfg.device.type == "cuda" else []
+            trace = worker.call("clock_trace") if self.cfg.device.type == "cuda" and worker.alive else []
             worker.close()
             writer.update_env(**progress.finish(),  # wall_s and its split
                               clock_trace=[] if isinstance(trace, Failure) else

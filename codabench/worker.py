@@ -160,20 +160,29 @@ class WorkerProcess:
         self._ready = not isinstance(answer, Failure)
         return Failure(f"starting the worker: {answer.message}") if isinstance(answer, Failure) else None
 
+    @property
+    def alive(self) -> bool:
+        """A worker that is ready for a request and in step with this handle (asking any other starts a new one)."""
+        return self._ready and self._proc is not None and self._proc.poll() is None
+
     def _receive(self, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
-        while True:
-            if self._conn.poll(POLL_S):
-                try:
-                    return self._conn.recv()[1]
-                except (EOFError, OSError):
+        try:
+            while True:
+                if self._conn.poll(POLL_S):
+                    try:
+                        return self._conn.recv()[1]
+                    except (EOFError, OSError):
+                        return self._dead()
+                if self._proc.poll() is not None:
                     return self._dead()
-            if self._proc.poll() is not None:
-                return self._dead()
-            if time.monotonic() > deadline:
-                self._kill()
-                return Failure(f"timed out after {timeout_s:g} s (the worker was stopped; the run goes on in a "
-                               "new one)")
+                if time.monotonic() > deadline:
+                    self._kill()
+                    return Failure(f"timed out after {timeout_s:g} s (the worker was stopped; the run goes on in a "
+                                   "new one)")
+        except BaseException:  # Ctrl-C while waiting: the answer would reach the next request, so none may follow
+            self._kill()
+            raise
 
     def _dead(self) -> Failure:
         try:
@@ -201,6 +210,8 @@ class InlineWorker:
     def __init__(self, cfg: RunConfig, registry: Registry):
         guard.snapshot()
         self.measurer = Measurer(cfg, registry)
+
+    alive = True
 
     def call(self, method: str, *args: Any) -> Any:
         return dispatch(self.measurer, method, args)

@@ -1,4 +1,5 @@
 """Cells in a worker process: hangs, exits and crashes cost one row; cheats are caught before a time counts."""
+import dataclasses
 import os
 import signal
 import subprocess
@@ -17,7 +18,9 @@ from codabench.matrix import Cell
 from codabench.measure import RoundResult
 from codabench.discovery import load_plugin_file
 from codabench.results import load_run
+from codabench import plan as planning
 from codabench.runner import Runner, _Pending
+from codabench.worker import WorkerProcess
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +128,45 @@ def test_a_time_below_the_physical_floor_is_an_error(registry, tmp_path):
         runner._finish(p, ({}, ""))
         assert p.row["status"] == status, (median, p.row["message"])
     assert "faster than the hardware allows" not in p.row["message"]
+
+
+def test_an_interrupted_request_retires_the_worker_and_the_run_asks_it_nothing_more(registry, tmp_path, monkeypatch):
+    """Ctrl-C while the worker computes: its late answer would be read as the answer to the next request (on a GPU
+    the run's last request, the clock trace, got a cell's result and the report was lost), so the worker is
+    stopped, and the run's closing requests are not sent to a new one."""
+    runner = make_runner(tmp_path, ops=["gemm_out"], modes=["fwd"])
+    worker = WorkerProcess(runner.cfg)
+    assert worker.call("env", []) and worker.alive
+    proc = worker._proc
+
+    def interrupted(timeout):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(worker._conn, "poll", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        worker.call("env", [])
+    assert not worker.alive and proc.poll() is not None
+
+    asked = []
+
+    class Interrupted:
+        alive = True
+
+        def call(self, method, *args):
+            asked.append(method)
+            if method == "first":
+                self.alive = False
+                raise KeyboardInterrupt
+            return {"device": "cuda"} if method == "env" else []
+
+        def close(self):
+            pass
+    runner = make_runner(tmp_path / "gpu", ops=["gemm_out"], modes=["fwd"])
+    runner.cfg = dataclasses.replace(runner.cfg, device=torch.device("cuda"))
+    runner.worker = Interrupted()
+    runner.plan = lambda: [(c, planning.RUN) for c in runner.cells]  # no GPU here: the cells would be skipped
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    assert asked == ["env", "first"]  # no clock trace asked of a worker that is gone
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="signals")
