@@ -33,7 +33,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from codabench.bootstrap import select_device
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, also without pip install -e .
+
+from codabench.bootstrap import select_device  # noqa: E402
 
 select_device()  # before anything imports triton: TRITON_INTERPRET=1 when there is no GPU
 

@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
-import torch
-import triton
-import triton.language as tl
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, also without pip install -e .
 
-from codabench.metrics import rel_err
-from kernels.coda.gemm import gemm_kernel, linear, matmul
-from kernels.coda.mainloop import gemm_configs, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
-from workloads import fp8
-from workloads.models import get_model
-from workloads.op import Gemm
-from workloads.ops import OPS
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from codabench.metrics import rel_err  # noqa: E402
+from kernels.coda.gemm import gemm_kernel, linear, matmul  # noqa: E402
+from kernels.coda.mainloop import gemm_configs, mainloop, num_tiles, operand_descs, tile_coords, tile_desc  # noqa: E402
+from workloads import fp8  # noqa: E402
+from workloads.models import get_model  # noqa: E402
+from workloads.op import Gemm  # noqa: E402
+from workloads.ops import OPS  # noqa: E402
 
 
 @triton.jit
