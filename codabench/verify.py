@@ -54,11 +54,11 @@ class Expected:
 
 
 def verification_inputs(op: Op, case: Case, seed: int) -> Case:
-    """``case`` with new inputs: another seed, every floating input x2 (exact in every float format, fp8's grid
-    included), then the op's derived inputs (saved statistics) recomputed."""
+    """``case`` with new inputs: another seed, rescaled by the op (:meth:`workloads.op.Op.rescaled`: every floating
+    input x2, exact in every float format, fp8's grid included), then the op's derived inputs (saved statistics)
+    recomputed."""
     inp = op.inputs(case.model, case.dtype, case.device, seed)
-    inp = {k: v * 2 if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inp.items()}
-    return replace(case, inputs=op.derived_inputs(inp, case.model))
+    return replace(case, inputs=op.derived_inputs(op.rescaled(inp), case.model))
 
 
 def refill(dst: object, src: object, where: str = "native") -> None:

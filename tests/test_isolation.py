@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from codabench import guard
+from codabench.case import Case
 from codabench.ceilings import floor_ms
 from codabench.matrix import Cell
 from codabench.measure import RoundResult
@@ -193,3 +194,35 @@ def test_ctrl_c_writes_the_report(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and (out / "report.html").exists()
     assert rows(out)["torch-eager"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("op_name", ["gemm_ce_grad", "gemm_swiglu_save", "gemm_rope", "gemm_out"])
+def test_the_checks_new_inputs_keep_pytorchs_own_error_within_what_they_allow(op_name):
+    """The anti-cheat checks compare the refilled and new-buffer calls with PyTorch on new inputs and allow
+    VERIFY_FACTOR x the errors that the correctness pass measured on the original inputs, plus a floor. So the new
+    inputs must not make the problem worse conditioned than that: PyTorch's own error on them stays within what the
+    checks allow. Doubling a consumer op's saved rstd along with its h made the LM head's logits x8 and PyTorch's
+    fp16 dlogits error x20 (an honest coda-triton gemm_ce_grad cell failed on an H100); rstd now halves, as it does
+    for x -> 2x."""
+    from codabench.metrics import rel_err
+    from codabench.verify import REFILL_SEED, allowed_error, verification_inputs
+    from workloads.models import get_model
+    from workloads.ops import OPS
+
+    op = OPS[op_name]
+    model = get_model("tiny").with_(tokens=512, hidden=128, ffn=256, vocab=2048)
+    case = Case(op, model, "fwd", "fp16", torch.device("cpu"), op.inputs(model, "fp16", "cpu", 0))
+    new = verification_inputs(op, case, REFILL_SEED).inputs
+    if "rstd" in new:  # rstd * h keeps its scale: x -> 2x
+        again = op.inputs(model, "fp16", "cpu", REFILL_SEED)
+        assert torch.equal(new["rstd"] * 2, again["rstd"]) and torch.equal(new["h"], again["h"] * 2)
+
+    def torch_err(inputs):
+        ours = op.reference(inputs, model)
+        exact = op.reference({k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}, model)
+        return {k: rel_err(ours[k], exact[k]) for k in ours}
+
+    before, after = torch_err(case.inputs), torch_err(new)
+    allowed = allowed_error(before, before, torch.float16)
+    for name in before:
+        assert after[name] <= allowed[name], (name, before[name], after[name], allowed[name])

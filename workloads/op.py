@@ -93,6 +93,14 @@ class Op:
         rec = fp8.recipe(dtype)
         return self.derived_inputs(fp8.round_inputs(inp, self.fp8_operands, rec), model) if rec is not None else inp
 
+    def rescaled(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inputs at another exact scale, for the new inputs of the anti-cheat checks (:mod:`codabench.verify`):
+        each floating input x2 (exact in every float format, fp8's grid included), so that every input changes even
+        where a new seed leaves it as it was. An op whose inputs hold a statistic of another input (a saved rstd)
+        keeps the two consistent: the checks compare against PyTorch with the error allowed at the original scale,
+        and an inconsistent scale can change how well the problem is conditioned (logits x8 sharpen a softmax)."""
+        return {k: v * 2 if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+
     def derived_inputs(self, inputs: dict[str, torch.Tensor], model: ModelShape) -> dict[str, torch.Tensor]:
         """Inputs computed from other inputs (saved statistics), recomputed after fp8 rounding; default: none."""
         return inputs

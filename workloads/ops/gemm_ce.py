@@ -7,11 +7,11 @@ import torch
 from workloads import reference as R
 from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
-from workloads.op import Gemm, InputMaker, Op
-from workloads.ops._consumer import consumer_inputs, scaled_gemm
+from workloads.op import Gemm, InputMaker
+from workloads.ops._consumer import ConsumerOp, consumer_inputs, scaled_gemm
 
 
-class GemmCrossEntropy(Op):
+class GemmCrossEntropy(ConsumerOp):
     """The LM-head consumer kernel alone (``gemm_cross_entropy``): row-scaled GEMM + log-sum-exp and target-logit
     epilogue, then the cross-entropy finish::
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 from workloads import reference as R
 from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
-from workloads.op import Gemm, InputMaker, Op
-from workloads.ops._consumer import consumer_inputs, scaled_gemm
+from workloads.op import Gemm, InputMaker
+from workloads.ops._consumer import ConsumerOp, consumer_inputs, scaled_gemm
 
 
-class GemmRoPE(Op):
+class GemmRoPE(ConsumerOp):
     """The QKV consumer kernel alone (``gemm_rope``): row-scaled GEMM + RoPE epilogue::
 
         qkv = rope(rstd[:, None] * (h Wqkv^T))      (RoPE on the q and k heads, half-split pairs; v unrotated)

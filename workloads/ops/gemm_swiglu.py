@@ -5,11 +5,11 @@ from typing import ClassVar
 from workloads import reference as R
 from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
-from workloads.op import Gemm, InputMaker, Op
-from workloads.ops._consumer import consumer_inputs, scaled_gemm
+from workloads.op import Gemm, InputMaker
+from workloads.ops._consumer import ConsumerOp, consumer_inputs, scaled_gemm
 
 
-class GemmSwiGLU(Op):
+class GemmSwiGLU(ConsumerOp):
     """The gate/up consumer kernel alone (``gemm_swiglu``): row-scaled GEMM + SwiGLU epilogue::
 
         gate = rstd[:, None] * (h Wg^T);   up = rstd[:, None] * (h Wu^T);   y = silu(gate) up

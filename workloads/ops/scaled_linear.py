@@ -2,11 +2,11 @@ from __future__ import annotations
 
 from workloads.fp8 import TORCH_GEMMS
 from workloads.models import ModelShape
-from workloads.op import Gemm, InputMaker, Op
-from workloads.ops._consumer import consumer_inputs, scaled_gemm
+from workloads.op import Gemm, InputMaker
+from workloads.ops._consumer import ConsumerOp, consumer_inputs, scaled_gemm
 
 
-class ScaledLinear(Op):
+class ScaledLinear(ConsumerOp):
     """The row-scaled consumer GEMM alone (``scaled_linear``), at the gate/up shape (N = 2f)::
 
         z = rstd[:, None] * (h Wc^T)        (h = x * gamma, rstd of x: = rmsnorm(x; gamma) Wc^T)
