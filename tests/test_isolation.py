@@ -74,14 +74,17 @@ def test_cheats_are_caught_and_honest_cells_keep_their_times(registry, tmp_path)
              "cheat-first-result", "cheat-shape-cache", "test-good"]
     make_runner(tmp_path, modes=("fwd",), impls=impls).run()
     got = rows(tmp_path)
-    expect = {"cheat-first-result": "a timed call's output is wrong",
-              "cheat-shape-cache": "a timed call's output is wrong",
-              "cheat-address-cache": "outputs do not follow the inputs",
-              "cheat-call-count": "outputs do not follow the inputs",
-              "cheat-clock": "tampered with time.perf_counter",
-              "cheat-baseline": "tampered with torch.nn.functional.rms_norm"}
-    for impl, text in expect.items():
-        assert got[impl]["status"] == "error" and text in got[impl]["message"], (impl, got[impl]["message"])
+    # the address cache is caught by the refill, or already by the timed buffers when the allocator gave them the
+    # address of the correctness pass's freed inputs (the cache then answers with that pass's result)
+    expect = {"cheat-first-result": ("a timed call's output is wrong",),
+              "cheat-shape-cache": ("a timed call's output is wrong",),
+              "cheat-address-cache": ("outputs do not follow the inputs", "a timed call's output is wrong"),
+              "cheat-call-count": ("outputs do not follow the inputs",),
+              "cheat-clock": ("tampered with time.perf_counter",),
+              "cheat-baseline": ("tampered with torch.nn.functional.rms_norm",)}
+    for impl, texts in expect.items():
+        assert got[impl]["status"] == "error" and any(t in got[impl]["message"] for t in texts), (
+            impl, got[impl]["message"])
         assert pd.isna(got[impl]["median_ms"]), impl  # a cheating cell has no time
     for impl in ("torch-eager", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, impl
