@@ -23,8 +23,8 @@ are, and so does any other flag of run_bench.py (``--reps``, ``--rounds``, ``--c
 ``--plugin``, ``--impls``, ``--dtypes`` ...). Without a GPU the suite runs on the CPU with the Triton interpreter
 when given models and dtypes (``--models tiny --dtypes fp32``). ``--model-check`` (GPU, about a minute more: new
 shapes to autotune) then checks the CODA Llama (kernels/coda/model.py) against the standard unfused Llama in bf16,
-loss and every parameter gradient under the same rule (also ``TRITON_INTERPRET=0 pytest tests/test_coda_model.py -k
-gpu``). The exit code is the run's (:data:`codabench.cli.EXIT_OK` ...), or 1 when only the model check failed.
+loss and every parameter gradient under the same rule (also ``CODABENCH_TEST_GPU=1 pytest tests/test_coda_model.py
+-k gpu``). The exit code is the run's (:data:`codabench.cli.EXIT_OK` ...), or 1 when only the model check failed.
 """
 from __future__ import annotations
 

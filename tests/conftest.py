@@ -1,12 +1,28 @@
-"""Pick the device before anything imports triton: the GPU when there is one, else the Triton interpreter.
+"""Pick the device before anything imports triton.
+
+The tests run on the CPU, the Triton kernels in the interpreter, also on a machine with a GPU: most of them hand
+the kernels CPU tensors. ``CODABENCH_TEST_GPU=1`` leaves the GPU visible, for the tests that need one (those named
+``gpu``, e.g. ``CODABENCH_TEST_GPU=1 python -m pytest -q -k gpu tests/test_gpu.py``); without it they are skipped.
 
 The ``strategy`` fixture runs a test under each path of the CODA kernels (:mod:`kernels.coda.strategy`).
 """
-from codabench.bootstrap import select_device
+import os
 
-select_device()
+GPU_ENV = "CODABENCH_TEST_GPU"
+if os.environ.get(GPU_ENV) != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch looks for a GPU; subprocesses of the tests inherit it
+
+from codabench.bootstrap import select_device  # noqa: E402
+
+DEVICE = select_device()
 
 import pytest  # noqa: E402
+
+
+def pytest_report_header(config) -> str:
+    if os.environ.get(GPU_ENV) == "1":
+        return f"codabench: tests on {DEVICE} ({GPU_ENV}=1)"
+    return f"codabench: tests on the CPU with the Triton interpreter; {GPU_ENV}=1 runs the GPU tests on a GPU"
 
 
 @pytest.fixture(params=["fused", "split"])
