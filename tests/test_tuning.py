@@ -250,3 +250,31 @@ def test_the_shipped_tables_name_coda_kernels_and_configs_of_their_lists():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_shipped_table_entry_fits_its_kernels_current_key():
+    """A table entry is found by its kernel's name and tuning key: the values of the autotuner's ``key``, then one
+    dtype per pointer argument. An entry of another length can never match (the matmul's key gained its ACC flag
+    and 26 entries of the H100 table went dead unnoticed), so every entry must have its kernel's current length."""
+    import importlib
+    import pkgutil
+
+    import kernels.coda
+    from triton.runtime.autotuner import Autotuner
+
+    tuners = {}
+    for info in pkgutil.iter_modules(kernels.coda.__path__):
+        for value in vars(importlib.import_module(f"kernels.coda.{info.name}")).values():
+            if isinstance(value, Autotuner):
+                tuners[value.base_fn.__name__] = value
+    tables = sorted(tuning.TABLES.glob("*.json"))
+    assert tables
+    for table in tables:
+        for name, entries in json.loads(table.read_text())["kernels"].items():
+            if name.startswith("strategy:"):
+                continue
+            assert name in tuners, (table.name, name)
+            tuner = tuners[name]
+            length = len(tuner.keys) + sum(arg.endswith("_ptr") for arg in tuner.arg_names)
+            stale = [key for key in entries if len(json.loads(key)) != length]
+            assert not stale, (table.name, name, length, stale[:2])
