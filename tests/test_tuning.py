@@ -227,8 +227,11 @@ def test_export_command_refuses_a_missing_file_in_one_line(tmp_path, capsys):
 
 
 def test_the_shipped_tables_name_coda_kernels_and_configs_of_their_lists():
-    """Every shipped table's kernels are autotuned CODA kernels and every stored config is one of the kernel's
-    configs (compiled mode: the interpreter has one config per kernel, so this runs in a subprocess without it)."""
+    """Every shipped table's kernels are autotuned CODA kernels, every stored config is one of the kernel's configs,
+    and every key has the length of the kernel's current tuning key (:func:`tuning.tuning_key`: its ``key`` values,
+    then a dtype per pointer argument), since an entry of another length can never match: the matmul's key gained
+    its ACC flag and 26 entries of the H100 table went dead unnoticed (compiled mode: the interpreter has one config
+    per kernel, so this runs in a subprocess without it)."""
     import os
     import subprocess
     import sys
@@ -246,35 +249,11 @@ def test_the_shipped_tables_name_coda_kernels_and_configs_of_their_lists():
         "        if name not in tuners: bad.append(f'{path.name}: {name} is not a CODA kernel'); continue\n"
         "        known = [tuning._config_json(c) for c in tuners[name].configs]\n"
         "        bad += [f'{path.name}: {name} {k}: config not in its list' for k, c in entries.items() if c not in known]\n"
+        "        length = len(tuners[name].keys) + sum(a.endswith('_ptr') for a in tuners[name].arg_names)\n"
+        "        bad += [f'{path.name}: {name} {k}: not a key of length {length}' for k in entries"
+        " if len(json.loads(k)) != length]\n"
         "print(len(list(tuning.TABLES.glob('*.json'))), 'tables'); print('\\n'.join(bad)); sys.exit(bool(bad))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
 
-
-def test_every_shipped_table_entry_fits_its_kernels_current_key():
-    """A table entry is found by its kernel's name and tuning key: the values of the autotuner's ``key``, then one
-    dtype per pointer argument. An entry of another length can never match (the matmul's key gained its ACC flag
-    and 26 entries of the H100 table went dead unnoticed), so every entry must have its kernel's current length."""
-    import importlib
-    import pkgutil
-
-    import kernels.coda
-    from triton.runtime.autotuner import Autotuner
-
-    tuners = {}
-    for info in pkgutil.iter_modules(kernels.coda.__path__):
-        for value in vars(importlib.import_module(f"kernels.coda.{info.name}")).values():
-            if isinstance(value, Autotuner):
-                tuners[value.base_fn.__name__] = value
-    tables = sorted(tuning.TABLES.glob("*.json"))
-    assert tables
-    for table in tables:
-        for name, entries in json.loads(table.read_text())["kernels"].items():
-            if name.startswith("strategy:"):
-                continue
-            assert name in tuners, (table.name, name)
-            tuner = tuners[name]
-            length = len(tuner.keys) + sum(arg.endswith("_ptr") for arg in tuner.arg_names)
-            stale = [key for key in entries if len(json.loads(key)) != length]
-            assert not stale, (table.name, name, length, stale[:2])
