@@ -8,7 +8,8 @@ labels=labels).loss`` in ``run``; the harness times that call and the backward f
               compiled by the first call at each shape (the correctness pass, then ``first_call_s``)
   hf-liger    Liger's ``apply_liger_kernel_to_llama(model=model)``: RMSNorm, SwiGLU MLP, RoPE and fused linear
               cross-entropy as Liger's Triton kernels, pinned to Triton as in :mod:`kernels.liger`
-  hf-coda     ``kernels.coda.hf.apply_coda(model)``: the model's norms, projections and loss on the CODA kernels
+  hf-coda     ``kernels.coda.hf.apply_coda(model)``: the model's norms, projections and loss on the CODA kernels;
+              a cell's first step starts with ``precompile_step``'s dry pass (kernels compiled in parallel)
 
 Weights: the harness hands ``run`` the weights as fresh leaf tensors on every call and reads the gradients from
 those leaves. So the model holds no weights of its own: it is built on the meta device (its RoPE table, a buffer,
@@ -72,6 +73,12 @@ def build_llama(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> 
     return model.train()
 
 
+def _weights_and_batch(native: Tensors) -> tuple[Tensors, Tensors]:
+    """A cell's native tensors split into the model's weights (by state-dict name) and the batch."""
+    weights = {k: v for k, v in native.items() if isinstance(v, torch.Tensor) and k not in BATCH}
+    return weights, {k: native[k] for k in BATCH}
+
+
 class HFTrainStep(Implementation):
     """``LlamaForCausalLM(input_ids, labels=labels).loss`` with the canonical weights as its parameters."""
 
@@ -98,8 +105,8 @@ class HFTrainStep(Implementation):
         return functional_call(model, weights, (), batch).loss
 
     def run(self, native: Tensors) -> Tensors:
-        weights = {k: v for k, v in native.items() if isinstance(v, torch.Tensor) and k not in BATCH}
-        return {"loss": self.forward(native["hf_model"], weights, {k: native[k] for k in BATCH})}
+        weights, batch = _weights_and_batch(native)
+        return {"loss": self.forward(native["hf_model"], weights, batch)}
 
     def metadata(self) -> dict[str, Any]:
         return {"transformers": importlib.metadata.version("transformers"), "torch": torch.__version__}
@@ -114,15 +121,26 @@ class HFCompile(HFTrainStep):
 
 class HFCoda(HFTrainStep):
     requires = ("pkg:transformers", "triton")
+    _precompile = False
 
     def patch(self, model: nn.Module) -> nn.Module:
         from kernels.coda.hf import apply_coda
 
         return apply_coda(model)
 
+    def prepare(self, case: Case) -> Tensors:
+        self._precompile = True
+        return super().prepare(case)
+
     def run(self, native: Tensors) -> Tensors:
         from kernels.coda.plugin import RECORDER
+        from kernels.coda.precompile import precompile_autograd
 
+        if self._precompile:  # the cell's first step: its kernels compiled in parallel first, as users are told to
+            self._precompile = False
+            weights, batch = _weights_and_batch(native)
+            precompile_autograd(lambda: self.forward(native["hf_model"], weights, batch), weights.values(),
+                                batch["input_ids"].device)
         RECORDER.start()  # the step's forward and backward: which kernels ran fused or split
         return super().run(native)
 

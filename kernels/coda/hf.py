@@ -33,6 +33,7 @@ from torch import nn
 
 from kernels import layouts as L
 from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer
+from kernels.coda.precompile import Precompiled, precompile_autograd
 from kernels.coda.rope import rope_freq_table
 from workloads.reference import IGNORE_INDEX, shifted_targets
 
@@ -123,6 +124,22 @@ def _alias(arch: str) -> Callable[[nn.Module], nn.Module]:
 
     apply.__doc__ = f":func:`apply_coda` for a ``{arch}`` (any other model is refused)."
     return apply
+
+
+def precompile_step(model: nn.Module, **batch: Any) -> Precompiled:
+    """Compile the CODA kernels of one training step of ``model`` (patched by :func:`apply_coda`) at ``batch``'s
+    shape, in parallel, before the first real step: ``model(**batch).loss`` and its backward run once as a dry
+    pass (:func:`kernels.coda.precompile.precompile`), which launches no kernel of ours, leaves the parameters
+    and their ``.grad`` alone and drops its garbage results. Call it once per batch shape::
+
+        model = apply_coda(model)
+        precompile_step(model, input_ids=input_ids, labels=labels)   # seconds instead of a serial compile
+        for batch in loader: model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
+    """
+    if getattr(model, "_coda_plan", None) is None:
+        raise CodaUnsupportedError("precompile_step needs a model patched by apply_coda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    return precompile_autograd(lambda: model(**batch).loss, params, params[0].device)
 
 
 apply_coda_to_llama = _alias("LlamaForCausalLM")

@@ -58,6 +58,7 @@ from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, Swi
                                     producer_consumer)
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.gemm import linear, matmul
+from kernels.coda.precompile import precompile_autograd
 from kernels.coda.producer import gemm_residual_norm, norm_input
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.rope import gemm_rope
@@ -68,6 +69,7 @@ from kernels.coda.swiglu import gemm_swiglu
 from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
 from workloads import fp8
 from workloads.models import ModelShape
+from workloads.ops import OPS
 from workloads.ops.gemm import GEMM_SHAPES
 
 
@@ -219,6 +221,7 @@ class CodaTriton(Implementation):
     def __init__(self, op: str, forward: Callable[[Tensors], Tensors], modes: tuple[str, ...], description: str):
         self.op, self._forward, self.modes, self.description = op, forward, modes, description
         self.source = __name__
+        self._precompile: torch.device | None = None
 
     def prepare(self, case: Case) -> Tensors:
         """Canonical -> native, untimed: interleaved gate/up rows, q/k rows in adjacent-pair order; fp8 cells:
@@ -236,9 +239,15 @@ class CodaTriton(Implementation):
                 native[k] = layouts.qkv_cols_to_adjacent(case.inputs[k], *_qkv_args(case.model))
         native = case.quantize(native, {"w_gate": "w_gu", "w_up": "w_gu"})
         native["model"], native["recipe"] = case.model, case.recipe
+        self._precompile = case.device  # the device of the cell's first call
         return native
 
     def run(self, native: Tensors) -> Tensors:
+        if self._precompile is not None:  # the cell's first call: its kernels (and the backward's) compiled first
+            device, self._precompile = self._precompile, None
+            compared = OPS[self.op].outputs  # the outputs the harness's backward starts from
+            precompile_autograd(lambda: {k: v for k, v in self._forward(native).items() if k in compared},
+                                native.values(), device)
         RECORDER.start()
         return self._forward(native)
 

@@ -1,0 +1,209 @@
+"""The dry pass that compiles a step's kernels in parallel (kernels/coda/precompile.py): on the CPU its mechanism
+(launches turned into compile-only warm-ups on every thread, measurements left to the real step, nothing done
+where nothing compiles); on the GPU a real step after it compiles nothing."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from triton.runtime import _async_compile
+from triton.runtime.jit import JITFunction
+
+from kernels.coda import precompile as P
+from kernels.coda import strategy as S
+from kernels.coda import tuning
+from test_strategy import _fused, _split, gpu  # noqa: F401  (the stand-in GPU fixture)
+from test_tuning import CONFIGS, scripted_bench, tuner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_nothing_is_compiled_or_run_on_the_cpu_the_interpreter_or_when_turned_off(monkeypatch):
+    calls = []
+    monkeypatch.delenv(P.ENV, raising=False)
+    done = P.precompile(lambda: calls.append(1), torch.device("cpu"))
+    assert done.kernels == 0 and "cpu" in done.reason and not calls
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in P.precompile(lambda: calls.append(1), torch.device("cuda")).reason and not calls
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv(P.ENV, "0")
+    assert P.ENV in P.precompile(lambda: calls.append(1), torch.device("cuda")).reason and not calls
+
+
+def test_launches_become_compile_only_warmups_on_every_thread_and_are_put_back(monkeypatch):
+    seen = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        seen.append((threading.current_thread().name, warmup, _async_compile.active_mode.get(), P._DRY))
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    mode = object()
+    with pytest.raises(KeyError):
+        with P._launches_compile_only(mode):
+            JITFunction.run(None, grid=(1,), warmup=False)
+            worker = threading.Thread(target=lambda: JITFunction.run(None, grid=(1,), warmup=False), name="engine")
+            worker.start()
+            worker.join()
+            raise KeyError("the step failed")
+    assert seen == [("MainThread", True, mode, True), ("engine", True, mode, True)]
+    assert JITFunction.run is run and not P._DRY and _async_compile.active_mode.get() is None
+    JITFunction.run(None, grid=(1,), warmup=False)
+    assert seen[-1] == ("MainThread", False, None, False)
+
+
+def test_a_dry_pass_ends_at_an_untuned_key_and_launches_a_tuned_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("CODABENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CODABENCH_AUTOTUNE_CACHE", raising=False)
+    launches = []
+    t = tuner()
+    t.run = lambda *args, **kwargs: launches.append(args[2])
+    t._bench = scripted_bench({})  # a dry pass must not time anything
+    tuning.attach(t, lambda: "Test GPU")
+    t.cache[(2048,)] = CONFIGS[0]
+    monkeypatch.setattr(P, "_DRY", True)
+    t.run(None, None, 2048, grid=None, warmup=False)
+    with pytest.raises(P.Untuned, match=r"no tuned config for \(1024,\)"):
+        t.run(None, None, 1024, grid=None, warmup=False)
+    assert launches == [2048] and (1024,) not in t.cache
+    assert not tuning.cache_file("Test GPU").exists()  # nothing stored from a dry pass
+
+
+def test_precompile_ends_the_pass_at_an_untuned_launch_and_reports_the_choices_left(monkeypatch):
+    monkeypatch.delenv(P.ENV, raising=False)
+    monkeypatch.setattr(P, "compiles_here", lambda device: True)  # the GPU's parts, stood in for
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    after = []
+
+    def step():
+        P.skipped("choice")
+        P.untuned("kernel: no tuned config")
+        after.append(1)
+
+    done = P.precompile(step, torch.device("cuda"), workers=2)
+    assert done.stopped == "kernel: no tuned config" and done.skipped == ("choice",) and not after
+    assert done.kernels == 0 and done.reason is None and not P._DRY
+    assert P.precompile(lambda: None, torch.device("cuda"), workers=2).skipped == ()  # a new pass starts afresh
+    with pytest.raises(ValueError):  # anything else the step raises is the caller's
+        P.precompile(lambda: int("x"), torch.device("cuda"), workers=2)
+    assert not P._DRY
+
+
+def test_a_dry_pass_compiles_the_fused_path_of_an_unchosen_key_without_choosing(gpu, monkeypatch):
+    dispatch = S.with_split(_split)(_fused)
+    x = torch.zeros(8, 4)
+    monkeypatch.setattr(P, "_DRY", True)
+    P._SKIPPED.clear()
+    assert dispatch(x, 3) == "fused" and not gpu["log"]  # nothing timed
+    assert "_fused: fused or split not chosen" in P._SKIPPED[0]
+    monkeypatch.setattr(P, "_DRY", False)
+    gpu["times"] = {"fused": [1.0] * 3, "split": [0.5] * 3}
+    assert dispatch(x, 3) == "split" and gpu["log"]  # the real call measures and chooses
+
+
+def test_autograd_step_differentiates_the_outputs_that_need_it_without_touching_grad(monkeypatch):
+    w = torch.randn(3, requires_grad=True)
+    b = torch.randn(3)
+    seen = {}
+
+    def fake(step, device):
+        step()
+        seen["device"] = device
+        return P.Precompiled(0, 0.0)
+
+    monkeypatch.setattr(P, "precompile", fake)
+    calls = []
+    orig = torch.autograd.grad
+
+    def grad(outputs, inputs, grad_outputs, allow_unused):
+        calls.append((len(outputs), [i is w for i in inputs], [g.shape for g in grad_outputs]))
+        return orig(outputs, inputs, grad_outputs, allow_unused=allow_unused)
+
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    P.precompile_autograd(lambda: {"y": (w * b).sum(), "lse": b.sum(), "n": 3}, [w, b], torch.device("cpu"))
+    assert calls == [(1, [True], [torch.Size([])])] and w.grad is None and seen["device"].type == "cpu"
+
+
+def test_precompile_step_needs_a_patched_model_and_does_nothing_on_the_cpu(monkeypatch):
+    from kernels.coda.hf import CodaUnsupportedError, apply_coda, precompile_step
+    from test_hf import tiny
+
+    model = tiny()
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    with pytest.raises(CodaUnsupportedError, match="patched by apply_coda"):
+        precompile_step(model, input_ids=ids, labels=ids)
+    apply_coda(model)
+    monkeypatch.delenv(P.ENV, raising=False)
+    monkeypatch.setattr(model, "forward", lambda **kw: pytest.fail("nothing to compile on the CPU: no dry pass"))
+    assert "cpu" in precompile_step(model, input_ids=ids, labels=ids).reason
+    assert all(p.grad is None for p in model.parameters())
+
+
+GPU_SCRIPT = r"""
+import json, os, sys, tempfile, torch, triton
+from triton import knobs
+from triton.runtime.autotuner import Autotuner, Heuristics
+from triton.runtime.jit import JITFunction
+from kernels.coda.functions import RoPE, block
+from kernels.coda.precompile import precompile_autograd
+torch.manual_seed(0)
+dev, dt, M, d, f, H, KV, D = torch.device("cuda"), torch.bfloat16, 1536, 1024, 2816, 8, 4, 128
+leaf = lambda *s, scale=1.0: (torch.randn(*s, device=dev, dtype=dt) * scale).requires_grad_()
+a, res = leaf(M, d), leaf(M, d)
+w_o, w_gu, w_d = leaf(d, d, scale=d ** -0.5), leaf(2 * f, d, scale=d ** -0.5), leaf(d, f, scale=f ** -0.5)
+w_qkv = leaf((H + 2 * KV) * D, d, scale=d ** -0.5)
+g_mlp, g_attn = torch.ones(d, device=dev, dtype=dt, requires_grad=True), torch.ones(d, device=dev, dtype=dt, requires_grad=True)
+rope = RoPE(torch.arange(M, device=dev), H, KV, D, 500000.0)
+leaves = [a, res, w_o, g_mlp, w_gu, w_d, g_attn, w_qkv]
+dx, dqkv = torch.randn(M, d, device=dev, dtype=dt), torch.randn(M, (H + 2 * KV) * D, device=dev, dtype=dt)
+compiled = []
+knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(1)
+
+def step():
+    for t in leaves:
+        t.grad = None
+    x, qkv, _, _ = block(a, res, w_o, g_mlp, w_gu, w_d, g_attn, w_qkv, rope, 1e-5)
+    torch.autograd.backward([x, qkv], [dx, dqkv])
+    torch.cuda.synchronize()
+    return [x.float(), qkv.float()] + [t.grad.float() for t in leaves]
+
+first = step()  # tunes, chooses and compiles everything
+serial = len(compiled)
+for mod in [m for n, m in sys.modules.items() if n.startswith("kernels.")]:  # forget every compiled kernel
+    for obj in vars(mod).values():
+        while isinstance(obj, (Autotuner, Heuristics)):
+            obj = obj.fn
+        if isinstance(obj, JITFunction):
+            obj.device_caches.clear()
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # and Triton's on-disk cache
+compiled.clear()
+done = precompile_autograd(lambda: block(a, res, w_o, g_mlp, w_gu, w_d, g_attn, w_qkv, rope, 1e-5)[:2], leaves, dev)
+ahead = len(compiled)
+compiled.clear()
+again = step()
+print(json.dumps({"serial": serial, "kernels": done.kernels, "ahead": ahead, "skipped": list(done.skipped),
+                  "stopped": done.stopped, "in_step": len(compiled),
+                  "same": all(((p - q).norm() <= 1e-3 * p.norm()).item() for p, q in zip(first, again))}))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_after_a_dry_pass_the_real_step_compiles_nothing_and_computes_the_same(tmp_path):
+    env = {**os.environ, "CODABENCH_CACHE_DIR": str(tmp_path / "coda"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "PYTHONPATH": str(ROOT)}
+    env.pop("CODABENCH_AUTOTUNE_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", GPU_SCRIPT], env=env, capture_output=True, text=True, timeout=900,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    # the dry pass compiled the block's kernels (as many as the first step compiled, less the tuning's other
+    # configs and the choices' other paths), chose nothing, ran to the end; the step after it compiled nothing
+    assert 0 < r["kernels"] == r["ahead"] < r["serial"] and r["skipped"] == [] and r["stopped"] is None, r
+    assert r["in_step"] == 0 and r["same"], r
