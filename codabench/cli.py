@@ -234,14 +234,13 @@ def _run(args: argparse.Namespace) -> int:
     if ranks is None:
         return code
     dirs, code = distributed.collect(ranks, run_dir, code, out)
-    distributed.stop()
     if ranks.rank == 0:
         if (out / "env.json").exists() and "merged_from" in load_run(out)[2]:  # --resume: the last merge goes
             shutil.rmtree(out)
         merge(out, [d for d in dirs if (d / "results.csv").exists()])
         print(f"codabench: {ranks.world} ranks merged into {out}", file=sys.stderr)
         code = max(code, _summary(out, code))
-    return code
+    return distributed.finish(ranks, code)
 
 
 def _execute(runner: Runner, suite: str) -> int:

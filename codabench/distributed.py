@@ -5,8 +5,8 @@ rendezvous address). Each rank runs shard ``RANK + 1`` of ``WORLD_SIZE`` (whole 
 on GPU ``LOCAL_RANK``, into its own run directory ``<out>-rank<R>of<N>`` beside ``<out>``; rank 0 chooses ``<out>``
 for all. When every rank is done, the ranks send their run files to rank 0 over a gloo process group (the files
 travel, so nodes need no shared file system), and rank 0 merges them into ``<out>``: one report
-(:func:`codabench.report.merge.merge`). The process group only carries these small messages; the cells never
-communicate.
+(:func:`codabench.report.merge.merge`), while the others wait. The run's exit code is rank 0's (the worst of every
+rank's), the others exit 0. The process group only carries these small messages; the cells never communicate.
 """
 from __future__ import annotations
 
@@ -86,6 +86,11 @@ def collect(ranks: Ranks, run_dir: Path, code: int, out: Path) -> tuple[list[Pat
     return dirs, max(c for c, _ in gathered)
 
 
-def stop() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def finish(ranks: Ranks, code: int) -> int:
+    """Leave the process group once rank 0 has merged (every rank waits for it here); this process's exit code:
+    the run's (``code``, every rank's worst, merged on rank 0) on rank 0, 0 elsewhere. torchrun stops every rank as
+    soon as one exits non-zero, so a rank whose shard had an error row must not leave first and take rank 0 down
+    in the middle of the merge; the run's code is rank 0's, which torchrun passes on."""
+    dist.barrier()
+    dist.destroy_process_group()
+    return code if ranks.rank == 0 else 0
