@@ -49,9 +49,15 @@ class Implementation:
     native_consts: tuple[str, ...] = ()
     """Extra non-differentiable native inputs created by ``prepare`` (tables, scales)."""
     source: str = ""
+    grads_in_forward: bool = False
+    """Its forward computes the gradients when the inputs require grad (a fused linear cross-entropy): ``bwd`` alone
+    would time little more than handing them back, so that cell is n/a and ``fwd_bwd`` is the comparison."""
 
     def skip_reason(self, case: Case) -> str | None:
         """Why this cell cannot run here, or None. Default: mode, dtype and requirements."""
+        if case.mode == "bwd" and self.grads_in_forward:
+            return (f"n/a: {self.name} computes the gradients inside the forward; the backward alone only hands "
+                    "them back (compare fwd_bwd)")
         if case.mode not in self.modes:
             return f"n/a: {self.name} has no {case.mode} mode"
         if case.dtype not in self.dtypes:

@@ -24,7 +24,7 @@ exists, and records the implementation the dispatcher resolves for each piece in
 
 Fused linear cross-entropy computes the gradients inside its forward when its input requires grad,
 so the CE ops are compared in ``fwd`` (no grad: a true forward) and ``fwd_bwd``; ``bwd`` alone would
-only time the scaling of already computed gradients and is reported n/a. Weight-gradient
+only time the scaling of already computed gradients and is reported n/a (``grads_in_forward``). Weight-gradient
 accumulation uses ``accum_dtype=float32``. It calls ``.item()``, so it cannot be captured in a CUDA graph.
 
 Input mutation: no call here writes into a canonical input. Liger's RoPE rotates in place, but only
@@ -213,10 +213,6 @@ def _block(n: Tensors) -> Tensors:
     return {"x": x, "qkv": _rope_qkv(mm.linear(h2, n["w_qkv"]), n["cos"], n["sin"], n["model"])}
 
 
-CE_BWD_NA = ("n/a: Liger's fused linear cross-entropy computes its gradients inside the forward; "
-             "backward alone only scales them (compare fwd_bwd)")
-
-
 class Liger(Implementation):
     """One op composed from cuBLAS GEMMs and Liger's Triton kernels."""
 
@@ -226,14 +222,12 @@ class Liger(Implementation):
     requires = ("cuda", "pkg:liger_kernel")
     native_consts = ("cos", "sin")
 
-    def __init__(self, op: str, forward, modes: tuple[str, ...], description: str, bwd_na: str | None = None):
+    def __init__(self, op: str, forward, modes: tuple[str, ...], description: str, grads_in_forward: bool = False):
         self.op, self._forward, self.modes, self.description = op, forward, modes, description
-        self._bwd_na = bwd_na
+        self.grads_in_forward = grads_in_forward
         self.source = __name__
 
     def skip_reason(self, case: Case) -> str | None:
-        if case.mode == "bwd" and self._bwd_na:
-            return self._bwd_na
         return super().skip_reason(case) or case.mm_skip_reason()
 
     def prepare(self, case: Case) -> Tensors:
@@ -270,13 +264,13 @@ def split_gate_up_grads(grads: Tensors) -> Tensors:
 
 
 _ALL = ("fwd", "bwd", "fwd_bwd")
-for _op, _fn, _modes, _desc, _na in [
-    ("rmsnorm_linear", _rmsnorm_linear, _ALL, "cuBLAS + Liger fused add+RMSNorm", None),
-    ("rmsnorm_swiglu", _rmsnorm_swiglu, _ALL, "cuBLAS + Liger fused add+RMSNorm, fused gate-up SwiGLU", None),
-    ("rmsnorm_rope", _rmsnorm_rope, _ALL, "cuBLAS + Liger fused add+RMSNorm, RoPE", None),
-    ("rmsnorm_ce", _rmsnorm_ce, ("fwd", "fwd_bwd"),
-     "cuBLAS + Liger fused add+RMSNorm, fused linear cross-entropy", CE_BWD_NA),
-    ("lm_head_ce", _lm_head_ce, ("fwd", "fwd_bwd"), "Liger RMSNorm + fused linear cross-entropy", CE_BWD_NA),
-    ("block", _block, _ALL, "cuBLAS + Liger fused add+RMSNorm, fused gate-up SwiGLU, RoPE", None),
+for _op, _fn, _modes, _desc, _in_fwd in [
+    ("rmsnorm_linear", _rmsnorm_linear, _ALL, "cuBLAS + Liger fused add+RMSNorm", False),
+    ("rmsnorm_swiglu", _rmsnorm_swiglu, _ALL, "cuBLAS + Liger fused add+RMSNorm, fused gate-up SwiGLU", False),
+    ("rmsnorm_rope", _rmsnorm_rope, _ALL, "cuBLAS + Liger fused add+RMSNorm, RoPE", False),
+    ("rmsnorm_ce", _rmsnorm_ce, ("fwd", "fwd_bwd"), "cuBLAS + Liger fused add+RMSNorm, fused linear cross-entropy",
+     True),
+    ("lm_head_ce", _lm_head_ce, ("fwd", "fwd_bwd"), "Liger RMSNorm + fused linear cross-entropy", True),
+    ("block", _block, _ALL, "cuBLAS + Liger fused add+RMSNorm, fused gate-up SwiGLU, RoPE", False),
 ]:
-    REGISTRY.add(Liger(_op, _fn, _modes, _desc, _na))
+    REGISTRY.add(Liger(_op, _fn, _modes, _desc, _in_fwd))

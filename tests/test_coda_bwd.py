@@ -405,9 +405,20 @@ def test_ce_chunk_rows_rule():
 # ---- the plugin, through the harness's correctness check ------------------------------------------------
 
 AUTOGRAD_OPS = ["rmsnorm_linear", "rmsnorm_swiglu", "rmsnorm_rope", "rmsnorm_ce", "lm_head_ce", "block"]
+CE_OPS = ("rmsnorm_ce", "lm_head_ce")
+"""Their gradients are computed in the forward: ``bwd`` alone is n/a, ``fwd_bwd`` checks them."""
 
 
-@pytest.mark.parametrize("op_name,mode", [(o, m) for o in AUTOGRAD_OPS for m in ("bwd", "fwd_bwd")]
+def test_the_ce_ops_backward_alone_is_not_applicable():
+    for op_name in CE_OPS:
+        op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
+        case = Case(op, TINY, "bwd", "fp32", torch.device("cpu"), {})
+        assert impl.grads_in_forward and impl.skip_reason(case).startswith("n/a: coda-triton computes the gradients")
+        assert impl.skip_reason(Case(op, TINY, "fwd_bwd", "fp32", torch.device("cpu"), {})) is None
+
+
+@pytest.mark.parametrize("op_name,mode", [(o, m) for o in AUTOGRAD_OPS for m in ("bwd", "fwd_bwd")
+                                          if not (o in CE_OPS and m == "bwd")]
                          + [("rmsnorm_dgrad", "bwd"), ("swiglu_dgrad", "bwd")])
 def test_plugin_bwd_passes_the_harness_check(op_name, mode, strategy):
     op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")

@@ -35,8 +35,8 @@ Side outputs: rstd (rstd_mlp / rstd_attn for the block) and lse.
 
 rmsnorm_ce and lm_head_ce with grad compute the LM head's gradients in the forward, over chunks of rows
 (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`), as Liger's fused linear cross-entropy does: their
-``bwd`` cells time little more than handing those gradients back, ``fwd`` (no grad) is unchanged, and
-``fwd_bwd`` is the comparison that counts.
+``bwd`` cells would time little more than handing those gradients back, so they are n/a (``grads_in_forward``),
+as Liger's are; ``fwd`` (no grad) is unchanged, and ``fwd_bwd`` is the comparison that counts.
 Each fused kernel runs fused or split (:mod:`kernels.coda.strategy`); ``describe`` reports which, for the cell's last
 call (the ``strategy`` column).
 
@@ -218,8 +218,10 @@ class CodaTriton(Implementation):
     dtypes = ("fp32", "fp16", "bf16", *fp8.FP8_DTYPES)
     requires = ("triton",)
 
-    def __init__(self, op: str, forward: Callable[[Tensors], Tensors], modes: tuple[str, ...], description: str):
+    def __init__(self, op: str, forward: Callable[[Tensors], Tensors], modes: tuple[str, ...], description: str,
+                 grads_in_forward: bool = False):
         self.op, self._forward, self.modes, self.description = op, forward, modes, description
+        self.grads_in_forward = grads_in_forward
         self.source = __name__
         self._precompile: torch.device | None = None
 
@@ -285,18 +287,20 @@ class CodaTriton(Implementation):
 
 
 ALL_MODES = ("fwd", "bwd", "fwd_bwd")
+CE_MODES = ("fwd", "fwd_bwd")
+"""The CE ops compute the LM head's gradients in the forward (``grads_in_forward``): their ``bwd`` cells are n/a."""
 for _op, _fn, _modes, _desc in [
     ("rmsnorm_linear", rmsnorm_linear_run, ALL_MODES, "producer GEMM + residual + norm partials; row-scaled GEMM"),
     ("rmsnorm_swiglu", rmsnorm_swiglu_run, ALL_MODES, "producer GEMM + norm partials; gate/up GEMM + SwiGLU epilogue"),
     ("rmsnorm_rope", rmsnorm_rope_run, ALL_MODES, "producer GEMM + norm partials; QKV GEMM + RoPE epilogue"),
-    ("rmsnorm_ce", rmsnorm_ce_run, ALL_MODES, "producer GEMM + norm partials; LM-head GEMM + LSE/CE epilogue"),
-    ("lm_head_ce", lm_head_ce_run, ALL_MODES, "norm statistics pass; LM-head GEMM + LSE/CE epilogue"),
+    ("rmsnorm_ce", rmsnorm_ce_run, CE_MODES, "producer GEMM + norm partials; LM-head GEMM + LSE/CE epilogue"),
+    ("lm_head_ce", lm_head_ce_run, CE_MODES, "norm statistics pass; LM-head GEMM + LSE/CE epilogue"),
     ("block", block_run, ALL_MODES, "4 fused GEMMs + 2 rstd reductions (CODA block boundary); "
                                     "bwd: RoPE bwd + 3 fused dgrad GEMMs + sums + 5 GEMMs"),
     ("rmsnorm_dgrad", rmsnorm_dgrad_run, ("bwd",), "dgrad GEMM + RMSNorm backward epilogue + dgamma partials"),
     ("swiglu_dgrad", swiglu_dgrad_run, ("bwd",), "down-proj dgrad GEMM + SwiGLU backward + ZdZ partials"),
 ]:
-    REGISTRY.add(CodaTriton(_op, _fn, _modes, _desc))
+    REGISTRY.add(CodaTriton(_op, _fn, _modes, _desc, grads_in_forward=_modes == CE_MODES))
 for _op in GEMM_SHAPES:  # the speed-of-light of the fused kernels
     REGISTRY.add(CodaTriton(_op, gemm_run, ("fwd",), "plain GEMM, CODA mainloop"))
 for _op, _fn, _modes, _desc in [  # the kernel level: one host function each
