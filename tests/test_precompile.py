@@ -131,6 +131,54 @@ def test_autograd_step_differentiates_the_outputs_that_need_it_without_touching_
     assert calls == [(1, [True], [torch.Size([])])] and w.grad is None and seen["device"].type == "cpu"
 
 
+def test_each_prepared_cell_starts_with_one_dry_pass_over_what_the_harness_differentiates(monkeypatch):
+    """coda-triton and hf-coda: the first call after ``prepare`` hands the cell's forward to the dry pass (the op's
+    compared outputs only, the cell's device, its leaves), later calls do not; a new ``prepare`` starts again."""
+    from codabench.case import Case
+    from codabench.execute import fresh_leaves
+    from kernels import hf_train
+    from kernels.coda import plugin
+    from workloads.models import get_model
+    from workloads.ops import OPS
+
+    passes = []
+
+    def record(forward, inputs, device):
+        out = forward()
+        passes.append((sorted(out) if isinstance(out, dict) else out.shape, [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad],
+                       device))
+        return P.Precompiled(0, 0.0)
+
+    monkeypatch.setattr(plugin, "precompile_autograd", record)
+    model = get_model("tiny")
+    op, impl = OPS["block"], plugin.REGISTRY.get("block", "coda-triton")
+    case = Case(op, model, "fwd_bwd", "fp32", torch.device("cpu"), op.make_inputs(model, torch.float32, "cpu", 0))
+    native = fresh_leaves(impl.prepare(case), ["a", "residual", "w_o"])
+    impl.run(native)
+    impl.run(native)
+    (outputs, leaves, device), = passes
+    assert outputs == sorted(op.outputs) and device == case.device
+    assert {id(t) for t in leaves} == {id(native[k]) for k in ("a", "residual", "w_o")}
+    impl.prepare(case)
+    impl.run(native)
+    assert len(passes) == 2
+
+    pytest.importorskip("transformers")
+    import kernels.coda.hf  # noqa: F401  (imported before the patch below, so that it keeps the real function)
+    import kernels.coda.precompile as precompile_module
+
+    monkeypatch.setattr(precompile_module, "precompile_autograd", record)
+    op, hf = OPS["train_step"], hf_train.HFCoda()
+    small = get_model("tiny").with_(layers=1)
+    case = Case(op, small, "fwd_bwd", "fp32", torch.device("cpu"), op.make_inputs(small, torch.float32, "cpu", 0))
+    native = hf.prepare(case)
+    native = fresh_leaves(native, op.differentiable(case.inputs))
+    hf.run(native)
+    hf.run(native)
+    assert len(passes) == 3 and passes[2][0] == torch.Size([]) and passes[2][2] == case.device  # the loss
+    assert len(passes[2][1]) == len(op.differentiable(case.inputs))
+
+
 def test_precompile_step_needs_a_patched_model_and_does_nothing_on_the_cpu(monkeypatch):
     from kernels.coda.hf import CodaUnsupportedError, apply_coda, precompile_step
     from test_hf import tiny
