@@ -90,7 +90,8 @@ def finish(ranks: Ranks, code: int) -> int:
     """Leave the process group once rank 0 has merged (every rank waits for it here); this process's exit code:
     the run's (``code``, every rank's worst, merged on rank 0) on rank 0, 0 elsewhere. torchrun stops every rank as
     soon as one exits non-zero, so a rank whose shard had an error row must not leave first and take rank 0 down
-    in the middle of the merge; the run's code is rank 0's, which torchrun passes on."""
+    in the middle of the merge; the run's code is rank 0's, which torchrun passes on. (When it is not 0, torchrun may
+    still stop another rank that is past this point, and print that it did: the report is written by then.)"""
     dist.barrier()
     dist.destroy_process_group()
     return code if ranks.rank == 0 else 0
