@@ -121,7 +121,7 @@ class HFCompile(HFTrainStep):
 
 class HFCoda(HFTrainStep):
     requires = ("pkg:transformers", "triton")
-    _precompile = False
+    _precompile: torch.device | None = None
 
     def patch(self, model: nn.Module) -> nn.Module:
         from kernels.coda.hf import apply_coda
@@ -129,18 +129,17 @@ class HFCoda(HFTrainStep):
         return apply_coda(model)
 
     def prepare(self, case: Case) -> Tensors:
-        self._precompile = True
+        self._precompile = case.device  # the device of the cell's first step
         return super().prepare(case)
 
     def run(self, native: Tensors) -> Tensors:
         from kernels.coda.plugin import RECORDER
         from kernels.coda.precompile import precompile_autograd
 
-        if self._precompile:  # the cell's first step: its kernels compiled in parallel first, as users are told to
-            self._precompile = False
+        if self._precompile is not None:  # the cell's first step: its kernels compiled in parallel first
+            device, self._precompile = self._precompile, None
             weights, batch = _weights_and_batch(native)
-            precompile_autograd(lambda: self.forward(native["hf_model"], weights, batch), weights.values(),
-                                batch["input_ids"].device)
+            precompile_autograd(lambda: self.forward(native["hf_model"], weights, batch), weights.values(), device)
         RECORDER.start()  # the step's forward and backward: which kernels ran fused or split
         return super().run(native)
 
