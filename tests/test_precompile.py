@@ -102,7 +102,7 @@ def test_a_dry_pass_compiles_the_fused_path_of_an_unchosen_key_without_choosing(
     monkeypatch.setattr(P, "_DRY", True)
     P._SKIPPED.clear()
     assert dispatch(x, 3) == "fused" and not gpu["log"]  # nothing timed
-    assert "_fused: fused or split not chosen" in P._SKIPPED[0]
+    assert "_fused: no strategy chosen" in P._SKIPPED[0]
     monkeypatch.setattr(P, "_DRY", False)
     gpu["times"] = {"fused": [1.0] * 3, "split": [0.5] * 3}
     assert dispatch(x, 3) == "split" and gpu["log"]  # the real call measures and chooses
@@ -243,9 +243,10 @@ print(json.dumps({"serial": serial, "kernels": done.kernels, "ahead": ahead, "sk
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_after_a_dry_pass_the_real_step_compiles_nothing_and_computes_the_same(tmp_path):
+@pytest.mark.parametrize("strategy", ["auto", "gluon"])  # gluon: the producers' Gluon kernel on Hopper (fused elsewhere)
+def test_after_a_dry_pass_the_real_step_compiles_nothing_and_computes_the_same(tmp_path, strategy):
     env = {**os.environ, "CODABENCH_CACHE_DIR": str(tmp_path / "coda"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(ROOT), "CODABENCH_STRATEGY": strategy}
     env.pop("CODABENCH_AUTOTUNE_CACHE", None)
     out = subprocess.run([sys.executable, "-c", GPU_SCRIPT], env=env, capture_output=True, text=True, timeout=900,
                          cwd=ROOT)

@@ -18,7 +18,7 @@ import torch
 from codabench.case import Case
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.discovery import load_plugin_file
-from codabench.metrics import rel_err
+from codabench.metrics import passes, rel_err
 from codabench.registry import REGISTRY
 from codabench.report import finalize
 from codabench.results import load_run
@@ -29,6 +29,7 @@ from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from kernels.coda import strategy as S
 from kernels.coda import tuning
 from kernels.coda.cross_entropy import gemm_cross_entropy
+from kernels.coda.gemm import mm
 from kernels.coda.producer import gemm_residual_norm
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.rope import gemm_rope
@@ -68,6 +69,8 @@ def calls(dtype: torch.dtype) -> dict[str, tuple]:
                                                 zdz), {"dz_scale": 0.5}),
         "dgrad_swiglu": (dgrad_swiglu, (r(M, D, seed=17), r(D, F2 // 2, seed=18, scale=D ** -0.5),
                                         r(M, F2, seed=19)), {}),
+        "mm": (mm, (r(M, K, seed=20), r(K, D, seed=21, scale=K ** -0.5)), {}),
+        "mm_transposed": (mm, (r(K, M, seed=22).T, r(K, D, seed=23, scale=K ** -0.5)), {}),
     }
 
 
@@ -129,7 +132,7 @@ def test_the_environment_forces_a_strategy_everywhere(monkeypatch):
         fn(*args, **kwargs)
     assert rec.launches() == [("scaled_linear", "fused")]  # auto on the CPU: nothing measured, fused
     monkeypatch.setenv(S.ENV, "fastest")
-    with pytest.raises(ValueError, match="CODABENCH_STRATEGY must be fused, split or auto"):
+    with pytest.raises(ValueError, match="CODABENCH_STRATEGY must be fused, split, gluon or auto"):
         fn(*args, **kwargs)
 
 
@@ -200,6 +203,59 @@ def test_a_shipped_table_choice_serves_a_key_the_cache_lacks(gpu, tmp_path, monk
     monkeypatch.setenv("CODABENCH_TUNING_TABLES", "0")
     gpu["times"] = {"fused": [1.0] * 3, "split": [2.0] * 3}
     assert S.Chooser(_fused, _split, dict).choose(shipped) == "fused" and gpu["log"]  # measured, table off
+
+
+def test_pick_takes_the_fastest_path_only_beyond_the_margin():
+    assert S.pick({"fused": 1.0, "split": 0.97, "gluon": 0.9}) == "gluon"
+    assert S.pick({"fused": 1.0, "split": 0.9, "gluon": 0.95}) == "split"
+    assert S.pick({"fused": 1.0, "split": 0.99, "gluon": 0.985}) == "fused"  # within the margin: a tie
+    assert S.pick({"fused": 1.0, "split": 1.5}) == "fused"
+
+
+def _gluon(x: torch.Tensor, n: int, inplace: bool = False, eps: float = 1e-5) -> str:
+    return "gluon"
+
+
+GLUON_WHERE_N_IS_3 = S.Gluon(__name__, "_gluon", lambda arguments: arguments["n"] == 3)
+
+
+def test_a_gluon_path_is_measured_and_forced_only_where_it_applies(gpu, monkeypatch):
+    dispatch = S.with_split(_split, gluon=GLUON_WHERE_N_IS_3)(_fused)
+    x = torch.zeros(8, 4)
+    gpu["times"] = {"fused": [1.0] * 3, "split": [1.2] * 3, "gluon": [0.9] * 3}
+    with S.Recorder() as rec:
+        assert dispatch(x, 3) == "gluon"
+    assert gpu["log"] == ["fused", "split", "gluon"] * S.ROUNDS and rec.launches() == [("_fused", "gluon")]
+    records = tuning.load_entries(tuning.cache_file("Test GPU"), dispatch.chooser.entry)
+    assert records[S.call_key({"x": x, "n": 3, "inplace": False, "eps": 1e-5})] == \
+        {"strategy": "gluon", "fused_ms": 1.0, "split_ms": 1.2, "gluon_ms": 0.9}
+    gpu["log"].clear()
+    gpu["times"] = {"fused": [1.0] * 3, "split": [1.2] * 3}
+    assert dispatch(x, 4) == "fused" and gpu["log"] == ["fused", "split"] * S.ROUNDS  # n = 4: no Gluon path
+    monkeypatch.setenv(S.ENV, "gluon")
+    assert dispatch(x, 3) == "gluon" and dispatch(x, 4) == "fused"  # forced where it applies, fused elsewhere
+
+
+def test_a_choice_made_before_the_gluon_path_existed_is_measured_again(gpu):
+    x = torch.zeros(8, 4)
+    chooser = S.Chooser(_fused, _split, dict, GLUON_WHERE_N_IS_3)
+    with_gluon, without = ({"x": x, "n": n, "inplace": False, "eps": 1e-5} for n in (3, 4))
+    old = {"strategy": "split", "fused_ms": 1.0, "split_ms": 0.5}  # timed fused and split only
+    tuning.store_entries(tuning.cache_file("Test GPU"), chooser.entry,
+                         {S.call_key(with_gluon): old, S.call_key(without): old})
+    assert chooser.choose(without) == "split" and not gpu["log"]  # its paths were all timed: it serves
+    gpu["times"] = {"fused": [1.0] * 3, "split": [0.5] * 3, "gluon": [0.4] * 3}
+    assert chooser.choose(with_gluon) == "gluon" and len(gpu["log"]) == 3 * S.ROUNDS
+    assert S.serves({"strategy": "split"}, ("fused", "split", "gluon"))  # an untimed record (a table's) serves
+
+
+def test_mm_runs_the_mainloop_on_the_cpu_and_cublas_when_split(monkeypatch):
+    a, b = rand(M, K, seed=1), rand(K, D, seed=2)
+    for forced, path in (("fused", "fused"), ("split", "split"), ("gluon", "fused")):  # mm has no Gluon path
+        monkeypatch.setenv(S.ENV, forced)
+        with S.Recorder() as rec:
+            out = mm(a, b)
+        assert rec.launches() == [("mm", path)] and rel_err(out, a.double() @ b.double()) < 1e-6
 
 
 def test_the_key_holds_shapes_dtypes_and_flags_not_floats():
@@ -303,7 +359,7 @@ def test_describe_fills_the_strategy_column_and_the_report(tmp_path, monkeypatch
     assert pd.isna(rows.loc["torch-eager", "strategy"])  # says nothing
     coda = load_run(tmp_path / "coda")[0].set_index("mode")["strategy"]
     assert coda["fwd"] == "residual_norm:split swiglu:split"
-    assert coda["bwd"] == "residual_norm:split swiglu:split dgrad_rmsnorm:split"
+    assert coda["bwd"] == "residual_norm:split swiglu:split dgrad_rmsnorm:split mm:split"  # mm: cuBLAS
     html = finalize(tmp_path / "gemm").read_text()
     assert "<th class=\"l\">strategy</th>" in html and ">gemm:split (" in html and "describe() failed" in html
     assert "coda-triton names each of its GEMM kernels" in html  # the legend
@@ -346,11 +402,13 @@ def test_auto_measures_a_choice_on_the_gpu_stores_it_and_a_new_process_reuses_it
     (name, chosen), = rec.launches()
     records = tuning.load_entries(tuning.cache_file(torch.cuda.get_device_name(dev)), gemm_residual_norm.chooser.entry)
     (key, record), = records.items()
-    assert record["strategy"] == chosen and record["fused_ms"] > 0 and record["split_ms"] > 0
-    assert chosen == S.pick({"fused": record["fused_ms"], "split": record["split_ms"]})
-    monkeypatch.setattr(S, "measure", lambda candidates: pytest.fail("a stored choice must not be measured again"))
-    fresh = S.Chooser(gemm_residual_norm.fused, gemm_residual_norm.split, dict)
     arguments = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "promote": False, "h_fp8": None}
+    paths = gemm_residual_norm.chooser.strategies(arguments)
+    assert paths == (("fused", "split", "gluon") if S.hopper(dev) else ("fused", "split"))
+    assert record["strategy"] == chosen and all(record[f"{s}_ms"] > 0 for s in paths)
+    assert chosen == S.pick({s: record[f"{s}_ms"] for s in paths})
+    monkeypatch.setattr(S, "measure", lambda candidates: pytest.fail("a stored choice must not be measured again"))
+    fresh = S.Chooser(gemm_residual_norm.fused, gemm_residual_norm.split, dict, gemm_residual_norm.chooser.gluon)
     assert S.call_key(arguments) == key and fresh.choose(arguments) == chosen
     x2, _, _ = gemm_residual_norm(a, w, res, gamma, 1e-5)  # the stored choice, and the same result as the first call
     assert torch.equal(x2, x)
@@ -359,3 +417,46 @@ def test_auto_measures_a_choice_on_the_gpu_stores_it_and_a_new_process_reuses_it
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         assert fresh.choose(other) == "fused"
+
+
+hopper_only = pytest.mark.skipif(not (torch.cuda.is_available() and S.hopper(torch.device("cuda"))),
+                                 reason="needs a Hopper GPU (sm_90): the Gluon kernels are written for it")
+
+
+@hopper_only
+@pytest.mark.parametrize("m,n,k", [(2048, 2048, 2048), (1000, 768, 320), (4096, 4096, 1024), (384, 8192, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_producer_matches_its_triton_twin_on_hopper(m, n, k, dtype):
+    """The Gluon producer against the fused Triton kernel (its CPU-tested reference) and float64: x and rstd as the
+    Triton kernel's (the same fp32 sums, rounded once), h within the pass rule (one more rounding: h = bf16(x) gamma);
+    partial tiles at every edge (1000 x 768 x 320), one k-step (K = 64)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(m + n + k)
+    a = torch.randn(m, k, device=dev, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=dev, generator=g) * k ** -0.5).to(dtype)
+    res = torch.randn(m, n, device=dev, generator=g).to(dtype)
+    gamma = (torch.randn(n, device=dev, generator=g) * 0.1 + 1).to(dtype)
+    args = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "promote": False, "h_fp8": None}
+    assert gemm_residual_norm.chooser.strategies(args) == ("fused", "split", "gluon")
+    x, h, rstd = gemm_residual_norm.chooser.path("gluon")(**args)
+    xt, ht, rstdt = gemm_residual_norm.fused(**args)
+    assert (x.shape, x.dtype, h.dtype, rstd.dtype) == (xt.shape, xt.dtype, ht.dtype, rstdt.dtype)
+    assert rel_err(x, xt.double()) <= 2e-3 and rel_err(rstd, rstdt.double()) <= 1e-5
+    x64 = res.double() + a.double() @ w.double().T
+    x_torch = res + torch.nn.functional.linear(a, w)  # PyTorch's unfused bf16: its error sets the bar
+    for name, ours, ref, theirs in (("x", x, x64, x_torch), ("h", h, x64 * gamma.double(), x_torch * gamma)):
+        assert passes(rel_err(ours, ref), rel_err(theirs, ref), dtype), (name, rel_err(ours, ref), rel_err(theirs, ref))
+
+
+@hopper_only
+@pytest.mark.parametrize("op_name,mode", [("block", "fwd_bwd"), ("rmsnorm_linear", "fwd_bwd"), ("producer_out", "fwd")])
+def test_the_gluon_path_passes_the_harness_check_on_hopper(op_name, mode, monkeypatch):
+    """coda-triton with the Gluon path forced (where it applies: the producers; fused elsewhere), bf16, the pass rule."""
+    monkeypatch.setenv(S.ENV, "gluon")
+    op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
+    model = get_model("llama-1b").with_(tokens=1024, vocab=8192)
+    case = Case(op, model, mode, "bf16", torch.device("cuda"),
+                op.make_inputs(model, torch.bfloat16, "cuda", CHECK_SEED))
+    outcome = check_impl(build_reference(op, case), impl)
+    assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])
+    assert "residual_norm:gluon" in impl.describe({}), impl.describe({})

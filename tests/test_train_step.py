@@ -180,7 +180,7 @@ def test_cells_in_the_harness(tmp_path):
     assert rows["hf-coda"]["correct"] is True, rows["hf-coda"]["message"]
     assert rows["hf-coda"]["strategy"].split() == ["rope:fused", "residual_norm:fused",
                                                    "swiglu:fused", "cross_entropy:fused", "dgrad_rmsnorm:fused",
-                                                   "dgrad_swiglu:fused"]  # forward and backward, fused on the CPU
+                                                   "dgrad_swiglu:fused", "mm:fused"]  # fwd and bwd, fused on the CPU
     assert pd.isna(rows["hf-eager"]["strategy"])
     assert rows["hf-liger"]["status"] == "skipped" and "CUDA" in rows["hf-liger"]["message"]
     errs = errors[errors["impl"] == "hf-eager"].set_index("output")["rel_err"]

@@ -75,9 +75,10 @@ its inputs; <i>SM MHz</i> the NVML clock during the cell's timed region (min / m
 than {100 * CLOCK_DIP:.0f}% below the run's median clock.</p>
 <p><i>strategy</i> (per-op tables): how the implementation ran the cell, in its own words (blank where it says
 nothing). coda-triton names each of its GEMM kernels with <code>fused</code> (the epilogue in the GEMM's kernel, the
-CODA idea) or <code>split</code> (the plain GEMM, then one bandwidth-bound kernel over its output), whichever measured
-faster for the shape on this GPU (or what <code>CODABENCH_STRATEGY</code> forced); <code>fused,split</code>: the
-kernel's calls in order.</p>
+CODA idea), <code>split</code> (the plain GEMM, then one bandwidth-bound kernel over its output) or <code>gluon</code>
+(a warp-specialized Gluon kernel, on Hopper), whichever measured faster for the shape on this GPU (or what
+<code>CODABENCH_STRATEGY</code> forced); <code>mm</code> is a plain GEMM of the backward, <code>fused</code> on the
+CODA mainloop, <code>split</code> on cuBLAS; <code>fused,split</code>: the kernel's calls in order.</p>
 <p>fp8 cells (<code>fp8</code>: per-tensor scales, <code>fp8-row</code>: rowwise; forward and the dgrad ops)
 take bf16 inputs whose GEMM operands lie on the fp8 grid; quantizing them is untimed, and its time is the
 separate <i>cast ms</i> column. Their float64 reference is computed on those inputs, and PyTorch's error is

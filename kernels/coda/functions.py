@@ -13,7 +13,7 @@ Consumers: :class:`Linear` (z), :class:`SwiGLU` (y), :class:`RoPE` (rotated qkv)
 statistic ``<z, dz>``. Then
 
     dx, y, dgamma = dgrad_rmsnorm(dz, W, x, rstd, gamma, zdz, dres)       (one fused dgrad GEMM)
-    dW = dz^T y;   producer: da = dx Wp, dWp = dx^T a, dresidual = dx       (plain mainloop GEMMs)
+    dW = dz^T y;   producer: da = dx Wp, dWp = dx^T a, dresidual = dx       (plain GEMMs, :func:`~kernels.coda.gemm.mm`)
 
 and the block's down-proj dgrad carries the SwiGLU backward (:func:`dgrad_swiglu`). Backward of the
 block: 1 elementwise kernel (RoPE) + 3 fused dgrad GEMMs + small sums + 5 plain GEMMs.
@@ -44,7 +44,7 @@ import torch
 
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.cross_entropy_bwd import lm_head_ce_grad
-from kernels.coda.gemm import matmul
+from kernels.coda.gemm import mm
 from kernels.coda.mainloop import set_scratch_allocator
 from kernels.coda.producer import gemm_residual_norm, norm_input
 from kernels.coda.reduce import row_dot
@@ -184,14 +184,14 @@ def _consumer_bwd(consumer: Consumer, grad: torch.Tensor | None, saved: Saved, w
         return (dx if dres is None else dres + dx), dgamma, dw
     dz, zdz = consumer.backward(grad.contiguous(), saved)
     dx, y, dgamma = dgrad_rmsnorm(dz, w, x, rstd, gamma, zdz, dres)
-    return dx, dgamma, matmul(dz.T, y)
+    return dx, dgamma, mm(dz.T, y)
 
 
 def _producer_bwd(dx: torch.Tensor | None, a: torch.Tensor, w_p: torch.Tensor):
     """``(da, dWp)`` of ``x = residual + a Wp^T`` (the residual's gradient is dx itself)."""
     if dx is None:
         return None, None
-    return matmul(dx, w_p), matmul(dx.T, a)
+    return mm(dx, w_p), mm(dx.T, a)
 
 
 def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -245,12 +245,12 @@ class BlockFn(torch.autograd.Function):
         if dx is None:
             return (None,) * 11
         dz_pre, y, zdz = dgrad_swiglu(dx, w_down, z_pre)
-        dw_down = matmul(dx.T, y)
+        dw_down = mm(dx.T, y)
         # Add into dx in place when it is this function's own buffer, not dres (the consumer had no gradient)
         # nor a gradient saved by the consumer's forward; otherwise into a copy.
         own = all(dx is not t for t in (dres, *saved))
         dx1, y1, dgamma_mlp = dgrad_rmsnorm(dz_pre, w_gu, x1, rstd_mlp, gamma_mlp, zdz, dx, inplace=own)
-        dw_gu = matmul(dz_pre.T, y1)
+        dw_gu = mm(dz_pre.T, y1)
         da, dw_o = _producer_bwd(dx1, a, w_o)
         return da, dx1, dw_o, dgamma_mlp, dw_gu, dw_down, dgamma, dw, None, None, None
 

@@ -15,6 +15,7 @@ import triton.language as tl
 from kernels.coda.epilogue import add_tile, col_subtile, dequant, store_tile
 from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
+from kernels.coda.strategy import with_split
 from workloads.fp8 import Fp8
 
 
@@ -55,6 +56,19 @@ def matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, out_dtype: torch.dtype 
     c = gemm.empty(out_dtype) if acc is None else acc
     gemm.launch(gemm_kernel, c_ptr=c, stride_c=c.stride(0), ACC=acc is not None)
     return c
+
+
+def mm_split(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """:func:`mm` split: cuBLAS (``torch.matmul``); a plain GEMM has no epilogue to run after it."""
+    return torch.matmul(a, b)
+
+
+@with_split(mm_split)
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of plain operands (bf16/fp16/fp32, layouts as :func:`matmul`), in their dtype: the mainloop, or cuBLAS
+    on the shapes where it measures faster (:mod:`kernels.coda.strategy`). The backward's plain GEMMs use it: the
+    weight gradients and the producer's input gradient."""
+    return matmul(a, b)
 
 
 def linear(x: torch.Tensor | Fp8, w: torch.Tensor | Fp8, promote: bool = False) -> torch.Tensor:

@@ -9,6 +9,7 @@ One fused GEMM writes x, h and per-N-tile partial sums of squares of the fp32 x 
 dequantizes, and can write absmax partials of h so that h is quantized for the next fp8 GEMM.
 :func:`norm_input` does the same for an x that no GEMM produces (the first layer's input, the LM head's input).
 Split path (:mod:`kernels.coda.strategy`): the plain GEMM c = a @ w^T, then that same row pass on x = residual + c.
+Gluon path, on Hopper: the warp-specialized kernel of :mod:`kernels.coda.producer_gluon` (h from the rounded x).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
                                    tile_desc)
 from kernels.coda.reduce import finish_rstd, launched_tiles, row_partials
-from kernels.coda.strategy import with_split
+from kernels.coda.strategy import Gluon, hopper, with_split
 from workloads.fp8 import Fp8, Recipe
 
 
@@ -117,7 +118,18 @@ def gemm_residual_norm_split(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, resid
     return _norm_rows(split_matmul(a, w.T, promote), residual, gamma, eps, h_fp8)
 
 
-@with_split(gemm_residual_norm_split)
+def gluon_applies(arguments: dict) -> bool:
+    """Where the Gluon path (:mod:`kernels.coda.producer_gluon`) applies: a Hopper GPU, plain bf16 or fp16 a, w and
+    residual of one dtype, no fp8 h, and rows of a and x whose bytes TMA can address (multiples of 16)."""
+    a, w, residual = arguments["a"], arguments["w"], arguments["residual"]
+    plain = all(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) and t.dtype == a.dtype
+                for t in (a, w, residual))
+    return (plain and arguments["h_fp8"] is None and a.shape[1] % 8 == 0 and w.shape[0] % 8 == 0
+            and hopper(a.device))
+
+
+@with_split(gemm_residual_norm_split,
+            gluon=Gluon("kernels.coda.producer_gluon", "gemm_residual_norm_gluon", gluon_applies))
 def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor, gamma: torch.Tensor,
                        eps: float, promote: bool = False, h_fp8: Recipe | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | Fp8, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Fused or split: every fused kernel's host function also has a split alternative, and runs the faster.
+"""Fused, split or Gluon: every fused kernel's host function also has a split alternative, and runs the faster.
 
 The fused path is CODA itself: one GEMM whose epilogue does the memory-bound work. Its *split* alternative
 computes the same outputs (same dtypes, shapes and layouts) as the plain GEMM (cuBLAS through torch;
@@ -14,14 +14,21 @@ faster::
     @with_split(gemm_residual_norm_split)
     def gemm_residual_norm(a, w, residual, gamma, eps, promote=False, h_fp8=None): ...   # the fused path
 
+For a plain GEMM (:func:`kernels.coda.gemm.mm`) the fused path is the mainloop and the split path is cuBLAS, with
+no epilogue kernel at all. A host function may also have a *Gluon* path (:class:`Gluon`): a warp-specialized
+kernel for Hopper (sm_90) written in Gluon, Triton's lower-level dialect, which the Triton language cannot express
+(PERF_NOTES.md). It has no interpreter, so its fused Triton twin is its CPU-tested reference; it takes part where
+its ``applies`` holds (the GPU, the dtypes), and the fused path runs elsewhere.
+
 The decorated function dispatches each call by its key (:func:`call_key`: the shape and dtype of each tensor
 argument, its flags) to the strategy chosen for that key:
 
-- ``CODABENCH_STRATEGY=fused|split`` forces one everywhere (tests run the split paths on the interpreter this
-  way; benchmarks compare the two); ``auto`` (the default) chooses:
-- on a GPU, the first call of a key measures both: each is launched once (compiling and autotuning), then they take
-  turns over :data:`ROUNDS` rounds of ``triton.testing.do_bench``; split wins if its median is lower than fused's
-  by more than :data:`MARGIN` (ties go to the fused path, the reference of the CODA idea). The choice is stored in
+- ``CODABENCH_STRATEGY=fused|split|gluon`` forces one everywhere (gluon where it applies, fused elsewhere; tests run
+  the split paths on the interpreter this way; benchmarks compare them); ``auto`` (the default) chooses:
+- on a GPU, the first call of a key measures every path that applies: each is launched once (compiling and
+  autotuning), then they take turns over :data:`ROUNDS` rounds of ``triton.testing.do_bench``; the fastest other
+  path wins if its median is lower than fused's by more than :data:`MARGIN` (ties go to the fused path, the
+  reference of the CODA idea). The choice is stored in
   the autotuning cache file (:mod:`kernels.coda.tuning`: same file, keyed by GPU model and Triton version, entry
   ``strategy:<function>:<hash of the source of both paths' modules>``), so later processes reuse it; a key the
   cache lacks is first looked up in the GPU model's shipped table (``strategy:<function>``). Measurement
@@ -36,12 +43,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import importlib.util
 import inspect
 import itertools
 import json
 import os
 import statistics
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,22 +61,48 @@ import triton
 from kernels.coda import precompile, tuning
 from workloads.fp8 import Fp8
 
-FUSED, SPLIT, AUTO = "fused", "split", "auto"
+FUSED, SPLIT, GLUON, AUTO = "fused", "split", "gluon", "auto"
+STRATEGIES = (FUSED, SPLIT, GLUON)
 ENV = "CODABENCH_STRATEGY"
 ROUNDS = 3
 """Interleaved timing rounds of the two candidates."""
 MARGIN = 0.02
-"""Split is chosen when its median is below (1 - MARGIN) x the fused median."""
+"""Another path is chosen when its median is below (1 - MARGIN) x the fused median."""
 BENCH_MS = 25
 """``do_bench``'s repetition time per candidate and round (its warm-up: a fifth of it)."""
 
 
 def forced() -> str | None:
-    """The strategy ``CODABENCH_STRATEGY`` forces (``fused`` or ``split``), None for ``auto`` or unset."""
+    """The strategy ``CODABENCH_STRATEGY`` forces (``fused``, ``split`` or ``gluon``), None for ``auto`` or unset."""
     value = os.environ.get(ENV, AUTO)
-    if value not in (FUSED, SPLIT, AUTO):
-        raise ValueError(f"{ENV} must be {FUSED}, {SPLIT} or {AUTO}, got {value!r}")
+    if value not in (*STRATEGIES, AUTO):
+        raise ValueError(f"{ENV} must be {FUSED}, {SPLIT}, {GLUON} or {AUTO}, got {value!r}")
     return None if value == AUTO else value
+
+
+@dataclass(frozen=True)
+class Gluon:
+    """A host function's Gluon path: ``function`` of ``module`` (same signature and results as the fused path),
+    imported at its first call, for the calls whose arguments satisfy ``applies`` (checked without importing it;
+    a call's key decides it: device, dtypes, shapes)."""
+
+    module: str
+    function: str
+    applies: Callable[[dict[str, Any]], bool]
+
+    def source(self) -> str:
+        spec = importlib.util.find_spec(self.module)
+        return Path(spec.origin).read_text() if spec and spec.origin else ""
+
+    def load(self) -> Callable:
+        return getattr(importlib.import_module(self.module), self.function)
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (sm_90) and this Triton has Gluon's Hopper API."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
 def call_key(arguments: dict[str, Any]) -> str:
@@ -114,8 +150,9 @@ def measure(candidates: dict[str, Callable[[], Any]]) -> dict[str, float]:
 
 
 def pick(times: dict[str, float]) -> str:
-    """Split when it beats fused by more than :data:`MARGIN`; fused otherwise."""
-    return SPLIT if times[SPLIT] < (1 - MARGIN) * times[FUSED] else FUSED
+    """The fastest path when it beats fused by more than :data:`MARGIN`; fused otherwise."""
+    best = min(times, key=times.__getitem__)
+    return best if times[best] < (1 - MARGIN) * times[FUSED] else FUSED
 
 
 def gpu_name(device: torch.device) -> str:
@@ -188,19 +225,35 @@ def summary(launches: list[tuple[str, str]]) -> str:
 class Chooser:
     """The strategy of each key of one host function: forced, known (this process or the cache file), or measured."""
 
-    def __init__(self, fused: Callable, split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]]):
-        self.fused, self.split, self.safe = fused, split, safe
+    def __init__(self, fused: Callable, split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]],
+                 gluon: Gluon | None = None):
+        self.fused, self.split, self.safe, self.gluon = fused, split, safe, gluon
         self.name = fused.__name__
-        sources = dict.fromkeys(inspect.getsource(inspect.getmodule(f)) for f in (fused, split))
+        sources = list(dict.fromkeys(inspect.getsource(inspect.getmodule(f)) for f in (fused, split)))
+        sources += [gluon.source()] if gluon else []
         self.entry = f"strategy:{self.name}:{hashlib.sha256(''.join(sources).encode()).hexdigest()[:16]}"
-        self.known: dict[Path, dict[str, str]] = {}
-        """Per cache file (GPU model, Triton version): call key -> strategy."""
+        self.known: dict[Path, dict[str, dict[str, Any]]] = {}
+        """Per cache file (GPU model, Triton version): call key -> record (``strategy``, and the measured times)."""
         self._lock = threading.Lock()
+        self._gluon_fn: Callable | None = None
+
+    def path(self, strategy: str) -> Callable:
+        """The function of a strategy this chooser returned."""
+        if strategy == GLUON:
+            if self._gluon_fn is None:
+                self._gluon_fn = self.gluon.load()
+            return self._gluon_fn
+        return self.split if strategy == SPLIT else self.fused
+
+    def strategies(self, arguments: dict[str, Any]) -> tuple[str, ...]:
+        """The paths a call may take: fused, split, and gluon where it applies."""
+        gluon = self.gluon is not None and self.gluon.applies(arguments)
+        return (FUSED, SPLIT, GLUON) if gluon else (FUSED, SPLIT)
 
     def choose(self, arguments: dict[str, Any]) -> str:
         strategy = forced()
         if strategy is not None:
-            return strategy
+            return strategy if strategy != GLUON or GLUON in self.strategies(arguments) else FUSED
         device = _device(arguments)
         if device.type != "cuda":
             return FUSED
@@ -209,40 +262,49 @@ class Chooser:
             path = tuning.cache_file(gpu)
             known = self._known(gpu)
             key = call_key(arguments)
-            if key in known:
-                return known[key]
+            candidates = self.strategies(arguments)
+            if key in known and serves(known[key], candidates):
+                return known[key]["strategy"]
             if not measurable(device):
                 return FUSED
-            if precompile.skipped(f"{self.name}: fused or split not chosen for {key}"):
-                return FUSED  # a dry pass compiles the fused path; the real call measures both
+            if precompile.skipped(f"{self.name}: no strategy chosen for {key}"):
+                return FUSED  # a dry pass compiles the fused path; the real call measures every path
             safe = self.safe(arguments)
-            times = measure({FUSED: lambda: self.fused(**safe), SPLIT: lambda: self.split(**safe)})
-            known[key] = strategy = pick(times)
+            times = measure({s: functools.partial(self.path(s), **safe) for s in candidates})
+            known[key] = record = {"strategy": pick(times), **{f"{s}_ms": t for s, t in times.items()}}
             if tuning.enabled():
-                tuning.store_entries(path, self.entry, {key: {"strategy": strategy, "fused_ms": times[FUSED],
-                                                              "split_ms": times[SPLIT]}})
-            return strategy
+                tuning.store_entries(path, self.entry, {key: record})
+            return record["strategy"]
 
-    def _known(self, gpu: str) -> dict[str, str]:
+    def _known(self, gpu: str) -> dict[str, dict[str, Any]]:
         """The choices for GPU model ``gpu``: its shipped table's, overridden by its cache file's (both read once;
         records that are not a choice are stale or foreign and ignored), then this process's."""
         path = tuning.cache_file(gpu)
         if path not in self.known:
             stored = {**tuning.table_entries(tuning.table_file(gpu), self.entry.rsplit(":", 1)[0]),
                       **(tuning.load_entries(path, self.entry) if tuning.enabled() else {})}
-            self.known[path] = {k: r["strategy"] for k, r in stored.items()
-                                if isinstance(r, dict) and r.get("strategy") in (FUSED, SPLIT)}
+            self.known[path] = {k: r for k, r in stored.items()
+                                if isinstance(r, dict) and r.get("strategy") in STRATEGIES}
         return self.known[path]
 
 
-def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> Callable:
-    """Decorate a fused host function: each call runs it or ``split`` (same signature, same results), by
+def serves(record: dict[str, Any], candidates: tuple[str, ...]) -> bool:
+    """Whether a stored choice serves a call whose paths are ``candidates``: its strategy is one of them and, where
+    the record has times (``<strategy>_ms``), it timed each of them (a choice made before a path existed is
+    measured again)."""
+    timed = {k.removesuffix("_ms") for k in record if k.endswith("_ms")}
+    return record["strategy"] in candidates and (not timed or timed >= set(candidates))
+
+
+def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]] = dict,
+               gluon: Gluon | None = None) -> Callable:
+    """Decorate a fused host function: each call runs it, ``split`` or ``gluon`` (same signature, same results), by
     :class:`Chooser`. ``safe`` maps a call's arguments to ones a measurement may repeat (no input written in place).
-    The decorated function keeps the two as ``.fused`` and ``.split``, and its chooser as ``.chooser``."""
+    The decorated function keeps the first two as ``.fused`` and ``.split``, and its chooser as ``.chooser``."""
 
     def deco(fused: Callable) -> Callable:
         signature = inspect.signature(fused)
-        chooser = Chooser(fused, split, safe)
+        chooser = Chooser(fused, split, safe, gluon)
 
         @functools.wraps(fused)
         def dispatch(*args: Any, **kwargs: Any) -> Any:
@@ -250,7 +312,7 @@ def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]]
             bound.apply_defaults()
             strategy = chooser.choose(bound.arguments)
             _record(chooser.name, strategy)
-            return (fused if strategy == FUSED else split)(**bound.arguments)
+            return chooser.path(strategy)(**bound.arguments)
 
         dispatch.fused, dispatch.split, dispatch.chooser = fused, split, chooser
         return dispatch
