@@ -393,11 +393,11 @@ def test_ce_forward_launches_per_chunk_and_backward_none():
 
 
 def test_ce_chunk_rows_rule():
-    """The default chunk: the most rows (a multiple of 256) whose [rows, V] buffer fits 512 MiB, 1024 at least, M at
+    """The default chunk: the most rows (a multiple of 256) whose [rows, V] buffer fits 1 GiB, 1024 at least, M at
     most."""
-    assert ce_chunk_rows(16384, 128256, 2) == 2048  # Llama 3, bf16: 501 MiB, 8 chunks of 2 x 8192 tokens
-    assert ce_chunk_rows(16384, 128256, 4) == 1024
-    assert ce_chunk_rows(10 ** 6, 32000, 2) == 8192
+    assert ce_chunk_rows(16384, 128256, 2) == 4096  # Llama 3, bf16: 1002 MiB, 4 chunks of 2 x 8192 tokens
+    assert ce_chunk_rows(16384, 128256, 4) == 2048
+    assert ce_chunk_rows(10 ** 6, 32000, 2) == 16640
     assert ce_chunk_rows(10 ** 6, 1 << 20, 2) == 1024  # the minimum
     assert ce_chunk_rows(1000, 128256, 2) == 1000  # capped by M
 
