@@ -208,6 +208,18 @@ def test_a_truncated_results_file_still_reports(run_dir, tmp_path):
     assert finalize(cut).exists()
 
 
+
+def test_a_run_stopped_before_its_first_cell_still_reports(run_dir, tmp_path):
+    """Only the header of results.csv, no errors.csv (a cold train-suite run stopped while its first cell tuned, on an
+    H200, crashed in the training section here)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(run_dir / tables.ENV, empty)
+    (empty / tables.RESULTS).write_text((run_dir / tables.RESULTS).read_text().splitlines()[0] + "\n")
+    assert load_run(empty)[0].empty
+    assert "Training step" not in finalize(empty).read_text()
+
+
 ROOT_REPORTS = Path(__file__).resolve().parents[1] / "reports"
 # the committed reports are the ones .gitignore lets through ("!/reports/NAME/")
 COMMITTED = [ROOT_REPORTS / line.strip()[len("!/reports/"):].strip("/") / "results.csv"

@@ -25,7 +25,10 @@ COLUMNS = ["op", "model", "dtype", "impl", "tokens", "median_ms", "tokens_per_s"
 
 def train_step_table(results: pd.DataFrame, errors: pd.DataFrame) -> pd.DataFrame:
     """One row per ok cell of a whole-model op (``Op.level`` ``model``), with :data:`COLUMNS`."""
-    ok = results[results["op"].map(lambda o: o in OPS and OPS[o].level == "model") & (results["status"] == "ok")]
+    model_ops = [name for name, op in OPS.items() if op.level == "model"]
+    ok = results[results["op"].isin(model_ops) & results["status"].eq("ok")]
+    if ok.empty:  # e.g. a run stopped before its first cell finished
+        return pd.DataFrame(columns=COLUMNS)
     by_cell = dict(list(errors.groupby(KEY, sort=False)))
     rows = []
     for _, group in ok.groupby(["op", "model", "dtype"], sort=False):
