@@ -20,6 +20,7 @@ from codabench.metrics import rel_err
 from codabench.registry import REGISTRY
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from kernels.coda.cross_entropy import gemm_cross_entropy
+from kernels.coda import fp8
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import linear
 from kernels.coda.producer import gemm_residual_norm, norm_input
@@ -66,6 +67,18 @@ def test_quantize_from_partials_is_bit_identical_to_the_recipe(dtype, rowwise):
     ours, ref = quantize_from_partials(x, part, 3, rowwise, dtype), quantize(x, dtype, rowwise)
     assert ours.scale.shape == ref.scale.shape and torch.equal(ours.scale, ref.scale)
     assert ours.data.dtype == dtype and torch.equal(_bits(ours.data), _bits(ref.data))
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_the_per_tensor_scale_is_the_max_over_every_block_of_rows(rowwise, monkeypatch):
+    """Per tensor, the maxima of blocks of 64 rows, reduced by every quantizing program two at a time here (so over
+    three steps): the largest value, in the last block, sets the scale."""
+    monkeypatch.setattr(fp8, "BLOCK_MAX_STEP", 2)
+    x = _r(300, 48, seed=4)
+    x[297, 5] = 1000.0  # rows 256-299: the fifth block of 64
+    part = x.abs().reshape(300, 6, 8).amax(-1)
+    ours, ref = quantize_from_partials(x, part, 6, rowwise), quantize(x, E4M3, rowwise)
+    assert torch.equal(ours.scale, ref.scale) and torch.equal(_bits(ours.data), _bits(ref.data))
 
 
 @pytest.mark.parametrize("promote", [False, True])

@@ -89,33 +89,31 @@ def pow2_reciprocal(s):
     return ((254 - ((s.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
 
 
+BLOCK_MAX_STEP = 1024
+"""Block maxima a :func:`quantize_kernel` program reads per step (per tensor): one step up to 64K rows."""
+
+
 @triton.jit
-def scale_kernel(part_ptr, scale_ptr, M, T, stride_p, FP8_EXP: tl.constexpr, ROWWISE: tl.constexpr,
+def scale_kernel(part_ptr, out_ptr, M, T, stride_p, FP8_EXP: tl.constexpr, ROWWISE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Scales from absmax partials ``part[M, T]``: per row (one program per BLOCK_M rows) or, with one
-    program, one per tensor."""
+    """From the absmax partials ``part[M, T]`` of BLOCK_M rows per program: per row, their scales (``out[M]``); per
+    tensor, the block's maximum (``out[pid]``), whose maximum over the blocks :func:`quantize_kernel` takes."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_T)
+    p = tl.load(part_ptr + rows[:, None].to(tl.int64) * stride_p + cols[None, :],
+                mask=(rows < M)[:, None] & (cols < T)[None, :], other=0.0)
+    amax = tl.max(p, axis=1)
     if ROWWISE:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        p = tl.load(part_ptr + rows[:, None].to(tl.int64) * stride_p + cols[None, :],
-                    mask=(rows < M)[:, None] & (cols < T)[None, :], other=0.0)
-        s = pow2_scale(tl.max(p, axis=1), FP8_EXP)
-        tl.store(scale_ptr + rows, s, mask=rows < M)
+        tl.store(out_ptr + rows, pow2_scale(amax, FP8_EXP), mask=rows < M)
     else:
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for m0 in range(0, M, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            p = tl.load(part_ptr + rows[:, None].to(tl.int64) * stride_p + cols[None, :],
-                        mask=(rows < M)[:, None] & (cols < T)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(p, axis=1))
-        s = pow2_scale(tl.max(amax, axis=0), FP8_EXP)
-        tl.store(scale_ptr, s)
+        tl.store(out_ptr + tl.program_id(0), tl.max(amax, axis=0))
 
 
 @triton.jit
-def quantize_kernel(x_ptr, scale_ptr, q_ptr, M, N, stride_x, stride_q, ROWWISE: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr):
-    """Rows [pid BM, pid BM + BM): ``q = x / s`` in q's dtype, s per row or per tensor (exact: s is 2^k)."""
+def quantize_kernel(x_ptr, scale_ptr, block_max_ptr, q_ptr, M, N, n_blocks, stride_x, stride_q, FP8_EXP: tl.constexpr,
+                    ROWWISE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Rows [pid BM, pid BM + BM): ``q = x / s`` in q's dtype (exact: s is 2^k). Per row, s from ``scale``; per tensor,
+    s = pow2_scale(max of the n_blocks block maxima), which program 0 also stores into ``scale``."""
     off_m = tl.program_id(0) * BM
     x_desc = tile_desc(x_ptr, M, N, stride_x, BM, BN)
     q_desc = tile_desc(q_ptr, M, N, stride_q, BM, BN)
@@ -123,7 +121,12 @@ def quantize_kernel(x_ptr, scale_ptr, q_ptr, M, N, stride_x, stride_q, ROWWISE: 
     if ROWWISE:
         s = tl.load(scale_ptr + rows, mask=rows < M, other=1.0)[:, None]
     else:
-        s = tl.load(scale_ptr)
+        amax = tl.zeros((BLOCK_B,), dtype=tl.float32)
+        for b0 in range(0, n_blocks, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            amax = tl.maximum(amax, tl.load(block_max_ptr + b, mask=b < n_blocks, other=0.0))
+        s = pow2_scale(tl.max(amax, axis=0), FP8_EXP)
+        tl.store(scale_ptr, s, mask=tl.program_id(0) == 0)
     inv = pow2_reciprocal(s)
     for off_n in range(0, N, BN):
         store_tile(q_desc, off_m, off_n, load_tile(x_desc, off_m, off_n) * inv)
@@ -132,15 +135,21 @@ def quantize_kernel(x_ptr, scale_ptr, q_ptr, M, N, stride_x, stride_q, ROWWISE: 
 def quantize_from_partials(x: torch.Tensor, part: torch.Tensor, n_tiles: int, rowwise: bool,
                            fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> Fp8:
     """Dynamic quantization of x [M, N] given its absmax partials ``part[:, :n_tiles]`` (per row, per N tile):
-    bit-identical to :func:`workloads.fp8.quantize`. Two launches: the scales, then one pass over x."""
+    bit-identical to :func:`workloads.fp8.quantize`. Two launches: :func:`scale_kernel` (the scales per row, or per
+    tensor the maxima of blocks of rows, in parallel), then one pass over x that quantizes it (per tensor, each of
+    its programs first takes the maximum of those block maxima: the few hundred values of a 16384-row x)."""
     M, N = x.shape
     q = torch.empty(M, N, device=x.device, dtype=fp8_dtype)
     scale = torch.empty((M, 1) if rowwise else (), device=x.device, dtype=torch.float32)
     block_t = triton.next_power_of_2(n_tiles)
     block_m = max(1, min(64, 4096 // block_t))
+    n_blocks = triton.cdiv(M, block_m)
+    block_max = scale if rowwise else torch.empty(n_blocks, device=x.device, dtype=torch.float32)
     exp = FP8_EXPONENT[fp8_dtype]
-    scale_kernel[(triton.cdiv(M, block_m) if rowwise else 1,)](part, scale, M, n_tiles, part.stride(0), FP8_EXP=exp,
-                                                                ROWWISE=rowwise, BLOCK_M=block_m, BLOCK_T=block_t)
+    scale_kernel[(n_blocks,)](part, scale if rowwise else block_max, M, n_tiles, part.stride(0), FP8_EXP=exp,
+                              ROWWISE=rowwise, BLOCK_M=block_m, BLOCK_T=block_t)
     bm, bn = (16, 32) if INTERPRET else (32, 256)
-    quantize_kernel[(triton.cdiv(M, bm),)](x, scale, q, M, N, x.stride(0), q.stride(0), ROWWISE=rowwise, BM=bm, BN=bn)
+    quantize_kernel[(triton.cdiv(M, bm),)](x, scale, block_max, q, M, N, n_blocks, x.stride(0), q.stride(0),
+                                           FP8_EXP=exp, ROWWISE=rowwise, BM=bm, BN=bn,
+                                           BLOCK_B=min(BLOCK_MAX_STEP, triton.next_power_of_2(n_blocks)))
     return Fp8(q, scale)

@@ -1,4 +1,4 @@
-"""Fused, split or Gluon: every fused kernel's host function also has a split alternative, and runs the faster.
+"""Fused, split or Gluon: every fused kernel's host function also has a split alternative, and runs the fastest.
 
 The fused path is CODA itself: one GEMM whose epilogue does the memory-bound work. Its *split* alternative
 computes the same outputs (same dtypes, shapes and layouts) as the plain GEMM (cuBLAS through torch;
@@ -30,7 +30,7 @@ argument, its flags) to the strategy chosen for that key:
   path wins if its median is lower than fused's by more than :data:`MARGIN` (ties go to the fused path, the
   reference of the CODA idea). The choice is stored in
   the autotuning cache file (:mod:`kernels.coda.tuning`: same file, keyed by GPU model and Triton version, entry
-  ``strategy:<function>:<hash of the source of both paths' modules>``), so later processes reuse it; a key the
+  ``strategy:<function>:<hash of the source of every path's module>``), so later processes reuse it; a key the
   cache lacks is first looked up in the GPU model's shipped table (``strategy:<function>``). Measurement
   runs on arguments that are safe to repeat (``safe``: e.g. not in place), never during CUDA graph capture or
   torch.compile tracing (there an unknown key runs fused, unstored);
@@ -65,7 +65,7 @@ FUSED, SPLIT, GLUON, AUTO = "fused", "split", "gluon", "auto"
 STRATEGIES = (FUSED, SPLIT, GLUON)
 ENV = "CODABENCH_STRATEGY"
 ROUNDS = 3
-"""Interleaved timing rounds of the two candidates."""
+"""Interleaved timing rounds of the candidates."""
 MARGIN = 0.02
 """Another path is chosen when its median is below (1 - MARGIN) x the fused median."""
 BENCH_MS = 25
