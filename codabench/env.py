@@ -96,10 +96,14 @@ def provider_metadata(impls: list[Implementation]) -> dict[str, Any]:
     return out
 
 
+def command() -> str:
+    """The command line of this process, as the user typed it (the script's name, then its arguments)."""
+    return " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])
+
+
 def collect_env(device: torch.device, impls: list[Implementation]) -> dict[str, Any]:
     env: dict[str, Any] = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "device": device.type,
         "git_sha": git_sha(),
         "codabench": codabench.__version__,

@@ -20,7 +20,7 @@ from typing import Any
 from codabench import plan as planning
 from codabench.ceilings import floor_ms, sol_ms
 from codabench.config import RunConfig
-from codabench.env import gpu_state
+from codabench.env import command, gpu_state
 from codabench.matrix import PLUGIN_OP, Cell, groups
 from codabench.measure import CellResult, RoundResult
 from codabench.progress import Progress
@@ -223,7 +223,9 @@ class Runner:
 
     def _run_facts(self) -> dict[str, Any]:
         cfg = self.cfg
-        return dict(suite=cfg.suite, run=cfg.out_dir.name, models={m: vars(cfg.model(m)) for m in cfg.selection.models},
+        # the command is this process's: the environment comes from the worker process, whose argv is its own
+        return dict(command=command(), suite=cfg.suite, run=cfg.out_dir.name,
+                    models={m: vars(cfg.model(m)) for m in cfg.selection.models},
                     shard=list(cfg.shard) if cfg.shard else None,
                     tokens=cfg.tokens, vocab=cfg.vocab, check_tokens=cfg.check_tokens, cuda_graph=cfg.cuda_graph,
                     timing=vars(cfg.timing), fp8_accum=cfg.fp8_accum, cell_timeout_s=cfg.cell_timeout_s,

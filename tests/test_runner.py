@@ -164,14 +164,16 @@ def test_cells_are_grouped_with_baselines_first(registry, tmp_path):
     assert all(isinstance(c, Cell) for c in build_cells(runner.cfg.selection, registry))
 
 
-def test_check_tokens_and_env(registry, tmp_path):
-    make_runner(tmp_path, ops=["gemm_out"], check_tokens=16).run()
+def test_check_tokens_and_env(registry, tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["/somewhere/run_bench.py", "--suite", "smoke"])
+    make_runner(tmp_path, ops=["gemm_out"], check_tokens=16).run()  # cells in a worker process
     df, _, env = load_run(tmp_path)
     row = df.iloc[0]
     assert (row["tokens"], row["check_tokens"], row["correct"]) == (TINY.tokens, 16, True)
     assert row[["fp8_recipe", "cast_ms", "rel_err_vs_bf16"]].isna().all()  # fp8 cells only
     assert (df["first_call_s"] > 0).all()  # every timed row has its warm-up figure
     assert env["device"] == "cpu" and env["torch"] and "torch-eager" in env["providers"]
+    assert env["command"] == "run_bench.py --suite smoke"  # the run's command, not the worker's ("-c 17")
     assert json.loads((tmp_path / "env.json").read_text())["check_tokens"] == 16
     finalize(tmp_path)
 
