@@ -98,8 +98,10 @@ class Gluon:
         return getattr(importlib.import_module(self.module), self.function)
 
 
+@functools.lru_cache(maxsize=None)
 def hopper(device: torch.device) -> bool:
-    """Whether ``device`` is a Hopper GPU (sm_90) and this Triton has Gluon's Hopper API."""
+    """Whether ``device`` is a Hopper GPU (sm_90) and this Triton has Gluon's Hopper API (asked at every call of a
+    host function with a Gluon path: cached)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
     return importlib.util.find_spec("triton.experimental.gluon") is not None
