@@ -10,8 +10,9 @@ computed ``y_i = silu(gate_i) up_i``, ``x = ... + y @ Wd^T``. Given the gradient
 recomputed activation ``y`` for the weight gradient ``dWd = dx^T y``; zdz comes from per-N-tile row
 partials and :func:`kernels.coda.reduce.finish_row_sum`; its epilogue runs on EPI_SUB column sub-tiles
 (autotuned: 2 or 4), each reading a [BM, 2 * BN / EPI_SUB] tile of z_pre. :func:`swiglu_bwd` is the
-elementwise kernel for a given dy (one pass over the rows; zdz summed in the kernel), the same epilogue on the tiles
-of dy; with y stored too it is :func:`dgrad_swiglu`'s split path (:mod:`kernels.coda.strategy`) after the plain GEMM.
+elementwise kernel for a given dy (one pass over the rows; zdz summed in the kernel), the same math
+(:func:`swiglu_bwd_tile`) on wide blocks of dy; with y stored too it is :func:`dgrad_swiglu`'s split path
+(:mod:`kernels.coda.strategy`) after the plain GEMM.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (col_subtile, dequant, join_pairs, load_tile, silu_mul_pairs_bwd, split_pairs,
+from kernels.coda.epilogue import (cast, col_subtile, dequant, join_pairs, load_tile, silu_mul_pairs_bwd, split_pairs,
                                    store_row_partial, store_tile)
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import FusedGemm
@@ -31,16 +32,22 @@ from workloads.fp8 import Fp8
 
 
 @triton.jit
-def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.constexpr, BN: tl.constexpr,
-                        STORE_Y: tl.constexpr = True):
-    """The epilogue on the (BM, BN) sub-tile dy at (off_m, off_n): interleaved (dgate, dup) and (STORE_Y) y; returns
-    the sub-tile's row sums of ``gate dgate + up dup``."""
-    gate, up = split_pairs(load_tile(zp_desc, off_m, 2 * off_n), BM, 2 * BN)
+def swiglu_bwd_tile(dy, z, BM: tl.constexpr, BN: tl.constexpr):
+    """The SwiGLU backward of a (BM, BN) tile dy, given the (BM, 2 BN) interleaved pre-activation tile z: the
+    interleaved ``(dgate, dup)`` tile, y, and the tile's row sums of ``gate dgate + up dup``."""
+    gate, up = split_pairs(z, BM, 2 * BN)
     dgate, dup, y = silu_mul_pairs_bwd(dy, gate, up)
-    if STORE_Y:
-        store_tile(y_desc, off_m, off_n, y)
-    store_tile(dzp_desc, off_m, 2 * off_n, join_pairs(dgate, dup, BM, 2 * BN))
-    return tl.sum(gate * dgate + up * dup, axis=1)
+    return join_pairs(dgate, dup, BM, 2 * BN), y, tl.sum(gate * dgate + up * dup, axis=1)
+
+
+@triton.jit
+def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.constexpr, BN: tl.constexpr):
+    """The fused kernel's epilogue on the (BM, BN) sub-tile dy at (off_m, off_n): :func:`swiglu_bwd_tile`, through
+    the tiles of z_pre, dz_pre and y; returns the sub-tile's row sums."""
+    dz, y, zdz = swiglu_bwd_tile(dy, load_tile(zp_desc, off_m, 2 * off_n), BM, BN)
+    store_tile(y_desc, off_m, off_n, y)
+    store_tile(dzp_desc, off_m, 2 * off_n, dz)
+    return zdz
 
 
 @coda_autotune(configs=subtiled_configs())
@@ -74,18 +81,23 @@ def _check_preact(z_pre: torch.Tensor, M: int, f: int) -> None:
 @triton.jit
 def swiglu_bwd_kernel(dy_ptr, zp_ptr, dzp_ptr, y_ptr, zdz_ptr, M, N, stride_dy, stride_zp, stride_dzp, stride_y,
                       STORE_Y: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Rows [pid BM, pid BM + BM): the fused kernel's epilogue (:func:`_swiglu_bwd_subtile`) on each (BM, BN) tile
-    of dy: interleaved (dgate, dup), (STORE_Y) y, and zdz = sum_i gate dgate + up dup."""
-    off_m = tl.program_id(0) * BM
-    dy_desc = tile_desc(dy_ptr, M, N, stride_dy, BM, BN)
-    zp_desc = tile_desc(zp_ptr, M, 2 * N, stride_zp, BM, 2 * BN)
-    dzp_desc = tile_desc(dzp_ptr, M, 2 * N, stride_dzp, BM, 2 * BN)
-    y_desc = tile_desc(y_ptr, M, N, stride_y, BM, BN)
+    """Rows [pid BM, pid BM + BM): :func:`swiglu_bwd_tile` on each (BM, BN) block of dy, read and written with
+    pointer accesses of whole rows' spans (a bandwidth-bound pass: wide blocks, no descriptors): interleaved
+    (dgate, dup), (STORE_Y) y, and zdz = sum_i gate dgate + up dup."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    r = rows[:, None].to(tl.int64)
     zdz = tl.zeros((BM,), dtype=tl.float32)
     for off_n in range(0, N, BN):
-        zdz += _swiglu_bwd_subtile(load_tile(dy_desc, off_m, off_n), off_m, off_n, zp_desc, dzp_desc, y_desc, BM, BN,
-                                   STORE_Y)
-    rows = off_m + tl.arange(0, BM)
+        cols = off_n + tl.arange(0, BN)[None, :]
+        cols2 = 2 * off_n + tl.arange(0, 2 * BN)[None, :]
+        mask, mask2 = (r < M) & (cols < N), (r < M) & (cols2 < 2 * N)
+        dy = tl.load(dy_ptr + r * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(zp_ptr + r * stride_zp + cols2, mask=mask2, other=0.0).to(tl.float32)
+        dz, y, part = swiglu_bwd_tile(dy, z, BM, BN)
+        if STORE_Y:
+            tl.store(y_ptr + r * stride_y + cols, cast(y, y_ptr.dtype.element_ty), mask=mask)
+        tl.store(dzp_ptr + r * stride_dzp + cols2, cast(dz, dzp_ptr.dtype.element_ty), mask=mask2)
+        zdz += part
     tl.store(zdz_ptr + rows, zdz, mask=rows < M)
 
 
@@ -98,9 +110,10 @@ def _swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor, y: torch.Tensor | None
     dz_pre = torch.empty_like(z_pre)
     zdz = torch.empty(M, device=dy.device, dtype=torch.float32)
     out = y if y is not None else dy
-    bm, bn = (16, 32) if INTERPRET else (16, 128)
+    bm, bn = (16, 32) if INTERPRET else (8, 512)
     swiglu_bwd_kernel[(triton.cdiv(M, bm),)](dy, z_pre, dz_pre, out, zdz, M, N, dy.stride(0), z_pre.stride(0),
-                                             dz_pre.stride(0), out.stride(0), STORE_Y=y is not None, BM=bm, BN=bn)
+                                             dz_pre.stride(0), out.stride(0), STORE_Y=y is not None, BM=bm, BN=bn,
+                                             num_warps=8)
     return dz_pre, zdz
 
 
