@@ -63,9 +63,13 @@ class Runner:
 
     def run(self):
         cfg = self.cfg
-        writer = RunWriter(cfg.out_dir, cfg.resume)
-        plan = [(c, s) for c, s in self.plan() if c.key not in writer.done]
         worker = self.worker or (WorkerProcess(cfg) if cfg.isolate else InlineWorker(cfg, self.registry))
+        try:
+            writer = RunWriter(cfg.out_dir, cfg.resume)
+        except BaseException:  # e.g. --out holds a run: stop the worker the command line spawned, not orphan it
+            worker.close()
+            raise
+        plan = [(c, s) for c, s in self.plan() if c.key not in writer.done]
         progress = Progress(len(plan), [c for c, s in plan if s == planning.RUN], enabled=cfg.show_progress)
         impls = list(dict.fromkeys((c.op, c.impl) for c in self.cells))
         start = time.time()

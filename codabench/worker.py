@@ -78,25 +78,28 @@ def dispatch(measurer: Measurer, method: str, args: tuple) -> Any:
 
 def serve(conn: Connection) -> None:
     """The worker process's main loop: receive the run's config, load the implementations, then answer requests
-    until told to stop."""
+    until told to stop, or until the parent is gone (its end of the connection closed: the worker ends quietly)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cfg: RunConfig = conn.recv()
+    try:
+        cfg: RunConfig = conn.recv()
+    except (EOFError, OSError):
+        return
     guard.snapshot()
     registry = discover(cfg.plugin_files, entry_points=cfg.entry_points)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: a plugin's import may have set its own handler
     measurer = Measurer(cfg, registry)
-    conn.send(("ready", None))
-    while True:
-        try:
+    try:
+        conn.send(("ready", None))
+        while True:
             method, args = conn.recv()
-        except EOFError:
-            return
-        if method == "stop":
-            return
-        conn.send(("done", dispatch(measurer, method, args)))
-        if measurer.device_lost:
-            conn.close()
-            os._exit(DEVICE_LOST_EXIT)
+            if method == "stop":
+                return
+            conn.send(("done", dispatch(measurer, method, args)))
+            if measurer.device_lost:
+                conn.close()
+                os._exit(DEVICE_LOST_EXIT)
+    except (EOFError, OSError):  # the parent closed the connection or exited
+        return
 
 
 class WorkerProcess:

@@ -2,9 +2,11 @@
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pandas as pd
@@ -21,7 +23,8 @@ from codabench.discovery import load_plugin_file
 from codabench.results import load_run
 from codabench import plan as planning
 from codabench.runner import Runner, _Pending
-from codabench.worker import WorkerProcess
+from codabench.worker import WORKER_MAIN, WorkerProcess
+from codabench.writer import RunExists
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,6 +177,36 @@ def test_an_interrupted_request_retires_the_worker_and_the_run_asks_it_nothing_m
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="signals")
+def test_a_refused_run_directory_stops_the_spawned_worker(registry, tmp_path):
+    """The command line spawns its worker before the run checks --out: a directory that holds a run (no --resume)
+    must stop that worker, not orphan it (it printed a BrokenPipeError traceback seconds after the exit)."""
+    make_runner(tmp_path, ops=["gemm_out"], modes=("fwd",)).run()
+    runner = make_runner(tmp_path, ops=["gemm_out"], modes=("fwd",))
+    worker = WorkerProcess(runner.cfg)
+    worker.spawn()
+    proc = worker._proc
+    runner.worker = worker
+    with pytest.raises(RunExists):
+        runner.run()
+    assert proc.poll() is not None and worker._proc is None
+
+
+def test_a_worker_whose_parent_is_gone_ends_quietly(registry, tmp_path):
+    """A worker whose parent closed the connection before it was ready (or while it waits for a request) exits 0
+    without a traceback on the terminal they share."""
+    cfg = make_runner(tmp_path, ops=["gemm_out"], modes=("fwd",)).cfg
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+    proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                            env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    theirs.close()
+    conn = Connection(ours.detach())
+    conn.send(cfg)
+    conn.close()  # the parent leaves while the worker imports
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+
+
 def test_ctrl_c_writes_the_report(tmp_path):
     """SIGINT in the middle of a hanging cell: exit 130, the finished rows kept, the report written."""
     out = tmp_path / "run"
