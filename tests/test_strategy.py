@@ -373,18 +373,24 @@ GPU_OPS = [("rmsnorm_linear", "fwd_bwd"), ("rmsnorm_swiglu", "fwd_bwd"), ("rmsno
            ("swiglu_dgrad", "bwd")]
 
 
-@gpu_only
-@pytest.mark.parametrize("op_name,mode", GPU_OPS)
-def test_split_and_fused_pass_the_harness_check_in_bf16_on_the_gpu(op_name, mode, strategy):
-    """Every op of coda-triton under each strategy, bf16, at a 1B-like shape with 1024 tokens: the pass rule."""
+def passes_the_harness_check_on_the_gpu(op_name: str, mode: str) -> str:
+    """coda-triton's ``op_name`` in ``mode``, bf16, at a 1B-like shape with 1024 tokens, checked by the harness (the
+    pass rule); what it says it ran (``describe``)."""
     op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
     model = get_model("llama-1b").with_(tokens=1024, vocab=8192)
     case = Case(op, model, mode, "bf16", torch.device("cuda"),
                 op.make_inputs(model, torch.bfloat16, "cuda", CHECK_SEED))
     outcome = check_impl(build_reference(op, case), impl)
     assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])
-    assert impl.describe({}) and all(s == strategy for part in impl.describe({}).split() for s in
-                                     part.split(":")[1].split(","))
+    return impl.describe({})
+
+
+@gpu_only
+@pytest.mark.parametrize("op_name,mode", GPU_OPS)
+def test_split_and_fused_pass_the_harness_check_in_bf16_on_the_gpu(op_name, mode, strategy):
+    """Every op of coda-triton under each strategy: the pass rule, and every kernel took that path."""
+    ran = passes_the_harness_check_on_the_gpu(op_name, mode)
+    assert ran and all(s == strategy for part in ran.split() for s in part.split(":")[1].split(",")), ran
 
 
 @gpu_only
@@ -453,10 +459,5 @@ def test_gluon_producer_matches_its_triton_twin_on_hopper(m, n, k, dtype):
 def test_the_gluon_path_passes_the_harness_check_on_hopper(op_name, mode, monkeypatch):
     """coda-triton with the Gluon path forced (where it applies: the producers; fused elsewhere), bf16, the pass rule."""
     monkeypatch.setenv(S.ENV, "gluon")
-    op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
-    model = get_model("llama-1b").with_(tokens=1024, vocab=8192)
-    case = Case(op, model, mode, "bf16", torch.device("cuda"),
-                op.make_inputs(model, torch.bfloat16, "cuda", CHECK_SEED))
-    outcome = check_impl(build_reference(op, case), impl)
-    assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])
-    assert "residual_norm:gluon" in impl.describe({}), impl.describe({})
+    ran = passes_the_harness_check_on_the_gpu(op_name, mode)
+    assert "residual_norm:gluon" in ran, ran
