@@ -144,10 +144,10 @@ def quantize_from_partials(x: torch.Tensor, part: torch.Tensor, n_tiles: int, ro
     block_t = triton.next_power_of_2(n_tiles)
     block_m = max(1, min(64, 4096 // block_t))
     n_blocks = triton.cdiv(M, block_m)
-    block_max = scale if rowwise else torch.empty(n_blocks, device=x.device, dtype=torch.float32)
+    block_max = scale if rowwise else torch.empty(n_blocks, device=x.device, dtype=torch.float32)  # scale_kernel's out
     exp = FP8_EXPONENT[fp8_dtype]
-    scale_kernel[(n_blocks,)](part, scale if rowwise else block_max, M, n_tiles, part.stride(0), FP8_EXP=exp,
-                              ROWWISE=rowwise, BLOCK_M=block_m, BLOCK_T=block_t)
+    scale_kernel[(n_blocks,)](part, block_max, M, n_tiles, part.stride(0), FP8_EXP=exp, ROWWISE=rowwise,
+                              BLOCK_M=block_m, BLOCK_T=block_t)
     bm, bn = (16, 32) if INTERPRET else (32, 256)
     quantize_kernel[(triton.cdiv(M, bm),)](x, scale, block_max, q, M, N, n_blocks, x.stride(0), q.stride(0),
                                            FP8_EXP=exp, ROWWISE=rowwise, BM=bm, BN=bn,

@@ -37,8 +37,8 @@ rmsnorm_ce and lm_head_ce with grad compute the LM head's gradients in the forwa
 (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`), as Liger's fused linear cross-entropy does: their
 ``bwd`` cells would time little more than handing those gradients back, so they are n/a (``grads_in_forward``),
 as Liger's are; ``fwd`` (no grad) is unchanged, and ``fwd_bwd`` is the comparison that counts.
-Each fused kernel runs fused or split (:mod:`kernels.coda.strategy`); ``describe`` reports which, for the cell's last
-call (the ``strategy`` column).
+Each fused kernel runs fused, split or gluon (:mod:`kernels.coda.strategy`); ``describe`` reports which, for the
+cell's last call (the ``strategy`` column).
 
 fp8 cells (``fp8`` per-tensor, ``fp8-row`` rowwise): ``prepare`` also quantizes the op's GEMM operands
 (after the layout changes) under the cell's recipe; the compositions run through

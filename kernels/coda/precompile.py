@@ -66,8 +66,8 @@ _SKIPPED: list[str] = []
 
 
 def skipped(what: str) -> bool:
-    """Called where a host function is about to measure fused against split on its data: in a dry pass, whose data
-    is garbage, note ``what`` as left to the real step and return True; otherwise return False."""
+    """Called where a host function is about to measure its paths (fused, split, gluon) on its data: in a dry pass,
+    whose data is garbage, note ``what`` as left to the real step and return True; otherwise return False."""
     if _DRY:
         _SKIPPED.append(what)
     return _DRY
