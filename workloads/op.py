@@ -68,6 +68,12 @@ class Op:
     """Inputs that get no gradient (targets, positions, saved statistics)."""
     fp8_operands: ClassVar[dict[str, fp8.Role]] = {}
     """Inputs that are GEMM operands, with their role in an fp8 recipe (no entry: the op has no fp8 cells)."""
+    halved: ClassVar[tuple[str, ...]] = ()
+    """Floating inputs that :meth:`rescaled` halves where the others double. The checks compare against PyTorch with
+    the error allowed at the original scale, so the new inputs must keep the problem as well conditioned: a saved
+    statistic stays consistent with its input (rstd = 1 / rms(x) halves when x doubles), and an LM head's weight
+    halves so that its logits keep their scale. (Logits x4 sharpened the softmax so much that PyTorch's own error in
+    the lse from its bf16 logits grew ~200-fold, past what the checks allow: the fp8 CE cells failed on an H200.)"""
     level: ClassVar[Literal["pattern", "kernel", "model"]] = "pattern"
     """What a cell of the op measures, which decides the suites that hold it (:mod:`workloads.suites`):
 
@@ -95,11 +101,11 @@ class Op:
 
     def rescaled(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The inputs at another exact scale, for the new inputs of the anti-cheat checks (:mod:`codabench.verify`):
-        each floating input x2 (exact in every float format, fp8's grid included), so that every input changes even
-        where a new seed leaves it as it was. An op whose inputs hold a statistic of another input (a saved rstd)
-        keeps the two consistent: the checks compare against PyTorch with the error allowed at the original scale,
-        and an inconsistent scale can change how well the problem is conditioned (logits x8 sharpen a softmax)."""
-        return {k: v * 2 if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+        each floating input x2, or /2 where named in :attr:`halved` (exact in every float format, fp8's grid
+        included, but for fp16 subnormals halved), so that every input changes even where a new seed leaves it as it
+        was."""
+        return {k: (v / 2 if k in self.halved else v * 2) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                else v for k, v in inputs.items()}
 
     def derived_inputs(self, inputs: dict[str, torch.Tensor], model: ModelShape) -> dict[str, torch.Tensor]:
         """Inputs computed from other inputs (saved statistics), recomputed after fp8 rounding; default: none."""

@@ -32,6 +32,7 @@ class GemmCrossEntropy(ConsumerOp):
     description = "LM-head GEMM + RMSNorm row scale + LSE / cross-entropy (the consumer kernel, logits never written)"
     outputs = ("loss", "lse")
     fp8_operands = {"h": "act", "w_lm": "weight"}
+    halved = ("rstd", "w_lm")
     with_grad: ClassVar[bool] = False
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):

@@ -15,6 +15,7 @@ class LMHeadCrossEntropy(Op):
     side_outputs = ("rstd", "lse")
     consts = ("target",)
     fp8_operands = {"w_lm": "weight"}
+    halved = ("w_lm",)
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)

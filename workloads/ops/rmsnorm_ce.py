@@ -16,6 +16,7 @@ class RMSNormCrossEntropy(Op):
     side_outputs = ("rstd", "lse")
     consts = ("target",)
     fp8_operands = {"a": "act", "w_down": "weight", "w_lm": "weight"}
+    halved = ("w_lm",)
 
     def make_inputs(self, model: ModelShape, dtype, device, seed):
         mk = InputMaker(dtype, device, seed)
