@@ -21,8 +21,7 @@ from kernels.coda import cross_entropy_bwd
 from kernels.coda.cross_entropy_bwd import ce_chunk_rows, ce_grad_scale
 from kernels.coda.gemm import matmul
 from kernels.coda.functions import CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer, producer_consumer
-from kernels.coda.reduce import row_dot
-from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
+from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm, norm_zdz
 from kernels.coda.rope_bwd import rope_bwd
 from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
 from workloads import reference as R
@@ -71,7 +70,7 @@ def test_dgrad_swiglu(dtype, strategy):
     ref, tor = op.reference(f64(inp), TINY), op.reference(inp, TINY)
     with launches() as names:
         dz_pre, y, zdz = dgrad_swiglu(inp["dx"], inp["w_down"], L.interleave_cols(inp["gate"], inp["up"]))
-    assert names == {"fused": ["dgrad_swiglu_kernel", "row_sum_kernel"], "split": ["swiglu_bwd_kernel"]}[strategy]
+    assert names == {"fused": ["dgrad_swiglu_kernel", "row_sum_kernel"], "split": ["swiglu_bwd_kernel", "row_sum_kernel"]}[strategy]
     dgate, dup = L.deinterleave_cols(dz_pre)
     for name, out in [("dgate", dgate), ("dup", dup), ("a", y), ("zdz", zdz)]:
         check(name, out, ref[name], tor[name])
@@ -88,12 +87,12 @@ def swiglu_grads(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_bwd_elementwise(dtype):
-    M, f = 40, 88  # two column blocks of the interpreter's 32 (one masked), three row blocks (one masked)
+    M, f = 40, 88  # three column blocks of the interpreter's 32 (one masked), three row blocks (one masked)
     dy, gate, up = (rand(M, f, dtype=dtype, seed=s) for s in (3, 4, 5))
     ref, tor = swiglu_grads(dy.double(), gate.double(), up.double()), swiglu_grads(dy, gate, up)
     with launches() as names:
         dz_pre, zdz = swiglu_bwd(dy, L.interleave_cols(gate, up))
-    assert names == ["swiglu_bwd_kernel"]
+    assert names == ["swiglu_bwd_kernel", "row_sum_kernel"]  # blocks, then the sum of their row partials
     dgate, dup = L.deinterleave_cols(dz_pre)
     for name, out, r, t in zip(("dgate", "dup", "zdz"), (dgate, dup, zdz), ref, tor):
         check(name, out, r, t)
@@ -124,12 +123,22 @@ def test_rope_bwd(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_dot(dtype):
-    a, b = rand(40, 72, dtype=dtype, seed=8), rand(40, 72, dtype=dtype, seed=9)
+def test_dgrad_rmsnorm_without_zdz_takes_it_from_gy_on_the_split_path(dtype, strategy):
+    """A consumer that keeps no z (the plain linear) gives no ZdZ: the split path computes it from the dgrad output,
+    rstd sum_j gy_j gamma_j x_j, under every strategy (the fused epilogue needs c before its first tile); the
+    results equal those from the saved zdz."""
+    op = OPS["rmsnorm_dgrad"]
+    inp = op.make_inputs(TINY, dtype, "cpu", seed=1)
+    ref, tor = op.reference(f64(inp), TINY), op.reference(inp, TINY)
     with launches() as names:
-        out = row_dot(a, b)
-    assert names == ["row_dot_kernel"] and out.dtype == torch.float32
-    check("row_dot", out, (a.double() * b.double()).sum(-1), (a.float() * b.float()).sum(-1))
+        dx, y, dgamma = dgrad_rmsnorm(inp["dz"], inp["w"], inp["x"], inp["rstd"], inp["gamma"], None,
+                                      inp["dres"].clone())
+    assert names == ["norm_zdz_kernel", "rmsnorm_bwd_rows_kernel", "col_sum_kernel"]
+    for name, out in [("dx", dx), ("y", y), ("dgamma", dgamma)]:
+        check(name, out, ref[name], tor[name])
+    gy = inp["dz"] @ inp["w"]
+    torch_zdz = inp["rstd"] * (gy.float() * inp["gamma"].float() * inp["x"].float()).sum(-1)
+    check("zdz", norm_zdz(gy, inp["x"], inp["rstd"], inp["gamma"]), f64(inp)["zdz"], torch_zdz)
 
 
 def test_ce_grad_scale_and_scaled_matmul_epilogue():

@@ -10,7 +10,7 @@ Three compositions, each parametrized by the *consumer* GEMM that reads a normal
 
 Consumers: :class:`Linear` (z), :class:`SwiGLU` (y), :class:`RoPE` (rotated qkv), :class:`CrossEntropy`
 (loss). A consumer's backward yields ``(dz, zdz)``: the gradient of its GEMM output ``z`` and the ZdZ
-statistic ``<z, dz>``. Then
+statistic ``<z, dz>`` (or None, for the plain linear, which keeps no z). Then
 
     dx, y, dgamma = dgrad_rmsnorm(dz, W, x, rstd, gamma, zdz, dres)       (one fused dgrad GEMM)
     dW = dz^T y;   producer: da = dx Wp, dWp = dx^T a, dresidual = dx       (plain GEMMs, :func:`~kernels.coda.gemm.mm`)
@@ -47,7 +47,6 @@ from kernels.coda.cross_entropy_bwd import lm_head_ce_grad
 from kernels.coda.gemm import mm
 from kernels.coda.mainloop import set_scratch_allocator
 from kernels.coda.producer import gemm_residual_norm, norm_input
-from kernels.coda.reduce import row_dot
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.rope import gemm_rope
 from kernels.coda.rope_bwd import rope_bwd
@@ -75,7 +74,7 @@ class Consumer:
         raise NotImplementedError
 
     def backward(self, grad: torch.Tensor, saved: Saved) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(dz, zdz)`` from the output's gradient: the gradient of z and zdz = <z, dz>."""
+        """``(dz, zdz)`` from the output's gradient: the gradient of z and zdz = <z, dz> (None: not known here)."""
         raise NotImplementedError
 
     def forward_grad(self, h: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
@@ -86,15 +85,14 @@ class Consumer:
 
 
 class Linear(Consumer):
-    """``z`` itself (pattern (a), plain row scale); keeps z, ZdZ by a row dot product."""
+    """``z`` itself (pattern (a), plain row scale); keeps nothing: no ZdZ, which the RMSNorm backward then takes from
+    its dgrad output (:func:`kernels.coda.rmsnorm_bwd.norm_zdz`, on the split path)."""
 
     def forward(self, h, w, rstd, save, promote=False):
-        z = scaled_linear(h, w, rstd, promote)
-        return z, (), (z,) if save else ()
+        return scaled_linear(h, w, rstd, promote), (), ()
 
     def backward(self, dz, saved):
-        (z,) = saved
-        return dz, row_dot(z, dz)
+        return dz, None
 
 
 class SwiGLU(Consumer):

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import load_tile
-from kernels.coda.mainloop import INTERPRET, tile_desc
 
 # ---- host helpers: partial buffers --------------------------------------------------------------
 
@@ -100,31 +98,6 @@ def finish_col_sum(part: torch.Tensor, n_tiles: int, dtype: torch.dtype = torch.
     N = part.shape[1]
     out = torch.empty(N, device=part.device, dtype=dtype)
     col_sum_kernel[(triton.cdiv(N, 128),)](part, out, N, n_tiles, part.stride(0), BLOCK_N=128, BLOCK_T=32)
-    return out
-
-
-@triton.jit
-def row_dot_kernel(a_ptr, b_ptr, out_ptr, M, N, stride_a, stride_b, BM: tl.constexpr, BN: tl.constexpr):
-    """Rows [pid BM, pid BM + BM): ``out_m = sum_j a_mj b_mj`` in fp32, one pass over the columns."""
-    off_m = tl.program_id(0) * BM
-    a_desc = tile_desc(a_ptr, M, N, stride_a, BM, BN)
-    b_desc = tile_desc(b_ptr, M, N, stride_b, BM, BN)
-    acc = tl.zeros((BM,), dtype=tl.float32)
-    for off_n in range(0, N, BN):
-        acc += tl.sum(load_tile(a_desc, off_m, off_n) * load_tile(b_desc, off_m, off_n), axis=1)
-    rows = off_m + tl.arange(0, BM)
-    tl.store(out_ptr + rows, acc, mask=rows < M)
-
-
-def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 [M]: ``sum_j a_mj b_mj`` of two [M, N] tensors (ZdZ of a consumer whose output z is kept)."""
-    if a.shape != b.shape or a.dim() != 2:
-        raise ValueError(f"row_dot needs two [M, N] tensors, got {tuple(a.shape)} and {tuple(b.shape)}")
-    a, b = a.contiguous(), b.contiguous()
-    M, N = a.shape
-    out = torch.empty(M, device=a.device, dtype=torch.float32)
-    bm, bn = (16, 32) if INTERPRET else (16, 256)
-    row_dot_kernel[(triton.cdiv(M, bm),)](a, b, out, M, N, a.stride(0), b.stride(0), BM=bm, BN=bn)
     return out
 
 

@@ -18,7 +18,9 @@ For a plain GEMM (:func:`kernels.coda.gemm.mm`) the fused path is the mainloop a
 no epilogue kernel at all. A host function may also have a *Gluon* path (:class:`Gluon`): a warp-specialized
 kernel for Hopper (sm_90) written in Gluon, Triton's lower-level dialect, which the Triton language cannot express
 (PERF_NOTES.md). It has no interpreter, so its fused Triton twin is its CPU-tested reference; it takes part where
-its ``applies`` holds (the GPU, the dtypes), and the fused path runs elsewhere.
+its ``applies`` holds (the GPU, the dtypes), and the fused path runs elsewhere. A call the fused kernel cannot
+take (``fuses`` false: :func:`kernels.coda.rmsnorm_bwd.dgrad_rmsnorm` without a ZdZ, which its epilogue needs before
+the first tile) runs split, forced or not, unmeasured.
 
 The decorated function dispatches each call by its key (:func:`call_key`: the shape and dtype of each tensor
 argument, its flags) to the strategy chosen for that key:
@@ -228,8 +230,8 @@ class Chooser:
     """The strategy of each key of one host function: forced, known (this process or the cache file), or measured."""
 
     def __init__(self, fused: Callable, split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]],
-                 gluon: Gluon | None = None):
-        self.fused, self.split, self.safe, self.gluon = fused, split, safe, gluon
+                 gluon: Gluon | None = None, fuses: Callable[[dict[str, Any]], bool] = lambda arguments: True):
+        self.fused, self.split, self.safe, self.gluon, self.fuses = fused, split, safe, gluon, fuses
         self.name = fused.__name__
         sources = list(dict.fromkeys(inspect.getsource(inspect.getmodule(f)) for f in (fused, split)))
         sources += [gluon.source()] if gluon else []
@@ -253,6 +255,8 @@ class Chooser:
         return (FUSED, SPLIT, GLUON) if gluon else (FUSED, SPLIT)
 
     def choose(self, arguments: dict[str, Any]) -> str:
+        if not self.fuses(arguments):
+            return SPLIT
         strategy = forced()
         if strategy is not None:
             return strategy if strategy != GLUON or GLUON in self.strategies(arguments) else FUSED
@@ -299,14 +303,16 @@ def serves(record: dict[str, Any], candidates: tuple[str, ...]) -> bool:
 
 
 def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]] = dict,
-               gluon: Gluon | None = None) -> Callable:
+               gluon: Gluon | None = None, fuses: Callable[[dict[str, Any]], bool] = lambda arguments: True
+               ) -> Callable:
     """Decorate a fused host function: each call runs it, ``split`` or ``gluon`` (same signature, same results), by
-    :class:`Chooser`. ``safe`` maps a call's arguments to ones a measurement may repeat (no input written in place).
+    :class:`Chooser`. ``safe`` maps a call's arguments to ones a measurement may repeat (no input written in place);
+    ``fuses`` whether the fused kernel can take a call at all (else split).
     The decorated function keeps the first two as ``.fused`` and ``.split``, and its chooser as ``.chooser``."""
 
     def deco(fused: Callable) -> Callable:
         signature = inspect.signature(fused)
-        chooser = Chooser(fused, split, safe, gluon)
+        chooser = Chooser(fused, split, safe, gluon, fuses)
 
         @functools.wraps(fused)
         def dispatch(*args: Any, **kwargs: Any) -> Any:
