@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,23 @@ def git_sha() -> str | None:
         return sha.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def code_tree(repo: Path = REPO_ROOT) -> str | None:
+    """The git tree hash of the code as it is on disk: every file git does not ignore, tracked or not, hashed into a
+    throwaway index (the repository's own index and work tree are untouched; git stores the blobs as objects). It
+    equals ``git rev-parse COMMIT^{tree}`` of the commit whose files these are, whatever HEAD says: a copy of a work
+    tree with a stale ``.git`` (a GPU node's) still names its code."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        try:
+            for cmd in (["git", "add", "-A", "."], ["git", "write-tree"]):
+                out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+                if out.returncode != 0:
+                    return None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return out.stdout.strip() or None
 
 
 def _nvml_handle(device: torch.device):
@@ -106,6 +124,7 @@ def collect_env(device: torch.device, impls: list[Implementation]) -> dict[str, 
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device.type,
         "git_sha": git_sha(),
+        "code_tree": code_tree(),
         "codabench": codabench.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),

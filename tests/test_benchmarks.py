@@ -145,3 +145,17 @@ def test_fused_kernels_compile_for_hopper_through_the_launch_helper():
     for case, _, regs, stack, local, shared in rows:
         assert 0 < int(regs) <= 255 and int(stack) == int(local) == 0, (case, regs, stack, local)
         assert 0 < int(shared) <= HOPPER_SMEM, (case, shared)
+
+
+# ---- tune_tables.py: regenerating a shipped table ------------------------------------------------------------
+
+def test_tune_tables_runs_a_suite_once_or_as_one_shard_per_gpu():
+    """One GPU: the suite's CODA cells in one run; N GPUs: N runs at once, shard i/N on GPU i only (whole groups, so
+    every shape is tuned once), each writing its own run directory."""
+    tune = load_script("tune_tables")
+    [(cmd, env)] = tune.shard_commands("full", 1, "/tmp/c")
+    assert "--shard" not in cmd and cmd[cmd.index("--impls") + 1] == "coda-triton" and cmd[-1] == "/tmp/c/run-full"
+    runs = tune.shard_commands("train", 3, "/tmp/c")
+    assert [c[c.index("--shard") + 1] for c, _ in runs] == ["1/3", "2/3", "3/3"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for _, e in runs] == ["0", "1", "2"]
+    assert len({c[-1] for c, _ in runs}) == 3 and all(c[c.index("--impls") + 1] == "hf-coda" for c, _ in runs)

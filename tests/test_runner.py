@@ -178,6 +178,42 @@ def test_check_tokens_and_env(registry, tmp_path, monkeypatch):
     finalize(tmp_path)
 
 
+def test_the_code_tree_names_the_code_on_disk_even_under_a_stale_head(tmp_path):
+    """env.json's code_tree: the git tree of the files on disk (tracked or not, never ignored ones), equal to the
+    tree of the commit that holds them; a copy whose .git is older (a GPU node's) still names the newer commit."""
+    import shutil
+    import subprocess
+
+    from codabench.env import code_tree
+
+    def git(*args, cwd=tmp_path / "repo"):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git("init", "-q")
+    (repo / ".gitignore").write_text("*.log\n")
+    (repo / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    stale = tmp_path / "node"
+    shutil.copytree(repo, stale)  # the node's copy: its .git stops at "one"
+    assert code_tree(repo) == git("rev-parse", "HEAD^{tree}")
+    (repo / "a.py").write_text("x = 2\n")
+    (repo / "b.py").write_text("y = 1\n")  # new, not yet added
+    (repo / "run.log").write_text("ignored\n")
+    on_disk = code_tree(repo)
+    assert on_disk != git("rev-parse", "HEAD^{tree}") and git("status", "--porcelain") != ""
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert on_disk == git("rev-parse", "HEAD^{tree}")  # the commit that holds these files
+    for f in ("a.py", "b.py", "run.log"):
+        shutil.copy(repo / f, stale / f)
+    assert code_tree(stale) == on_disk and git("rev-parse", "HEAD", cwd=stale) != git("rev-parse", "HEAD")
+    assert code_tree(tmp_path / "repo" / ".git" / "..") == on_disk and code_tree(tmp_path / "nogit") is None
+
+
 def test_rounds_interleave_a_groups_cells_and_gemms_and_pool_samples(registry, tmp_path, monkeypatch):
     """--rounds: every round times each cell of the group in turn, then the group's speed-of-light GEMMs; a cell's
     samples are pooled over the rounds (and kept per round); a cell that fails in a later round becomes an error

@@ -447,7 +447,8 @@ def _facts(env: dict[str, Any], counts: dict[str, int], n_pass: int, n_ok: int) 
     if wall and _num(env.get("first_calls_s")) is not None:
         wall += f" (first calls: compile, JIT, autotune {_hms(env['first_calls_s'])}; the rest {_hms(env['rest_s'])})"
     facts = [("suite", env.get("suite")), ("device", gpu or env.get("device")), ("started", env.get("timestamp")),
-             ("wall time", wall), ("git", env.get("git_sha")), ("torch", env.get("torch")),
+             ("wall time", wall), ("git", env.get("git_sha")), ("code tree", env.get("code_tree")),
+             ("torch", env.get("torch")),
              ("triton", env.get("triton")), ("CUDA", env.get("cuda")),
              ("cells", ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))),
              ("correct", f"{n_pass} of {n_ok} timed cells pass")]
