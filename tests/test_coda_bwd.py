@@ -70,7 +70,8 @@ def test_dgrad_swiglu(dtype, strategy):
     ref, tor = op.reference(f64(inp), TINY), op.reference(inp, TINY)
     with launches() as names:
         dz_pre, y, zdz = dgrad_swiglu(inp["dx"], inp["w_down"], L.interleave_cols(inp["gate"], inp["up"]))
-    assert names == {"fused": ["dgrad_swiglu_kernel", "row_sum_kernel"], "split": ["swiglu_bwd_kernel", "row_sum_kernel"]}[strategy]
+    first = {"fused": "dgrad_swiglu_kernel", "split": "swiglu_bwd_kernel"}[strategy]
+    assert names == [first, "row_sum_kernel"]  # either way, the kernel's zdz partials are then summed
     dgate, dup = L.deinterleave_cols(dz_pre)
     for name, out in [("dgate", dgate), ("dup", dup), ("a", y), ("zdz", zdz)]:
         check(name, out, ref[name], tor[name])

@@ -202,10 +202,10 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     """``(dx, y, dgamma)`` of RMSNorm followed by ``z = y @ w.T``, given ``dz`` (see the module docstring).
 
     dz [M, N'] and w [N', d] (nn.Linear layout of the consumer GEMM); x [M, d] the saved residual stream,
-    rstd and zdz fp32 [M] (zdz None: the split path computes it from gy, :func:`norm_zdz`), gamma [d]. ``dres`` [M, d] is the incoming residual gradient (None: zero), and
-    ``inplace`` writes dx into it. ``dz_scale`` (float, or a one-element tensor read on the device) multiplies
-    dz, and with it gy, dx, dgamma and c; y is not scaled. dx has dres's dtype (x's without dres), y dz's,
-    dgamma gamma's.
+    rstd and zdz fp32 [M] (zdz None: the split path computes it from gy, :func:`norm_zdz`), gamma [d]. ``dres``
+    [M, d] is the incoming residual gradient (None: zero), and ``inplace`` writes dx into it. ``dz_scale`` (float,
+    or a one-element tensor read on the device) multiplies dz, and with it gy, dx, dgamma and c; y is not scaled. dx
+    has dres's dtype (x's without dres), y dz's, dgamma gamma's.
 
     fp8 (:class:`workloads.fp8.Fp8`): dz e5m2 and w (its data a transposed view of the K-major (d, N') copy)
     with per-tensor scales, dequantized in the epilogue (``promote``: accumulation mode); y is then bf16.
