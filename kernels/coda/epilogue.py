@@ -9,7 +9,8 @@ destination dtype only when stored. The five kinds (coda-spec.md):
 1. elementwise / scale: :func:`scale_cols`, :func:`dequant_scale` (a row scale such as rstd composed with the
    fp8 scales; :func:`dequant` without one), :func:`add_tile`, :func:`rmsnorm_dx` (RMSNorm backward)
 2. vector loads broadcast along M or N: :func:`load_rows`, :func:`load_cols`
-3. tile load / store: :func:`load_tile`, :func:`store_tile` (+ :func:`cast`)
+3. tile load / store: :func:`load_tile`, :func:`store_tile` (+ :func:`cast`); by pointers, for the bandwidth-bound
+   kernels that need no descriptor: :func:`load_block`, :func:`store_block`
 4. block reductions: row reductions :func:`row_sumsq`, :func:`row_dot`, :func:`row_absmax` (summed or maxed over
    an epilogue's sub-tiles), stored by :func:`store_row_partial` into ``part[M, T]`` (T = number of N tiles),
    and :func:`col_sum_partial` into ``part[Tm, N]``;
@@ -110,6 +111,29 @@ def add_tile(acc, desc, off_m, off_n):
 def store_tile(desc, off_m, off_n, val):
     """Write ``val`` cast to the descriptor's dtype at (off_m, off_n) (rows/cols past the end are dropped)."""
     desc.store([off_m, off_n], cast(val, desc.dtype))
+
+
+@triton.jit
+def _block_ptrs(ptr, stride, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """The pointers and in-bounds mask of the (BM, BN) block at (off_m, off_n) of a row-major [M, N] matrix."""
+    rows, cols = off_m + tl.arange(0, BM), off_n + tl.arange(0, BN)
+    return (ptr + rows[:, None].to(tl.int64) * stride + cols[None, :],
+            (rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def load_block(ptr, stride, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """:func:`load_tile` by pointer accesses: the (BM, BN) block at (off_m, off_n) of the row-major [M, N] matrix at
+    ``ptr`` (row stride ``stride``) as fp32, zero outside the matrix."""
+    ptrs, mask = _block_ptrs(ptr, stride, off_m, off_n, M, N, BM, BN)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_block(ptr, stride, off_m, off_n, M, N, val, BM: tl.constexpr, BN: tl.constexpr):
+    """:func:`store_tile` by pointer accesses: ``val`` cast to the matrix's dtype (elements outside it dropped)."""
+    ptrs, mask = _block_ptrs(ptr, stride, off_m, off_n, M, N, BM, BN)
+    tl.store(ptrs, cast(val, ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (cast, col_subtile, col_sum_partial, dequant, load_cols, load_rows, load_tile,
-                                   rmsnorm_dx, store_tile)
+from kernels.coda.epilogue import (col_subtile, col_sum_partial, dequant, load_block, load_cols, load_rows,
+                                   load_tile, rmsnorm_dx, store_block, store_tile)
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
@@ -96,11 +96,8 @@ def rmsnorm_bwd_rows_kernel(gy_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, scale_p
     epilogue math (:func:`rmsnorm_dx`), dx, y written over gy, and the block's dgamma column partials into
     ``dg[row block]``."""
     off_m, off_n = tl.program_id(0) * BM, tl.program_id(1) * BN
-    rows, cols = off_m + tl.arange(0, BM), off_n + tl.arange(0, BN)
-    r, cc = rows[:, None].to(tl.int64), cols[None, :]
-    mask = (r < M) & (cc < N)
     c_scale = 1.0 / N
-    gy = tl.load(gy_ptr + r * stride_gy + cc, mask=mask, other=0.0).to(tl.float32)
+    gy = load_block(gy_ptr, stride_gy, off_m, off_n, M, N, BM, BN)
     if HAS_SCALE:
         scale = tl.load(scale_ptr).to(tl.float32)
         gy = gy * scale
@@ -108,12 +105,12 @@ def rmsnorm_bwd_rows_kernel(gy_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, scale_p
     rstd = load_rows(rstd_ptr, off_m, M, BM)
     c = load_rows(zdz_ptr, off_m, M, BM) * c_scale
     gamma = load_cols(gamma_ptr, off_n, N, BN)
-    xhat = tl.load(x_ptr + r * stride_x + cc, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    xhat = load_block(x_ptr, stride_x, off_m, off_n, M, N, BM, BN) * rstd[:, None]
     dx = rmsnorm_dx(gy, xhat, rstd, gamma, c)
     if HAS_RES:
-        dx += tl.load(dres_ptr + r * stride_dres + cc, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dx_ptr + r * stride_dx + cc, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(gy_ptr + r * stride_gy + cc, cast(xhat * gamma[None, :], gy_ptr.dtype.element_ty), mask=mask)
+        dx += load_block(dres_ptr, stride_dres, off_m, off_n, M, N, BM, BN)
+    store_block(dx_ptr, stride_dx, off_m, off_n, M, N, dx, BM, BN)
+    store_block(gy_ptr, stride_gy, off_m, off_n, M, N, xhat * gamma[None, :], BM, BN)
     col_sum_partial(dg_ptr, gy * xhat, off_m, off_n, N, stride_dg, BM, BN)
 
 
@@ -129,16 +126,14 @@ def norm_zdz_kernel(gy_ptr, x_ptr, rstd_ptr, gamma_ptr, out_ptr, M, N, stride_gy
                     BN: tl.constexpr):
     """Rows [pid BM, pid BM + BM): ``out_m = rstd_m sum_j gy_mj gamma_j x_mj`` in fp32, one pass over the columns
     (pointer accesses)."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    r = rows[:, None].to(tl.int64)
+    off_m = tl.program_id(0) * BM
     acc = tl.zeros((BM,), dtype=tl.float32)
     for off_n in range(0, N, BN):
-        cols = off_n + tl.arange(0, BN)
-        mask = (r < M) & (cols < N)[None, :]
-        gy = tl.load(gy_ptr + r * stride_gy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + r * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gy = load_block(gy_ptr, stride_gy, off_m, off_n, M, N, BM, BN)
+        x = load_block(x_ptr, stride_x, off_m, off_n, M, N, BM, BN)
         acc += tl.sum(gy * x * load_cols(gamma_ptr, off_n, N, BN)[None, :], axis=1)
-    tl.store(out_ptr + rows, acc * load_rows(rstd_ptr, tl.program_id(0) * BM, M, BM), mask=rows < M)
+    rows = off_m + tl.arange(0, BM)
+    tl.store(out_ptr + rows, acc * load_rows(rstd_ptr, off_m, M, BM), mask=rows < M)
 
 
 def norm_zdz(gy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import cast, rope_cos_sin, rotate_pairs, row_dot, store_row_partial
+from kernels.coda.epilogue import load_block, rope_cos_sin, rotate_pairs, row_dot, store_block, store_row_partial
 from kernels.coda.mainloop import INTERPRET
 from kernels.coda.reduce import finish_row_sum
 from kernels.coda.rope import rope_freq_table
@@ -28,13 +28,10 @@ def rope_bwd_kernel(dq_ptr, q_ptr, pos_ptr, freq_ptr, dz_ptr, part_ptr, M, N, st
     bandwidth-bound pass: no descriptors, no loop): ``dz = R^T dq`` and the block's row partials of ``q dq`` into
     ``part[:, column block]``."""
     off_m, off_n = tl.program_id(0) * BM, tl.program_id(1) * BN
-    r = (off_m + tl.arange(0, BM))[:, None].to(tl.int64)
-    cc = (off_n + tl.arange(0, BN))[None, :]
-    mask = (r < M) & (cc < N)
-    dq = tl.load(dq_ptr + r * stride_dq + cc, mask=mask, other=0.0).to(tl.float32)
-    q = tl.load(q_ptr + r * stride_q + cc, mask=mask, other=0.0).to(tl.float32)
+    dq = load_block(dq_ptr, stride_dq, off_m, off_n, M, N, BM, BN)
+    q = load_block(q_ptr, stride_q, off_m, off_n, M, N, BM, BN)
     cos, sin = rope_cos_sin(pos_ptr, freq_ptr, off_m, off_n, M, N, BM, BN)
-    tl.store(dz_ptr + r * stride_dz + cc, cast(rotate_pairs(dq, cos, -sin, BM, BN), dz_ptr.dtype.element_ty), mask=mask)
+    store_block(dz_ptr, stride_dz, off_m, off_n, M, N, rotate_pairs(dq, cos, -sin, BM, BN), BM, BN)
     store_row_partial(part_ptr, row_dot(q, dq), off_m, off_n, M, stride_p, BM, BN)
 
 

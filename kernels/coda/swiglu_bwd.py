@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (cast, col_subtile, dequant, join_pairs, load_tile, silu_mul_pairs_bwd, split_pairs,
-                                   store_row_partial, store_tile)
+from kernels.coda.epilogue import (col_subtile, dequant, join_pairs, load_block, load_tile, silu_mul_pairs_bwd,
+                                   split_pairs, store_block, store_row_partial, store_tile)
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
@@ -84,19 +84,13 @@ def swiglu_bwd_kernel(dy_ptr, zp_ptr, dzp_ptr, y_ptr, part_ptr, M, N, stride_dy,
     """One (BM, BN) block of dy per program (grid: row blocks x column blocks): :func:`swiglu_bwd_tile`, read and
     written with pointer accesses (a bandwidth-bound pass: no descriptors, no loop): interleaved (dgate, dup),
     (STORE_Y) y, and the block's row partials of ``gate dgate + up dup`` into ``part[:, column block]``."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    r = rows[:, None].to(tl.int64)
-    off_n = tl.program_id(1) * BN
-    cols = off_n + tl.arange(0, BN)[None, :]
-    cols2 = 2 * off_n + tl.arange(0, 2 * BN)[None, :]
-    mask, mask2 = (r < M) & (cols < N), (r < M) & (cols2 < 2 * N)
-    dy = tl.load(dy_ptr + r * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(zp_ptr + r * stride_zp + cols2, mask=mask2, other=0.0).to(tl.float32)
-    dz, y, part = swiglu_bwd_tile(dy, z, BM, BN)
+    off_m, off_n = tl.program_id(0) * BM, tl.program_id(1) * BN
+    dz, y, part = swiglu_bwd_tile(load_block(dy_ptr, stride_dy, off_m, off_n, M, N, BM, BN),
+                                  load_block(zp_ptr, stride_zp, off_m, 2 * off_n, M, 2 * N, BM, 2 * BN), BM, BN)
     if STORE_Y:
-        tl.store(y_ptr + r * stride_y + cols, cast(y, y_ptr.dtype.element_ty), mask=mask)
-    tl.store(dzp_ptr + r * stride_dzp + cols2, cast(dz, dzp_ptr.dtype.element_ty), mask=mask2)
-    store_row_partial(part_ptr, part, tl.program_id(0) * BM, off_n, M, stride_p, BM, BN)
+        store_block(y_ptr, stride_y, off_m, off_n, M, N, y, BM, BN)
+    store_block(dzp_ptr, stride_dzp, off_m, 2 * off_n, M, 2 * N, dz, BM, 2 * BN)
+    store_row_partial(part_ptr, part, off_m, off_n, M, stride_p, BM, BN)
 
 
 ROW_BLOCK = (2, 1024, 4)
