@@ -109,6 +109,11 @@ def hopper(device: torch.device) -> bool:
     return importlib.util.find_spec("triton.experimental.gluon") is not None
 
 
+def always(arguments: dict[str, Any]) -> bool:
+    """The default ``fuses``: the fused kernel takes every call."""
+    return True
+
+
 def call_key(arguments: dict[str, Any]) -> str:
     """A call's key as JSON: per argument, a tensor's shape and dtype (an fp8 operand's, with whether its scales are
     per row), or a flag (bool, int, str, None, a recipe); floats and tuples (eps, theta, scalar multipliers,
@@ -230,7 +235,7 @@ class Chooser:
     """The strategy of each key of one host function: forced, known (this process or the cache file), or measured."""
 
     def __init__(self, fused: Callable, split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]],
-                 gluon: Gluon | None = None, fuses: Callable[[dict[str, Any]], bool] = lambda arguments: True):
+                 gluon: Gluon | None = None, fuses: Callable[[dict[str, Any]], bool] = always):
         self.fused, self.split, self.safe, self.gluon, self.fuses = fused, split, safe, gluon, fuses
         self.name = fused.__name__
         sources = list(dict.fromkeys(inspect.getsource(inspect.getmodule(f)) for f in (fused, split)))
@@ -303,7 +308,7 @@ def serves(record: dict[str, Any], candidates: tuple[str, ...]) -> bool:
 
 
 def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]] = dict,
-               gluon: Gluon | None = None, fuses: Callable[[dict[str, Any]], bool] = lambda arguments: True
+               gluon: Gluon | None = None, fuses: Callable[[dict[str, Any]], bool] = always
                ) -> Callable:
     """Decorate a fused host function: each call runs it, ``split`` or ``gluon`` (same signature, same results), by
     :class:`Chooser`. ``safe`` maps a call's arguments to ones a measurement may repeat (no input written in place);
