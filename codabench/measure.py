@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -73,8 +74,8 @@ class CellResult:
     """The worker's answer to a cell's first request."""
 
     updates: dict[str, Any]
-    """Row fields: errors and pass mark; on failure status and message; else peak_mem_mib, min_bytes, cast_ms and
-    the implementation's strategy (:meth:`Implementation.describe`)."""
+    """Row fields: errors and pass mark, check_s and setup_s; on failure status and message; else peak_mem_mib,
+    min_bytes, cast_ms and the implementation's strategy (:meth:`Implementation.describe`)."""
     err_rows: list[dict[str, Any]] = field(default_factory=list)
     round: RoundResult | None = None
     """The first timing round; None when the cell did not get that far (an error row)."""
@@ -164,13 +165,21 @@ class Measurer:
     # ---- a cell ---------------------------------------------------------------------------------------
 
     def first(self, cell: Cell) -> CellResult:
-        """Correctness, the first timing round and the checks of one cell."""
+        """Correctness, the first timing round and the checks of one cell; ``check_s`` and ``setup_s`` of its row
+        are the seconds of its correctness pass and of all of this."""
+        start = time.perf_counter()
+        result = self._first(cell, start)
+        result.updates["setup_s"] = time.perf_counter() - start  # error rows too: a cold start is paid either way
+        return result
+
+    def _first(self, cell: Cell, start: float) -> CellResult:
         group, impl = self._group_for(cell), self.registry.get(cell.op, cell.impl)
         try:
             outcome = check_impl(group.reference(), impl)
         except Exception as e:
             return self._failed(CellResult(_error(f"correctness run: {describe_exception(e)}")))
         result = CellResult(_errors_of(outcome), [_error_row(cell, c) for c in outcome.checks])
+        result.updates["check_s"] = time.perf_counter() - start
         if outcome.errors:
             result.updates.update(_error("; ".join(outcome.errors)))
             return self._failed(result)

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from typing import Callable, Iterable, TextIO
+from typing import Any, Callable, Iterable, TextIO
 
 from codabench.matrix import Cell
 
@@ -60,7 +60,9 @@ class Progress:
         self.costs: dict[tuple, list[float]] = defaultdict(list)
         self.cold: dict[str, float] = {}
         """Per implementation seen: the first-call seconds of its first cell."""
-        self.first_calls_s = 0.0
+        self.first_calls_s = self.checks_s = 0.0
+        self.startup_s: dict[str, float] = defaultdict(float)
+        """Per implementation: its correctness passes and first calls, summed (what a cold start costs it)."""
         self.bar = None
         if enabled and can_draw(self.stream):
             try:
@@ -85,8 +87,10 @@ class Progress:
         unseen = {c.impl for c in self.left} - set(self.cold)
         return sum(self.expected(c) for c in self.left) + cold * len(unseen)
 
-    def update(self, cell: Cell, outcome: str, ran: bool, first_call_s: float | None = None) -> None:
-        """A cell's row is written: ``ran`` (it was to run, so it cost time), ``first_call_s`` of its row."""
+    def update(self, cell: Cell, outcome: str, ran: bool, first_call_s: float | None = None,
+               check_s: float | None = None) -> None:
+        """A cell's row is written: ``ran`` (it was to run, so it cost time), ``first_call_s`` and ``check_s`` of
+        its row."""
         now = self.clock()
         self.done += 1
         if ran:
@@ -95,6 +99,8 @@ class Progress:
                 self.costs[key].append(cost)
             self.cold.setdefault(cell.impl, first_call_s or 0.0)
             self.first_calls_s += first_call_s or 0.0
+            self.checks_s += check_s or 0.0
+            self.startup_s[cell.impl] += (first_call_s or 0.0) + (check_s or 0.0)
             self.ran += 1
             if cell in self.left:
                 self.left.remove(cell)
@@ -111,14 +117,23 @@ class Progress:
         print(f"[{self.done:>{len(str(self.total))}}/{self.total}] {cell}: {outcome}"
               f"  (elapsed {hms(now - self.start)}, {eta_text})", file=self.stream, flush=True)
 
-    def finish(self) -> dict[str, float]:
+    def finish(self) -> dict[str, Any]:
         """Close the bar, print the run's wall time and return it with its split for env.json: ``wall_s``,
-        ``first_calls_s`` (the sum of the cells' first calls: compile, JIT build, autotuning) and ``rest_s``."""
+        ``first_calls_s`` (the sum of the cells' first calls at the timed shape: compile, JIT build, autotuning),
+        ``checks_s`` (their correctness passes at the check shape: first calls there, the float64 references),
+        ``rest_s`` (timing, its checks, the run's own start) and ``startup_s`` (correctness passes and first calls
+        per implementation, largest first)."""
         if self.bar is not None:
             self.bar.close()
         wall = self.clock() - self.start
-        times = {"wall_s": wall, "first_calls_s": self.first_calls_s, "rest_s": max(0.0, wall - self.first_calls_s)}
+        startup = dict(sorted(self.startup_s.items(), key=lambda kv: -kv[1]))
+        times = {"wall_s": wall, "first_calls_s": self.first_calls_s, "checks_s": self.checks_s,
+                 "rest_s": max(0.0, wall - self.first_calls_s - self.checks_s), "startup_s": startup}
         if self.enabled:
             print(f"codabench: wall time {hms(wall)} ({hms(self.first_calls_s)} in first calls: compile, JIT, "
-                  f"autotune; {hms(times['rest_s'])} the rest) for {self.ran} cells run", file=self.stream, flush=True)
+                  f"autotune; {hms(self.checks_s)} in correctness passes; {hms(times['rest_s'])} the rest) for "
+                  f"{self.ran} cells run", file=self.stream, flush=True)
+            if startup:
+                print("codabench: correctness passes and first calls by implementation: "
+                      + ", ".join(f"{impl} {hms(s)}" for impl, s in startup.items()), file=self.stream, flush=True)
         return times

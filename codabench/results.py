@@ -28,7 +28,7 @@ KEY = ["op", "model", "mode", "dtype", "impl"]
 RESULT_COLUMNS = [
     "op", "impl", "model", "mode", "dtype", "status", "message", "label", "strategy", "tokens", "check_tokens",
     "fp8_recipe",
-    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "tflops", "speedup", "speedup_lo",
+    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "check_s", "setup_s", "tflops", "speedup", "speedup_lo",
     "speedup_hi", "vs_best", "vs_best_lo", "vs_best_hi", "verdict", "sol_ms", "sol_ratio", "pct_ceiling", "floor_ms",
     "peak_mem_mib", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct",
     "sm_clock_min_mhz", "sm_clock_median_mhz", "sm_clock_mhz", "power_w", "temp_c", "finished_at"]
@@ -36,7 +36,11 @@ RESULT_COLUMNS = [
 describe`; coda-triton: each fused kernel's ``fused`` or ``split`` path), "" when it says nothing. ``timing`` is
 ``cuda-events``, ``cuda-graph`` or ``cpu-wall`` (cpu-wall is not a performance figure).
 ``first_call_s`` = wall seconds of the first call at the timed shape, before any sample (torch.compile
-compiling, FlashInfer's JIT, Triton autotuning: each provider's warm-up cost in this process);
+compiling, FlashInfer's JIT, Triton autotuning: each provider's warm-up cost in this process); ``check_s`` = wall
+seconds of the cell's correctness pass at the check shape (its first call there, compiling and tuning; the cell that
+first needs the group's float64 reference pays for it here); ``setup_s`` = wall seconds of the cell's first round
+(correctness pass, first call, samples, the checks that make them count), so a run's cold cost per implementation
+is its ``check_s`` and ``first_call_s`` summed;
 ``speedup`` = torch-compile median / this median on the same cell; ``sol_ms`` = sum of the cell's
 plain cuBLAS GEMM times; ``sol_ratio`` = median_ms / sol_ms; ``pct_ceiling`` = tflops as % of the
 measured GEMM ceiling of the dtype; ``floor_ms`` = the op's physical floor on this GPU, the larger of its

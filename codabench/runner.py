@@ -213,7 +213,7 @@ class Runner:
         samples = row.pop("_samples", None)
         row.update(finished_at=_now(), **gpu_state(self.cfg.device))
         writer.write(row, p.err_rows if row["status"] != "skipped" else [], samples, p.cell)
-        progress.update(p.cell, _outcome(row), ran, row.get("first_call_s"))
+        progress.update(p.cell, _outcome(row), ran, row.get("first_call_s"), row.get("check_s"))
         if ran and self.cfg.device.type == "cuda":
             time.sleep(self.cfg.cooldown_s)
 

@@ -27,9 +27,9 @@ def cells(impls, ops=("gemm_out",), models=("llama-1b",), modes=("fwd",)):
     return [Cell(op, model, mode, "bf16", impl) for op in ops for model in models for mode in modes for impl in impls]
 
 
-def run_cell(p: Progress, clock: Clock, cell: Cell, seconds: float, first_call_s: float = 0.0):
+def run_cell(p: Progress, clock: Clock, cell: Cell, seconds: float, first_call_s: float = 0.0, check_s: float = 0.0):
     clock.now += seconds
-    p.update(cell, "ok", True, first_call_s)
+    p.update(cell, "ok", True, first_call_s, check_s)
 
 
 def test_the_eta_counts_the_cells_left_at_the_cost_of_cells_like_them():
@@ -85,16 +85,20 @@ def test_cells_that_do_not_run_cost_nothing_and_the_finish_reports_the_split():
     p = Progress(3, plan, stream=stream, clock=clock)
     clock.now += 0.5
     p.update(Cell("gemm_out", "llama-1b", "fwd", "bf16", "flashinfer"), "n/a: no such op", False)
-    run_cell(p, clock, plan[0], 3.0, first_call_s=1.0)
-    run_cell(p, clock, plan[1], 6.0, first_call_s=4.0)
+    run_cell(p, clock, plan[0], 3.0, first_call_s=1.0, check_s=0.5)
+    run_cell(p, clock, plan[1], 6.0, first_call_s=4.0, check_s=1.5)
     assert p.costs[("all",)] == [3.5, 6.0] and p.ran == 2 and p.done == 3  # the n/a row's moment goes to the next
     times = p.finish()
-    assert times == {"wall_s": 9.5, "first_calls_s": 5.0, "rest_s": 4.5}
+    assert times == {"wall_s": 9.5, "first_calls_s": 5.0, "checks_s": 2.0, "rest_s": 2.5,
+                     "startup_s": {"torch-compile": 5.5, "torch-eager": 1.5}}
+    assert list(times["startup_s"]) == ["torch-compile", "torch-eager"]  # largest first
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 4 and lines[0].startswith("[1/3] gemm_out llama-1b fwd bf16 flashinfer: n/a")
+    assert len(lines) == 5 and lines[0].startswith("[1/3] gemm_out llama-1b fwd bf16 flashinfer: n/a")
     assert "ETA ?" in lines[0] and "ETA 0:00:00" in lines[2]
-    assert lines[-1] == ("codabench: wall time 0:00:09 (0:00:05 in first calls: compile, JIT, autotune; 0:00:04 the "
-                         "rest) for 2 cells run")
+    assert lines[-2] == ("codabench: wall time 0:00:09 (0:00:05 in first calls: compile, JIT, autotune; 0:00:02 in "
+                         "correctness passes; 0:00:02 the rest) for 2 cells run")
+    assert lines[-1] == ("codabench: correctness passes and first calls by implementation: torch-compile 0:00:05, "
+                         "torch-eager 0:00:01")
 
 
 def _read_all(fd: int) -> str:
@@ -136,5 +140,11 @@ def test_the_run_records_its_wall_time_and_first_calls_in_env_json(tmp_path):
     env = json.loads((tmp_path / "env.json").read_text())
     rows = [line.split(",") for line in (tmp_path / "results.csv").read_text().splitlines()]
     first_calls = sum(float(r[rows[0].index("first_call_s")]) for r in rows[1:])
+    checks = sum(float(r[rows[0].index("check_s")]) for r in rows[1:])
     assert env["first_calls_s"] == pytest.approx(first_calls) and first_calls > 0
-    assert env["wall_s"] == pytest.approx(env["first_calls_s"] + env["rest_s"]) and env["rest_s"] > 0
+    assert env["checks_s"] == pytest.approx(checks) and checks > 0
+    for r in rows[1:]:  # a cell's first round holds its correctness pass and its first call
+        setup, check, first = (float(r[rows[0].index(k)]) for k in ("setup_s", "check_s", "first_call_s"))
+        assert setup > check + first
+    assert env["wall_s"] == pytest.approx(env["first_calls_s"] + env["checks_s"] + env["rest_s"]) and env["rest_s"] > 0
+    assert set(env["startup_s"]) == {"torch-eager", "torch-compile"}

@@ -278,7 +278,7 @@ PER_OP_COLUMNS: list[Column] = [
     ("vs_best", "vs fastest other [95%], verdict", lambda r: f"{_interval(r, 'vs_best')} {_verdict(r)}".strip()),
     ("sol_ratio", "time / GEMMs", ".3f"), ("pct_ceiling", "% ceiling", ".1f"),
     ("peak_mem_mib", "peak MiB", _mib), ("sm_clock_min_mhz", "SM MHz min / med", _clock),
-    ("first_call_s", "first call s", ".3g"), ("cast_ms", "cast ms", ".4g"), ("rel_err", "rel err", ".3g"),
+    ("first_call_s", "first call s", ".3g"), ("check_s", "check s", ".3g"), ("cast_ms", "cast ms", ".4g"), ("rel_err", "rel err", ".3g"),
     ("err_ratio", "err / torch err", ".3g"), ("rel_err_vs_bf16", "err vs bf16", ".3g"),
     ("correct", "correct", "l")]
 """A row's message spans the row, or a row below it (:func:`_table`)."""
@@ -445,7 +445,9 @@ def _facts(env: dict[str, Any], counts: dict[str, int], n_pass: int, n_ok: int) 
     ceil = env.get("ceilings") or {}
     wall = _hms(env.get("wall_s"))
     if wall and _num(env.get("first_calls_s")) is not None:
-        wall += f" (first calls: compile, JIT, autotune {_hms(env['first_calls_s'])}; the rest {_hms(env['rest_s'])})"
+        checks = f"; correctness passes {_hms(env['checks_s'])}" if _num(env.get("checks_s")) is not None else ""
+        wall += (f" (first calls: compile, JIT, autotune {_hms(env['first_calls_s'])}{checks}; "
+                 f"the rest {_hms(env['rest_s'])})")
     facts = [("suite", env.get("suite")), ("device", gpu or env.get("device")), ("started", env.get("timestamp")),
              ("wall time", wall), ("git", env.get("git_sha")), ("code tree", env.get("code_tree")),
              ("torch", env.get("torch")),
