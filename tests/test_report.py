@@ -240,9 +240,10 @@ def test_committed_reference_reports_load_pass_and_rebuild(results, tmp_path):
     assert all(impl in html for impl in set(ok["impl"]))  # every implementation that ran, in the rebuilt report
 
 
-def test_the_full_reference_report_is_one_full_run():
-    """The headline report (README, Results) covers the whole full suite with the suite's sampling."""
-    df, _, env = load_run(ROOT_REPORTS / "h200-2026-11-22-full")
+@pytest.mark.parametrize("run", ["h100-2026-11-26-full", "h200-2026-11-26-full"])
+def test_the_full_reference_reports_are_full_runs(run):
+    """The headline reports (README, Results) cover the whole full suite with the suite's sampling."""
+    df, _, env = load_run(ROOT_REPORTS / run)
     assert len(df) == 513 and env["suite"] == "full"
     ok = df[df["status"] == "ok"]
     assert set(ok["model"]) == {"llama-1b", "llama-7b", "llama-70b"} and set(ok["dtype"]) == {"bf16", "fp8"}
