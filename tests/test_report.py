@@ -178,6 +178,22 @@ def test_a_gpu_report_shows_intervals_verdicts_clocks_memory_and_the_roofline(gp
         "median_ms", "pct_ceiling", "peak_mem_mib", "rel_err", "sol_ratio", "speedup")])
 
 
+def test_the_wall_time_of_a_resumed_run_sums_its_sessions_and_a_merged_run_shows_its_shards():
+    from codabench.report.html import _wall
+
+    first = {"wall_s": 538.0, "first_calls_s": 56.0, "checks_s": 200.0, "rest_s": 282.0}
+    last = {"wall_s": 508.0, "first_calls_s": 83.0, "checks_s": 141.0, "rest_s": 284.0, "earlier_sessions": [first]}
+    assert _wall(last) == ("0:17:26 over 2 sessions (--resume) (first calls: compile, JIT, autotune 0:02:19; "
+                           "correctness passes 0:05:41; the rest 0:09:26)")
+    older = {"wall_s": 100.0, "first_calls_s": 10.0, "rest_s": 90.0}  # before correctness passes were counted
+    assert _wall({**last, "earlier_sessions": [older]}) == ("0:10:08 over 2 sessions (--resume) (first calls: compile, "
+                                                            "JIT, autotune 0:01:33; the rest 0:06:14)")
+    assert _wall({"wall_s": 300.0}) == "0:05:00"
+    merged = {"shards": [last, {"wall_s": 299.0}, {"device": "cuda"}]}  # a shard without times is left out
+    assert _wall(merged) == "2 shards: 0:04:59 to 0:17:26 each, 0:22:25 summed"
+    assert _wall({}) is None
+
+
 def test_an_implementation_keeps_its_colour_in_every_plot(gpu_run):
     """Each per-op figure draws liger and coda-triton in their fixed colours, and no colour of an implementation that
     is not in the run (quantized PNGs keep a colour within a few levels)."""

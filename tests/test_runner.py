@@ -151,7 +151,10 @@ def test_shards_partition_groups_and_merge(registry, tmp_path):
         {c.key for c in cells}
     assert len(df) == len(cells)
     assert len(env["shards"]) == 2 and env["shards"][0]["shard"] == [1, 2]
+    assert env["code_tree"] == env["shards"][0]["code_tree"] == env["shards"][1]["code_tree"] is not None
     assert (tmp_path / "merged" / "report.html").exists()
+    html = (tmp_path / "merged" / "report.html").read_text()
+    assert "2 shards: " in html and " summed" in html  # the shards' wall times
     with pytest.raises(FileExistsError):
         merge(tmp_path / "merged", [tmp_path / "s1"])
 

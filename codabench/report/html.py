@@ -440,14 +440,35 @@ def _hms(seconds: Any) -> str | None:
     return None if s is None else str(datetime.timedelta(seconds=round(s)))
 
 
+def _summed(env: dict[str, Any], key: str) -> float | None:
+    """``key`` (wall_s, first_calls_s, ...) summed over a run's sessions (a resumed run keeps the earlier ones under
+    ``earlier_sessions``); None where a session lacks it."""
+    values = [_num(e.get(key)) for e in [*(env.get("earlier_sessions") or []), env] if _num(e.get("wall_s")) is not None]
+    return None if not values or None in values else sum(values)
+
+
+def _wall(env: dict[str, Any]) -> str | None:
+    """The run's wall time: over all its sessions, split into first calls, correctness passes and the rest; a merged
+    run's shards (which may have run side by side): the range of their wall times and their sum."""
+    shards = [w for w in (_summed(e, "wall_s") for e in env.get("shards") or []) if w is not None]
+    if shards:
+        return f"{len(shards)} shards: {_hms(min(shards))} to {_hms(max(shards))} each, {_hms(sum(shards))} summed"
+    wall = _summed(env, "wall_s")
+    if wall is None:
+        return None
+    sessions = len(env.get("earlier_sessions") or []) + 1
+    text = _hms(wall) + (f" over {sessions} sessions (--resume)" if sessions > 1 else "")
+    first, checks, rest = (_summed(env, k) for k in ("first_calls_s", "checks_s", "rest_s"))
+    if first is not None and rest is not None:
+        text += (f" (first calls: compile, JIT, autotune {_hms(first)}"
+                 + (f"; correctness passes {_hms(checks)}" if checks is not None else "") + f"; the rest {_hms(rest)})")
+    return text
+
+
 def _facts(env: dict[str, Any], counts: dict[str, int], n_pass: int, n_ok: int) -> str:
     gpu = env.get("gpu", {}).get("name") if isinstance(env.get("gpu"), dict) else None
     ceil = env.get("ceilings") or {}
-    wall = _hms(env.get("wall_s"))
-    if wall and _num(env.get("first_calls_s")) is not None:
-        checks = f"; correctness passes {_hms(env['checks_s'])}" if _num(env.get("checks_s")) is not None else ""
-        wall += (f" (first calls: compile, JIT, autotune {_hms(env['first_calls_s'])}{checks}; "
-                 f"the rest {_hms(env['rest_s'])})")
+    wall = _wall(env)
     facts = [("suite", env.get("suite")), ("device", gpu or env.get("device")), ("started", env.get("timestamp")),
              ("wall time", wall), ("git", env.get("git_sha")), ("code tree", env.get("code_tree")),
              ("torch", env.get("torch")),

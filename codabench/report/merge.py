@@ -16,7 +16,8 @@ from codabench.results import load_run, records
 
 def merge(out_dir: str | Path, shard_dirs: list[str | Path]) -> Path:
     """Concatenate the shards' rows (a cell present twice: the later directory wins), keep every
-    shard's env.json under ``shards``, and build the report in ``out_dir`` (which must not exist, or be empty)."""
+    shard's env.json under ``shards`` (and their ``code_tree`` when they share one), and build the report in
+    ``out_dir`` (which must not exist, or be empty)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} is not empty; merge into a new directory")
@@ -49,6 +50,9 @@ def _merge_into(out_dir: Path, shard_dirs: list[str | Path]) -> Path:
     first = envs[0] if envs else {}
     merged = {k: first.get(k) for k in ("suite", "device", "torch", "triton", "cuda", "git_sha", "timestamp")}
     merged.update(run=out_dir.name, merged_from=[e["dir"] for e in envs], shards=envs)
+    trees = {e.get("code_tree") for e in envs}
+    if len(trees) == 1 and None not in trees:  # the shards ran one code: the merged run names it
+        merged["code_tree"] = trees.pop()
     if first.get("gpu"):
         merged["gpu"] = first["gpu"]
     tables.write_json(out_dir / tables.ENV, merged)
