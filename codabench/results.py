@@ -28,8 +28,9 @@ KEY = ["op", "model", "mode", "dtype", "impl"]
 RESULT_COLUMNS = [
     "op", "impl", "model", "mode", "dtype", "status", "message", "label", "strategy", "tokens", "check_tokens",
     "fp8_recipe",
-    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "check_s", "setup_s", "tflops", "speedup", "speedup_lo",
-    "speedup_hi", "vs_best", "vs_best_lo", "vs_best_hi", "verdict", "sol_ms", "sol_ratio", "pct_ceiling", "floor_ms",
+    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "check_s", "setup_s", "tflops",
+    "speedup", "speedup_lo", "speedup_hi", "vs_best", "vs_best_lo", "vs_best_hi", "verdict", "sol_ms", "sol_ratio",
+    "pct_ceiling", "floor_ms",
     "peak_mem_mib", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct",
     "sm_clock_min_mhz", "sm_clock_median_mhz", "sm_clock_mhz", "power_w", "temp_c", "finished_at"]
 """``strategy`` = how the implementation ran the cell, in its own words (:meth:`codabench.registry.Implementation.

@@ -278,8 +278,9 @@ PER_OP_COLUMNS: list[Column] = [
     ("vs_best", "vs fastest other [95%], verdict", lambda r: f"{_interval(r, 'vs_best')} {_verdict(r)}".strip()),
     ("sol_ratio", "time / GEMMs", ".3f"), ("pct_ceiling", "% ceiling", ".1f"),
     ("peak_mem_mib", "peak MiB", _mib), ("sm_clock_min_mhz", "SM MHz min / med", _clock),
-    ("first_call_s", "first call s", ".3g"), ("check_s", "check s", ".3g"), ("cast_ms", "cast ms", ".4g"), ("rel_err", "rel err", ".3g"),
-    ("err_ratio", "err / torch err", ".3g"), ("rel_err_vs_bf16", "err vs bf16", ".3g"),
+    ("first_call_s", "first call s", ".3g"), ("check_s", "check s", ".3g"), ("cast_ms", "cast ms", ".4g"),
+    ("rel_err", "rel err", ".3g"), ("err_ratio", "err / torch err", ".3g"),
+    ("rel_err_vs_bf16", "err vs bf16", ".3g"),
     ("correct", "correct", "l")]
 """A row's message spans the row, or a row below it (:func:`_table`)."""
 SPEED_COLUMNS = ("speedup", "vs_best", "sol_ratio", "pct_ceiling")
@@ -443,7 +444,8 @@ def _hms(seconds: Any) -> str | None:
 def _summed(env: dict[str, Any], key: str) -> float | None:
     """``key`` (wall_s, first_calls_s, ...) summed over a run's sessions (a resumed run keeps the earlier ones under
     ``earlier_sessions``); None where a session lacks it."""
-    values = [_num(e.get(key)) for e in [*(env.get("earlier_sessions") or []), env] if _num(e.get("wall_s")) is not None]
+    sessions = [*(env.get("earlier_sessions") or []), env]
+    values = [_num(e.get(key)) for e in sessions if _num(e.get("wall_s")) is not None]
     return None if not values or None in values else sum(values)
 
 
