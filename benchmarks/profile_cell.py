@@ -8,7 +8,9 @@ inputs, with the timing pass's upstream gradients): its median over ``--steps`` 
 :func:`codabench.timing.measure` (L2 flushed, as in a run), then ``--steps`` calls profiled one by one (a backward
 cell's forward, its untimed setup, stays outside the profiler). Printed per implementation: the median, the summed
 kernel time per call, the part of it in GEMM kernels (cuBLAS, CUTLASS, nvjet, and CODA's mainloop kernels with their
-fused epilogues), and the ``--top`` kernels by time. ``CODABENCH_STRATEGY=fused|split`` forces CODA's choices, as in
+fused epilogues), the host synchronizations of one call (file:line, from torch's CUDA sync debug mode: each lets
+the GPU run dry while the host catches up, which the median pays and the kernel sum does not) and the ``--top``
+kernels by time. ``CODABENCH_STRATEGY=fused|split`` forces CODA's choices, as in
 a run. On a machine without a GPU it profiles CPU time on the Triton interpreter: a check that the script runs, not a
 figure.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,10 +50,12 @@ GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|dgrad_|scaled_linear|matmul",
 
 @dataclass
 class Profile:
-    """One implementation's profile: ``median_ms`` of the timed call; ``kernels``: name -> (ms, launches) per call."""
+    """One implementation's profile: ``median_ms`` of the timed call; ``kernels``: name -> (ms, launches) per call;
+    ``syncs``: where one call synchronized the host with the GPU (file:line each; None without a GPU)."""
 
     median_ms: float
     kernels: dict[str, tuple[float, float]]
+    syncs: list[str] | None
 
     @property
     def total_ms(self) -> float:
@@ -93,12 +98,30 @@ def profile_impl(impl, op_name: str, model: str, mode: str, dtype: str, steps: i
                 if us > 0:
                     sums[e.key][0] += us / 1e3 / steps
                     sums[e.key][1] += e.count / steps
-    return Profile(median, {k: (ms, n) for k, (ms, n) in sums.items()})
+        syncs = host_syncs(timed, device) if on_gpu else None
+    return Profile(median, {k: (ms, n) for k, (ms, n) in sums.items()}, syncs)
+
+
+def host_syncs(timed, device: torch.device) -> list[str]:
+    """file:line of each host synchronization in one call of ``timed`` (torch's CUDA sync debug mode warns at each;
+    autograd's backward thread included)."""
+    state = timed.setup() if timed.setup is not None else None
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            timed.fn(state)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def report(impl: str, p: Profile, top: int) -> str:
     lines = [f"### {impl}: median {p.median_ms:.3f} ms; kernels {p.total_ms:.3f} ms per call, "
-             f"GEMM kernels {p.gemm_ms:.3f}, the rest {p.total_ms - p.gemm_ms:.3f}"]
+             f"GEMM kernels {p.gemm_ms:.3f}, the rest {p.total_ms - p.gemm_ms:.3f}",
+             "    host synchronizations per call: " + ("not measured without a GPU" if p.syncs is None else
+                                                       f"{len(p.syncs)} {' '.join(p.syncs)}".rstrip())]
     for name, (ms, n) in sorted(p.kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"{ms:9.3f} ms {n:5.1f}x  {'G' if GEMM.search(name) else ' '} {name[:110]}")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from codabench.registry import REGISTRY
 from kernels import layouts as L
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from kernels.coda import cross_entropy_bwd
-from kernels.coda.cross_entropy_bwd import ce_chunk_rows, ce_grad_scale
+from kernels.coda.cross_entropy_bwd import ce_chunk_rows, ce_grad_scale, rescale_
 from kernels.coda.gemm import matmul
 from kernels.coda.functions import CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer, producer_consumer
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm, norm_zdz
@@ -387,7 +387,8 @@ def test_ce_saves_no_m_by_v_tensor(composition, monkeypatch):
 def test_ce_forward_launches_per_chunk_and_backward_none():
     """norm_consumer + cross-entropy over 3 chunks: the forward launches the loss scale once, then per chunk the
     LM head, its two finishing kernels, the dgrad (+ dgamma sum) and the accumulating weight-gradient GEMM; the
-    backward of loss.backward() (dloss = 1) launches no kernel."""
+    backward of loss.backward() (dloss = 1) launches only the rescaling of dx, dgamma and dW (which return at once
+    for dloss 1) and synchronizes nothing."""
     model, target = CE_MODEL, ce_target(CE_MODEL)
     inputs, ours, _ = composition_case("norm_consumer", model, CrossEntropy(target, chunk_rows=CE_CHUNK),
                                        model.vocab, lambda n, w: None)
@@ -399,7 +400,24 @@ def test_ce_forward_launches_per_chunk_and_backward_none():
     assert fwd == ["norm_rows_kernel", "ce_grad_scale_kernel"] + 3 * chunk
     with launches() as bwd:
         loss.backward()
-    assert bwd == [] and all(t.grad is not None for t in leaves)
+    assert bwd == ["rescale_kernel"] * 3 + ["store_scalar_kernel"] and all(t.grad is not None for t in leaves)
+
+
+def test_rescale_multiplies_by_the_ratio_of_the_new_to_the_applied_gradient():
+    """rescale_: t *= grad / applied, then applied := grad; a factor of 1 leaves t as it is (bit for bit)."""
+    t = rand(3, 1000, seed=5)  # 3000 elements: a partial block
+    original, applied = t.clone(), torch.ones(1)
+    rescale_(torch.tensor(1.0), applied, t)
+    assert torch.equal(t, original) and applied.item() == 1.0
+    rescale_(torch.tensor(3.0), applied, t)
+    torch.testing.assert_close(t, 3 * original, rtol=1e-6, atol=0)
+    assert applied.item() == 3.0
+    rescale_(torch.tensor(3.0), applied, t)  # a second backward with the same dloss: unchanged
+    torch.testing.assert_close(t, 3 * original, rtol=1e-6, atol=0)
+    rescale_(torch.tensor(-1.5, dtype=torch.float64), applied, t)
+    torch.testing.assert_close(t, -1.5 * original, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="contiguous"):
+        rescale_(torch.tensor(2.0), applied, t.T)
 
 
 def test_ce_chunk_rows_rule():

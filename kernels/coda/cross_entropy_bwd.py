@@ -6,15 +6,19 @@ and the loss scale ``s = dloss / n_valid`` ("mean") or ``s = dloss`` ("sum"); :f
 s on the device (no host synchronization). :func:`lm_head_ce_grad` computes the loss and the gradients for
 ``dloss = 1`` chunk by chunk (rows ``c`` of ``mc``, :func:`ce_chunk_rows`), so that no [M, V] tensor exists::
 
-    loss_c, lse_c, dlogits_c, zdz_c = gemm_cross_entropy(h_c, W, rstd_c, target_c, "sum", with_grad=True)
-    dx_c, y_c, dgamma_c = dgrad_rmsnorm(dlogits_c, W, x_c, rstd_c, gamma, zdz_c, dz_scale=s)
-    dW += s * (dlogits_c^T @ y_c)              (:func:`kernels.coda.gemm.matmul`, ``scale=s``, fp32 ``acc``)
+    loss_c, lse_c, dlogits_c, zdz_c = gemm_cross_entropy(h_c, W, rstd_c, target_c, "sum", with_grad=True,
+                                                         grad_scale=s)     # dlogits_c = s (softmax - onehot)
+    dx_c, y_c, dgamma_c = dgrad_rmsnorm(dlogits_c, W, x_c, rstd_c, gamma, zdz_c)
+    dW += dlogits_c^T @ y_c                    (:func:`kernels.coda.gemm.matmul` into an fp32 ``acc``)
 
 then ``loss = s * sum_c loss_c`` and ``dgamma = sum_c dgamma_c`` (fp32); dW and dgamma are rounded to the
 weights' dtype once, at the end. Every chunk writes its logits, then dlogits, into the same [mc, V] buffer.
 Memory during the sweep: that buffer, the fp32 [V, d] accumulator and dx [M, d]; after it: dx, dgamma, dW.
-The autograd Functions keep those three and multiply them by dloss in backward when it is not 1
-(:mod:`kernels.coda.functions`).
+With one chunk (M <= mc: the suite's vocabulary of 32768) there is nothing to accumulate: ``dW = dlogits^T @ y``
+is one GEMM in the weights' dtype (:func:`kernels.coda.gemm.mm`: the mainloop or cuBLAS, as measured), without
+the fp32 buffer and its rounding (0.54 GB less traffic at 1B).
+The autograd Functions keep those three and multiply them by dloss in backward, in place on the device
+(:func:`rescale_`; nothing moves when dloss is 1) (:mod:`kernels.coda.functions`).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.gemm import matmul
+from kernels.coda.gemm import matmul, mm
 from kernels.coda.reduce import check_reduction
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 
@@ -61,6 +65,42 @@ def ce_grad_scale(dloss: torch.Tensor, target: torch.Tensor, ignore_index: int =
     return out
 
 
+RESCALE_BLOCK = 8192
+"""Elements per program of :func:`rescale_kernel`."""
+
+
+@triton.jit
+def rescale_kernel(t_ptr, n, grad_ptr, applied_ptr, BLOCK: tl.constexpr):
+    """``t *= grad / applied`` over the program's block of the flat tensor t, read and written only when that factor
+    is not 1 (each program loads the two scalars and returns at once otherwise)."""
+    f = tl.load(grad_ptr).to(tl.float32) / tl.load(applied_ptr)
+    if f != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(t_ptr + offs, mask=offs < n)
+        tl.store(t_ptr + offs, (x.to(tl.float32) * f).to(x.dtype), mask=offs < n)
+
+
+@triton.jit
+def store_scalar_kernel(src_ptr, dst_ptr):
+    """``dst[0] = src[0]`` (as fp32): a write autograd does not see (the destination is saved for backward)."""
+    tl.store(dst_ptr, tl.load(src_ptr).to(tl.float32))
+
+
+def rescale_(grad: torch.Tensor, applied: torch.Tensor, *tensors: torch.Tensor) -> None:
+    """Gradients computed in the forward for a unit upstream gradient, brought to ``grad`` (a one-element device
+    tensor: dloss) in place: each contiguous tensor is multiplied by ``grad / applied``, then ``applied := grad``
+    (fp32 [1], the dloss they carry: 1 after the forward). No host synchronization; when the factor is 1 (a
+    training step) the kernels only read the two scalars. A second backward (``retain_graph``) rescales by the
+    ratio of the two gradients."""
+    g = grad.detach().reshape(1)
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError("rescale_ takes contiguous tensors")
+        rescale_kernel[(triton.cdiv(t.numel(), RESCALE_BLOCK),)](t, t.numel(), g, applied, BLOCK=RESCALE_BLOCK,
+                                                                 num_warps=8)
+    store_scalar_kernel[(1,)](g, applied)
+
+
 def ce_chunk_rows(m: int, v: int, element_size: int) -> int:
     """Rows per chunk of :func:`lm_head_ce_grad`: the largest multiple of CHUNK_ALIGN whose [rows, v] buffer of
     ``element_size``-byte elements fits CHUNK_BYTES, at least CHUNK_MIN_ROWS, at most m.
@@ -96,9 +136,9 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
     for r0 in range(0, M, rows):
         c = slice(r0, min(r0 + rows, M))
         loss, lse, dlogits, zdz = gemm_cross_entropy(h[c], w_lm, rstd[c], target[c], ignore_index, "sum",
-                                                     with_grad=True, out=buf[:c.stop - r0])
-        _, y, dgamma = dgrad_rmsnorm(dlogits, w_lm, x[c], rstd[c], gamma32, zdz, dx[c], dz_scale=s, inplace=True)
-        dw = matmul(dlogits.T, y, torch.float32, scale=s, acc=dw)
+                                                     with_grad=True, out=buf[:c.stop - r0], grad_scale=s)
+        _, y, dgamma = dgrad_rmsnorm(dlogits, w_lm, x[c], rstd[c], gamma32, zdz, dx[c], inplace=True)
+        dw = mm(dlogits.T, y) if rows >= M else matmul(dlogits.T, y, torch.float32, acc=dw)
         losses.append(loss)
         lses.append(lse)
         dgammas.append(dgamma)

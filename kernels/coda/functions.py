@@ -21,8 +21,8 @@ block: 1 elementwise kernel (RoPE) + 3 fused dgrad GEMMs + small sums + 5 plain 
 Cross-entropy computes its gradients in the forward instead (:attr:`Consumer.grad_in_forward`), as Liger's
 fused linear cross-entropy does: the same dgrad and dW for ``dloss = 1``, over chunks of rows, each chunk's as
 soon as its dlogits exist (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`), so that no [M, V] tensor
-outlives a chunk. Its backward multiplies them by dloss (when dloss != 1) and adds dres to dx; the producer's
-and the block's own GEMMs stay in backward.
+outlives a chunk. Its backward multiplies them by dloss in place on the device (a no-op when dloss is 1) and adds
+dres to dx; the producer's and the block's own GEMMs stay in backward.
 
 fp8 (:mod:`workloads.fp8` recipes) is forward-only: ``FP8_FORWARD`` maps each composition to its forward on
 fp8 weights and inputs, each epilogue handing the next GEMM its input already quantized (absmax partials
@@ -43,7 +43,7 @@ from typing import ClassVar
 import torch
 
 from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.cross_entropy_bwd import lm_head_ce_grad
+from kernels.coda.cross_entropy_bwd import lm_head_ce_grad, rescale_
 from kernels.coda.gemm import mm
 from kernels.coda.mainloop import set_scratch_allocator
 from kernels.coda.producer import gemm_residual_norm, norm_input
@@ -151,7 +151,8 @@ class CrossEntropy(Consumer):
     def forward_grad(self, h, w_lm, x, rstd, gamma):
         loss, lse, *grads = lm_head_ce_grad(h, w_lm, x, rstd, gamma, self.target, self.ignore_index,
                                             self.reduction, self.chunk_rows)
-        return loss, (lse,), tuple(grads)
+        applied = torch.ones(1, device=h.device, dtype=torch.float32)  # the dloss the saved gradients carry
+        return loss, (lse,), (*grads, applied)
 
 
 # ---- backward pieces -------------------------------------------------------------------------------
@@ -170,15 +171,15 @@ def _consumer_bwd(consumer: Consumer, grad: torch.Tensor | None, saved: Saved, w
     """``(dx, dgamma, dW)`` through the consumer, the RMSNorm backward and the consumer's weight gradient.
 
     dx includes dres (the incoming residual gradient); with no gradient for the output it is dres itself. The
-    gradients a consumer computed in forward (for a unit gradient of its scalar output) are multiplied by grad
-    when it is not 1: one host synchronization, as in Liger's fused linear cross-entropy.
+    gradients a consumer computed in forward (for a unit gradient of its scalar output) are multiplied by grad in
+    place (:func:`kernels.coda.cross_entropy_bwd.rescale_`: on the device, untouched when grad is 1, as in a
+    training step; no host synchronization, unlike Liger's ``grad_output != 1`` test).
     """
     if grad is None:
         return dres, None, None
     if consumer.grad_in_forward:
-        dx, dgamma, dw = saved
-        if bool(grad != 1):
-            dx, dgamma, dw = dx * grad, dgamma * grad, dw * grad
+        dx, dgamma, dw, applied = saved
+        rescale_(grad, applied, dx, dgamma, dw)
         return (dx if dres is None else dres + dx), dgamma, dw
     dz, zdz = consumer.backward(grad.contiguous(), saved)
     dx, y, dgamma = dgrad_rmsnorm(dz, w, x, rstd, gamma, zdz, dres)
