@@ -243,12 +243,17 @@ def test_gemm_cross_entropy(dtype, strategy):
     with launches() as names:
         loss, lse, dlogits, zdz = gemm_cross_entropy(h, w, rstd, target, with_grad=True)
     assert names == {"fused": ["gemm_cross_entropy_kernel", "ce_rows_kernel", "ce_loss_kernel"],
-                     "split": ["cross_entropy_rows_kernel", "ce_loss_kernel"]}[strategy]
+                     "split": ["lse_partials_kernel", "ce_rows_kernel", "ce_loss_kernel"]}[strategy]
     check("loss", loss, R.cross_entropy(lg64, target), R.cross_entropy(lgt, target))
     check("lse", lse, R.logsumexp(lg64), R.logsumexp(lgt))
     check("dlogits", dlogits, d64, dt)
     check("zdz", zdz, (lg64 * d64).sum(-1), (lgt.float() * dt.float()).sum(-1))
     assert (dlogits[~valid[:, 0]] == 0).all() and (zdz[~valid[:, 0]] == 0).all()
+    s = torch.tensor([0.25])  # a loss scale: a power of two, exact but where it takes fp16 into subnormals
+    loss_s, _, dlogits_s, zdz_s = gemm_cross_entropy(h, w, rstd, target, with_grad=True, grad_scale=s)
+    assert torch.equal(loss_s, loss)
+    torch.testing.assert_close(dlogits_s.float(), 0.25 * dlogits.float(), rtol=0, atol=1e-7)
+    torch.testing.assert_close(zdz_s, 0.25 * zdz, rtol=1e-6, atol=1e-7)
     loss_sum, lse2, none1, none2 = gemm_cross_entropy(h, w, rstd, target, reduction="sum", with_grad=False)
     assert none1 is None and none2 is None
     check("loss_sum", loss_sum, R.cross_entropy(lg64, target, "sum"), R.cross_entropy(lgt, target, "sum"))

@@ -7,8 +7,8 @@ computes ``lse_m = log sum_t exp(lse_part[m, t])``, ``loss_m = lse_m - logits[m,
 ignored rows), the reduction, and (with_grad) ``dlogits = s * (softmax - onehot)`` in place over the logits (s: an
 optional loss scale, a device scalar) plus ``zdz_m = sum_j logits_mj dlogits_mj`` (see :func:`kernels.coda.reduce.finish_cross_entropy`).
 Split path (:mod:`kernels.coda.strategy`): the plain GEMM's output c (so the logits are written, also without grad),
-then one row kernel: an online log-sum-exp over the columns (tile LSEs combined) and the target logit, and with grad
-a second pass over the row writing dlogits over c.
+then one bandwidth-bound pass over c computing the same per-tile partials (:func:`lse_partials_kernel`), and the
+same finishing kernel, which scales c by rstd as it reads it.
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (dequant_scale, gather_cols, load_rows, load_tile, row_dot, store_row_partial,
-                                   store_tile, tile_lse)
+from kernels.coda.epilogue import (dequant_scale, gather_cols, load_block, load_rows, store_row_partial, store_tile,
+                                   tile_lse)
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, tile_coords,
                                    tile_desc)
-from kernels.coda.reduce import check_reduction, finish_cross_entropy, launched_tiles, reduce_loss, row_partials
+from kernels.coda.reduce import check_reduction, finish_cross_entropy, launched_tiles, row_partials
 from kernels.coda.strategy import with_split
 from workloads.fp8 import Fp8
 
@@ -51,46 +51,24 @@ def gemm_cross_entropy_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, s
 
 
 @triton.jit
-def log_add_exp(a, b):
-    """``log(exp(a) + exp(b))``, elementwise (a and b not both -inf): two log-sum-exps combined."""
-    m = tl.maximum(a, b)
-    return m + tl.log(tl.exp(a - m) + tl.exp(b - m))
-
-
-@triton.jit
-def cross_entropy_rows_kernel(z_ptr, rstd_ptr, target_ptr, lse_ptr, loss_ptr, zdz_ptr, scale_ptr, M, N, stride_z,
-                              ignore_index, WITH_GRAD: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr):
-    """Rows [pid BM, pid BM + BM) of the GEMM output c [M, N], logits ``l = rstd[:, None] * c``: a first pass finds
-    ``lse`` (tile log-sum-exps combined online) and the target logit, so ``loss = lse - l[target]`` (0 if ignored);
-    WITH_GRAD, a second pass writes ``dlogits = s * (softmax - onehot(target))`` over c (zero rows where ignored;
-    ``s = scale[0]`` when HAS_SCALE, else 1) and ``zdz = sum_j l_j dlogits_j``."""
-    off_m = tl.program_id(0) * BM
-    z_desc = tile_desc(z_ptr, M, N, stride_z, BM, BN)
+def lse_partials_kernel(z_ptr, rstd_ptr, target_ptr, lse_part_ptr, tgt_logit_ptr, M, N, stride_z, stride_p,
+                        BM: tl.constexpr, BN: tl.constexpr):
+    """One (BM, BN) block of the GEMM output c [M, N] per program (grid: row blocks x column blocks; pointer
+    accesses), logits ``l = rstd[:, None] * c``: the fused kernel's epilogue outputs, read instead of computed in
+    the mainloop's registers: each row's log-sum-exp over the block's columns into ``lse_part[:, block column]``,
+    and the target logit from the block that holds it."""
+    off_m, off_n = tl.program_id(0) * BM, tl.program_id(1) * BN
+    logits = load_block(z_ptr, stride_z, off_m, off_n, M, N, BM, BN) * load_rows(rstd_ptr, off_m, M, BM)[:, None]
+    store_row_partial(lse_part_ptr, tile_lse(logits, off_n, N, BN), off_m, off_n, M, stride_p, BM, BN)
     rows = off_m + tl.arange(0, BM)
-    rstd = load_rows(rstd_ptr, off_m, M, BM)[:, None]
-    target = tl.load(target_ptr + rows, mask=rows < M, other=ignore_index)
-    valid = target != ignore_index
-    lse = tl.full((BM,), float("-inf"), tl.float32)
-    tgt_logit = tl.zeros((BM,), dtype=tl.float32)
-    for off_n in range(0, N, BN):
-        logits = load_tile(z_desc, off_m, off_n) * rstd
-        lse = log_add_exp(lse, tile_lse(logits, off_n, N, BN))
-        logit, _ = gather_cols(logits, target, off_n, BN)
-        tgt_logit += logit
-    tl.store(lse_ptr + rows, lse, mask=rows < M)
-    tl.store(loss_ptr + rows, tl.where(valid, lse - tgt_logit, 0.0), mask=rows < M)
-    if WITH_GRAD:
-        s = tl.load(scale_ptr) if HAS_SCALE else 1.0
-        zdz = tl.zeros((BM,), dtype=tl.float32)
-        for off_n in range(0, N, BN):
-            logits = load_tile(z_desc, off_m, off_n) * rstd
-            cols = off_n + tl.arange(0, BN)
-            grad = s * (tl.exp(logits - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0))
-            grad = tl.where(valid[:, None] & (cols < N)[None, :], grad, 0.0)
-            store_tile(z_desc, off_m, off_n, grad)
-            zdz += row_dot(logits, grad)
-        tl.store(zdz_ptr + rows, zdz, mask=rows < M)
+    target = tl.load(target_ptr + rows, mask=rows < M, other=-1)
+    tgt_logit, hit = gather_cols(logits, target, off_n, BN)
+    tl.store(tgt_logit_ptr + rows, tgt_logit, mask=hit & (rows < M))
+
+
+ROW_BLOCK = (8, 1024, 4)
+"""(BM, BN, num_warps) of :func:`lse_partials_kernel` on the GPU: 1024-column blocks, as the other split paths'
+bandwidth-bound kernels (PERF_NOTES.md), 32 partials per row at a 32768-token vocabulary."""
 
 
 def gemm_cross_entropy_split(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: torch.Tensor,
@@ -99,20 +77,20 @@ def gemm_cross_entropy_split(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rs
                              grad_scale: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`gemm_cross_entropy` split: ``c = h @ w_lm.T`` (:func:`kernels.coda.gemm.split_matmul`, into ``out``
-    when given with grad), then the row kernel :func:`cross_entropy_rows_kernel` (dlogits in place over c) and the
-    loss's reduction."""
+    when given with grad), the block partials of :func:`lse_partials_kernel`, then the fused path's finish
+    (:func:`kernels.coda.reduce.finish_cross_entropy`, scaling c by rstd as it reads it; dlogits in place over c)."""
     check_reduction(reduction)
     z = split_matmul(h, w_lm.T, promote, out if with_grad else None)
     M, V = z.shape
     target = target.contiguous()
-    lse, loss_rows = (torch.empty(M, device=z.device, dtype=torch.float32) for _ in range(2))
-    zdz = torch.empty(M, device=z.device, dtype=torch.float32) if with_grad else None
-    bm, bn = (16, 32) if INTERPRET else (16, 256)
-    cross_entropy_rows_kernel[(triton.cdiv(M, bm),)](z, rstd, target, lse, loss_rows, zdz if with_grad else lse,
-                                                     grad_scale if grad_scale is not None else lse, M, V, z.stride(0),
-                                                     ignore_index, WITH_GRAD=with_grad,
-                                                     HAS_SCALE=grad_scale is not None, BM=bm, BN=bn)
-    loss = reduce_loss(loss_rows, target, ignore_index, reduction)
+    bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
+    lse_part = torch.empty(M, triton.cdiv(V, bn), device=z.device, dtype=torch.float32)
+    tgt_logit = torch.zeros(M, device=z.device, dtype=torch.float32)
+    lse_partials_kernel[(triton.cdiv(M, bm), triton.cdiv(V, bn))](z, rstd, target, lse_part, tgt_logit, M, V,
+                                                                  z.stride(0), lse_part.stride(0), BM=bm, BN=bn,
+                                                                  num_warps=warps)
+    loss, lse, zdz = finish_cross_entropy(lse_part, lse_part.shape[1], tgt_logit, target, ignore_index, reduction,
+                                          z if with_grad else None, grad_scale, rstd)
     return (loss, lse, z, zdz) if with_grad else (loss, lse, None, None)
 
 
