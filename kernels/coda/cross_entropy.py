@@ -5,7 +5,8 @@ Epilogue of ``logits = rstd[:, None] * (h @ w_lm^T)`` ([M, V]): per N tile t, th
 the target column; the logits tile is written only when gradients are wanted. A finishing kernel then
 computes ``lse_m = log sum_t exp(lse_part[m, t])``, ``loss_m = lse_m - logits[m, target_m]`` (0 for
 ignored rows), the reduction, and (with_grad) ``dlogits = s * (softmax - onehot)`` in place over the logits (s: an
-optional loss scale, a device scalar) plus ``zdz_m = sum_j logits_mj dlogits_mj`` (see :func:`kernels.coda.reduce.finish_cross_entropy`).
+optional loss scale, a device scalar) plus ``zdz_m = sum_j logits_mj dlogits_mj``
+(see :func:`kernels.coda.reduce.finish_cross_entropy`).
 Split path (:mod:`kernels.coda.strategy`): the plain GEMM's output c (so the logits are written, also without grad),
 then one bandwidth-bound pass over c computing the same per-tile partials (:func:`lse_partials_kernel`), and the
 same finishing kernel, which scales c by rstd as it reads it.
