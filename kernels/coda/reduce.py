@@ -104,14 +104,28 @@ def finish_col_sum(part: torch.Tensor, n_tiles: int, dtype: torch.dtype = torch.
 # ---- cross-entropy: LSE, loss, dlogits, ZdZ --------------------------------------------------------
 
 @triton.jit
+def ce_row_grad(row, V, lse, target, valid, r, s, BLOCK_V: tl.constexpr):
+    """Overwrite one row of V values c with ``dlogits = s * (softmax(l) - onehot(target))`` of the logits
+    ``l = r * c`` (zeros unless ``valid``), given the row's ``lse``; returns ``zdz = sum_j l_j dlogits_j``."""
+    zdz = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        logit = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) * r
+        grad = s * (tl.exp(logit - lse) - tl.where(cols == target, 1.0, 0.0))
+        grad = tl.where(valid & (cols < V), grad, 0.0)
+        tl.store(row + cols, grad.to(row.dtype.element_ty), mask=cols < V)
+        zdz += logit * grad
+    return tl.sum(zdz, axis=0)
+
+
+@triton.jit
 def ce_rows_kernel(lse_part_ptr, stride_p, T, tgt_logit_ptr, target_ptr, lse_ptr, loss_ptr,
-                   logits_ptr, stride_l, V, zdz_ptr, scale_ptr, rstd_ptr, ignore_index, WITH_GRAD: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, HAS_RSTD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+                   logits_ptr, stride_l, V, zdz_ptr, scale_ptr, ignore_index, WITH_GRAD: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
     """Row m: ``lse = log sum_t exp(lse_part[m, t])``; ``loss = lse - logit[target]`` (0 if ignored).
 
     WITH_GRAD: overwrite the logits row with ``dlogits = s * (softmax - onehot(target))`` (zero for an ignored row;
-    ``s = scale[0]`` when HAS_SCALE, else 1) and write ``zdz = sum_j logits_j dlogits_j``; the row holds the logits,
-    or with HAS_RSTD the GEMM output c, logits ``rstd[m] * c``.
+    ``s = scale[0]`` when HAS_SCALE, else 1) and write ``zdz = sum_j logits_j dlogits_j`` (:func:`ce_row_grad`).
     """
     m = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
@@ -123,18 +137,8 @@ def ce_rows_kernel(lse_part_ptr, stride_p, T, tgt_logit_ptr, target_ptr, lse_ptr
     tl.store(lse_ptr + m, lse)
     tl.store(loss_ptr + m, tl.where(valid, lse - tl.load(tgt_logit_ptr + m), 0.0))
     if WITH_GRAD:
-        row = logits_ptr + m * stride_l
         s = tl.load(scale_ptr) if HAS_SCALE else 1.0
-        r = tl.load(rstd_ptr + m) if HAS_RSTD else 1.0
-        zdz = tl.zeros((BLOCK_V,), dtype=tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + tl.arange(0, BLOCK_V)
-            logit = tl.load(row + cols, mask=cols < V, other=0.0).to(tl.float32) * r
-            grad = s * (tl.exp(logit - lse) - tl.where(cols == target, 1.0, 0.0))
-            grad = tl.where(valid & (cols < V), grad, 0.0)
-            tl.store(row + cols, grad.to(row.dtype.element_ty), mask=cols < V)
-            zdz += logit * grad
-        tl.store(zdz_ptr + m, tl.sum(zdz, axis=0))
+        tl.store(zdz_ptr + m, ce_row_grad(logits_ptr + m * stride_l, V, lse, target, valid, 1.0, s, BLOCK_V))
 
 
 @triton.jit
@@ -156,15 +160,14 @@ def ce_loss_kernel(loss_rows_ptr, target_ptr, out_ptr, M, ignore_index, MEAN: tl
 
 def finish_cross_entropy(lse_part: torch.Tensor, n_tiles: int, tgt_logit: torch.Tensor, target: torch.Tensor,
                          ignore_index: int, reduction: str, logits: torch.Tensor | None = None,
-                         grad_scale: torch.Tensor | None = None, rstd: torch.Tensor | None = None
+                         grad_scale: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(loss fp32 scalar, lse fp32 [M], zdz fp32 [M] or None) from the LM-head epilogue's outputs.
 
     ``lse_part[:, :n_tiles]`` are per-N-tile log-sum-exps, ``tgt_logit[m]`` the logit of the target
     (written by the tile that holds it). Given ``logits`` [M, V], it is overwritten in place with
     ``dlogits = s * (softmax - onehot)`` (zero rows where ignored; ``s``: the fp32 one-element ``grad_scale``, or
-    1) and the returned ``zdz_m = sum_j logits_mj dlogits_mj``; given ``rstd`` (fp32 [M]), the tensor holds the GEMM
-    output c and the logits are ``rstd[:, None] * c`` (the split path). ``reduction``: "mean" over non-ignored rows
+    1) and the returned ``zdz_m = sum_j logits_mj dlogits_mj``. ``reduction``: "mean" over non-ignored rows
     or "sum" (of the loss; s is the caller's).
     """
     check_reduction(reduction)
@@ -177,9 +180,8 @@ def finish_cross_entropy(lse_part: torch.Tensor, n_tiles: int, tgt_logit: torch.
     ce_rows_kernel[(M,)](lse_part, lse_part.stride(0), n_tiles, tgt_logit, target, lse, loss_rows,
                          logits if with_grad else lse, logits.stride(0) if with_grad else 0,
                          logits.shape[1] if with_grad else 0, zdz if with_grad else lse,
-                         grad_scale if grad_scale is not None else lse, rstd if rstd is not None else lse,
-                         ignore_index, WITH_GRAD=with_grad, HAS_SCALE=grad_scale is not None,
-                         HAS_RSTD=rstd is not None, BLOCK_T=triton.next_power_of_2(n_tiles), BLOCK_V=1024)
+                         grad_scale if grad_scale is not None else lse, ignore_index, WITH_GRAD=with_grad,
+                         HAS_SCALE=grad_scale is not None, BLOCK_T=triton.next_power_of_2(n_tiles), BLOCK_V=1024)
     return reduce_loss(loss_rows, target, ignore_index, reduction), lse, zdz
 
 
