@@ -131,3 +131,25 @@ def test_flashinfer_cache_gives_the_canonical_rope():
     c, s = cos[:, None, :], sin[:, None, :]
     got = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
     torch.testing.assert_close(got, R.rope(x, pos, THETA), rtol=0, atol=1e-6)
+
+
+def test_pack_rows_builds_the_coda_weights_and_returns_each_gradient():
+    """kernels.coda.pack (the Hugging Face drop-in's packing, one Triton row copy each way) equals the torch layouts,
+    forward and backward, with every row of every weight hit once."""
+    from kernels.coda.pack import gate_up_index, pack_rows, qkv_index
+
+    cpu = torch.device("cpu")
+    wq, wk, wv = (rand(n * DH, D, seed=s).float().requires_grad_() for n, s in ((H, 3), (HKV, 4), (HKV, 5)))
+    wg, wu = (rand(FFN, D, seed=s).float().requires_grad_() for s in (6, 7))
+    cases = [(qkv_index(H, HKV, DH, cpu), (wq, wk, wv),
+              lambda q, k, v: L.qkv_rows_to_adjacent(torch.cat([q, k, v]), H, HKV, DH)),
+             (gate_up_index(FFN, cpu), (wg, wu), L.interleave_rows)]
+    for index, weights, reference in cases:
+        packed = pack_rows(index, *weights)
+        expected = reference(*weights)
+        assert torch.equal(packed, expected)
+        dpacked = rand(*packed.shape, seed=8).float()
+        grads = torch.autograd.grad(packed, weights, dpacked)
+        expected_grads = torch.autograd.grad(expected, weights, dpacked)
+        for g, e in zip(grads, expected_grads):
+            assert torch.equal(g, e)

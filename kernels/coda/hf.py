@@ -12,7 +12,8 @@ model's own parameters, layer l's modules named as in Hugging Face::
                 no logits are written), Linear without (the logits)
 
 with ``Wqkv = qkv_rows_to_adjacent([q_proj.weight; k_proj.weight; v_proj.weight])`` (q/k rows in adjacent RoPE
-pairs) and ``Wgu = interleave_rows(gate_proj.weight, up_proj.weight)`` (:mod:`kernels.layouts`). ``attn_l`` is the
+pairs) and ``Wgu = interleave_rows(gate_proj.weight, up_proj.weight)`` (:mod:`kernels.layouts`), each packed every
+forward by one row-copy kernel (:mod:`kernels.coda.pack`). ``attn_l`` is the
 model's own attention function (``config._attn_implementation``: eager, sdpa, flash, flex) with the model's own
 causal / sliding-window / padding mask, scaling and attention dropout, called on the q, k, v that the CODA kernel
 wrote. Nothing applies RoPE again there. The q/k head dims are in adjacent-pair order, and ``q k^T`` does not change
@@ -33,6 +34,7 @@ from torch import nn
 
 from kernels import layouts as L
 from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer
+from kernels.coda.pack import gate_up_index, pack_rows, qkv_index
 from kernels.coda.precompile import Precompiled, precompile_autograd
 from kernels.coda.rope import rope_freq_table
 from workloads.reference import IGNORE_INDEX, shifted_targets
@@ -213,13 +215,15 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def _w_qkv(attn: nn.Module, plan: _Plan) -> torch.Tensor:
     """The CODA QKV weight: ``[Wq; Wk; Wv]`` with q/k rows in adjacent RoPE pairs (in the autograd graph)."""
-    w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-    return L.qkv_rows_to_adjacent(w, plan.heads, plan.kv_heads, plan.head_dim)
+    w = attn.q_proj.weight
+    return pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w.device), w, attn.k_proj.weight,
+                     attn.v_proj.weight)
 
 
 def _w_gu(mlp: nn.Module) -> torch.Tensor:
     """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph)."""
-    return L.interleave_rows(mlp.gate_proj.weight, mlp.up_proj.weight)
+    w = mlp.gate_proj.weight
+    return pack_rows(gate_up_index(w.shape[0], w.device), w, mlp.up_proj.weight)
 
 
 def _with_bias(qkv: torch.Tensor, attn: nn.Module, plan: _Plan, positions: torch.Tensor) -> torch.Tensor:
