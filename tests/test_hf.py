@@ -302,3 +302,23 @@ def test_bf16_loss_and_grads_at_llama3_shapes_gpu(shape):
         if not passes(err, torch_err, torch.bfloat16):
             bad.append((name, err, torch_err))
     assert not bad, bad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="host synchronizations are a CUDA matter")
+def test_a_training_step_does_not_synchronize_the_host_gpu():
+    """Forward with labels and backward, warm, under torch's sync debug mode "error": no call waits for the GPU (the
+    mask builder gets no arange position_ids to search for packed sequences; the CE scale stays on the device)."""
+    config = transformers.LlamaConfig(vocab_size=128256, num_hidden_layers=1, rms_norm_eps=1e-5,
+                                      **GPU_SHAPES["llama-3.2-1b"])
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = apply_coda(transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16))
+    ids = torch.randint(0, config.vocab_size, (2, 512), device="cuda")
+    loss_and_grads(model, input_ids=ids, labels=ids)  # compiles, measures strategies (those synchronize)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss_and_grads(model, input_ids=ids, labels=ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -271,11 +271,13 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     layers = self.model.layers
     embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     batch, seq, hidden = embeds.shape
+    # The mask builder gets the caller's position_ids: given arange positions (the default below) it would look for
+    # packed sequences, find none, and synchronize the host to say so (transformers' find_packed_sequence_indices).
+    masks = {w: (create_causal_mask if w is None else create_sliding_window_causal_mask)(
+        self.config, embeds, attention_mask, None, position_ids) for w in set(plan.windows)}
     if position_ids is None:
         position_ids = torch.arange(seq, device=embeds.device)[None]
     positions = position_ids.expand(batch, seq).reshape(-1)
-    masks = {w: (create_causal_mask if w is None else create_sliding_window_causal_mask)(
-        self.config, embeds, attention_mask, None, position_ids) for w in set(plan.windows)}
     rope = RoPE(positions, plan.heads, plan.kv_heads, plan.head_dim, plan.theta, plan.inv_freq)
     final: Consumer = Linear()
     if labels is not None:
