@@ -229,6 +229,24 @@ def test_rope_freq_table_takes_a_scaled_ropes_frequencies():
         rope_freq_table(H, HKV, DH, THETA, cpu, tuple(f[:-1]))
 
 
+def test_cross_entropy_paths_agree_on_targets_outside_the_vocabulary():
+    """A target outside [0, V) that is not ignore_index: neither path reads outside the logits; both count that
+    row's target logit as 0 (loss = lse) and its dlogits as the softmax."""
+    h, rstd, _, _ = normed(torch.float32)
+    w = rand(V, D, dtype=torch.float32, seed=13, scale=D ** -0.5)
+    target = torch.randint(0, V, (M,), generator=torch.Generator().manual_seed(14))
+    target[::5], target[1::5] = V + 3, -7
+    fused = gemm_cross_entropy.fused(h, w, rstd, target, with_grad=True)
+    split = gemm_cross_entropy.split(h, w, rstd, target, with_grad=True)
+    for a, b in zip(fused, split):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    logits = (h @ w.T) * rstd[:, None]
+    inside = (target >= 0) & (target < V)
+    tgt = torch.where(inside, logits.gather(1, target.clamp(0, V - 1)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(split[0], (torch.logsumexp(logits, -1) - tgt).mean(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(split[2][~inside], torch.softmax(logits, -1)[~inside], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemm_cross_entropy(dtype, strategy):
     h, rstd, n64, nt = normed(dtype)

@@ -80,7 +80,8 @@ def ce_split_rows_kernel(c_ptr, stride_c, V, rstd_ptr, target_ptr, lse_ptr, loss
     lse = run_max + tl.log(run_sum)
     target = tl.load(target_ptr + m)
     valid = target != ignore_index
-    tgt_logit = tl.load(row + target, mask=valid, other=0.0).to(tl.float32) * r
+    # A target outside [0, V) reads nothing (its logit counts as 0), as the fused kernel's gather finds no tile.
+    tgt_logit = tl.load(row + target, mask=valid & (target >= 0) & (target < V), other=0.0).to(tl.float32) * r
     tl.store(lse_ptr + m, lse)
     tl.store(loss_ptr + m, tl.where(valid, lse - tgt_logit, 0.0))
     if WITH_GRAD:
