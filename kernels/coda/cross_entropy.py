@@ -28,18 +28,6 @@ from kernels.coda.strategy import with_split
 from workloads.fp8 import Fp8
 
 
-@triton.jit
-def ce_partials(logits, target_ptr, lse_part_ptr, tgt_logit_ptr, off_m, off_n, M, N, stride_p, BM: tl.constexpr,
-                BN: tl.constexpr):
-    """The epilogue's outputs for a (BM, BN) tile of logits at (off_m, off_n): each row's log-sum-exp over the tile's
-    columns into ``lse_part[:, off_n // BN]``, and the target logit from the tile that holds the row's target."""
-    store_row_partial(lse_part_ptr, tile_lse(logits, off_n, N, BN), off_m, off_n, M, stride_p, BM, BN)
-    rows = off_m + tl.arange(0, BM)
-    target = tl.load(target_ptr + rows, mask=rows < M, other=-1)
-    tgt_logit, hit = gather_cols(logits, target, off_n, BN)
-    tl.store(tgt_logit_ptr + rows, tgt_logit, mask=hit & (rows < M))
-
-
 @coda_autotune(key=("M", "N", "K", "WITH_GRAD"))
 @triton.jit
 def gemm_cross_entropy_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
@@ -56,7 +44,11 @@ def gemm_cross_entropy_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, s
         logits = dequant_scale(acc, rstd, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
         if WITH_GRAD:
             store_tile(logits_desc, off_m, off_n, logits)
-        ce_partials(logits, target_ptr, lse_part_ptr, tgt_logit_ptr, off_m, off_n, M, N, stride_p, BM, BN)
+        store_row_partial(lse_part_ptr, tile_lse(logits, off_n, N, BN), off_m, off_n, M, stride_p, BM, BN)
+        rows = off_m + tl.arange(0, BM)
+        target = tl.load(target_ptr + rows, mask=rows < M, other=-1)
+        tgt_logit, hit = gather_cols(logits, target, off_n, BN)
+        tl.store(tgt_logit_ptr + rows, tgt_logit, mask=hit & (rows < M))
 
 
 @triton.jit
