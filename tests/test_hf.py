@@ -18,6 +18,7 @@ from torch import nn
 from codabench.metrics import passes, rel_err
 from kernels.coda import cross_entropy_bwd
 from kernels.coda.hf import CodaUnsupportedError, apply_coda, apply_coda_to_mistral, apply_coda_to_qwen2
+from kernels.coda.strategy import ENV as STRATEGY_ENV
 
 from kernel_helpers import launches
 
@@ -279,8 +280,15 @@ GPU_SHAPES = {  # two layers each, the real vocabulary
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="bf16 agreement at the Llama-3 shapes needs a CUDA GPU and compiled kernels")
-@pytest.mark.parametrize("shape", list(GPU_SHAPES))
-def test_bf16_loss_and_grads_at_llama3_shapes_gpu(shape):
+@pytest.mark.parametrize("shape,ce_chunk,strategy", [(shape, None, None) for shape in GPU_SHAPES]
+                         + [("llama-3.2-1b", 1024, "fused"), ("llama-3.2-1b", 1024, "split")])
+def test_bf16_loss_and_grads_at_llama3_shapes_gpu(shape, ce_chunk, strategy, monkeypatch):
+    """ce_chunk 1024: the LM head's gradient in two chunks of rows, its weight gradient summed in fp32 by
+    :func:`kernels.coda.gemm.mm_f32`, on the mainloop (``fused``) or cuBLAS (``split``, every other kernel split too)."""
+    if ce_chunk:
+        monkeypatch.setattr(cross_entropy_bwd, "ce_chunk_rows", lambda m, v, element_size: ce_chunk)
+    if strategy:
+        monkeypatch.setenv(STRATEGY_ENV, strategy)
     config = transformers.LlamaConfig(vocab_size=128256, num_hidden_layers=2, rms_norm_eps=1e-5, **GPU_SHAPES[shape])
     with torch.device("cuda"):
         torch.manual_seed(0)

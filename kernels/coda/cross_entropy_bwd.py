@@ -9,7 +9,7 @@ s on the device (no host synchronization). :func:`lm_head_ce_grad` computes the 
     loss_c, lse_c, dlogits_c, zdz_c = gemm_cross_entropy(h_c, W, rstd_c, target_c, "sum", with_grad=True,
                                                          grad_scale=s)     # dlogits_c = s (softmax - onehot)
     dx_c, y_c, dgamma_c = dgrad_rmsnorm(dlogits_c, W, x_c, rstd_c, gamma, zdz_c)
-    dW += dlogits_c^T @ y_c                    (:func:`kernels.coda.gemm.matmul` into an fp32 ``acc``)
+    dW += dlogits_c^T @ y_c                    (:func:`kernels.coda.gemm.mm_f32` into an fp32 ``acc``)
 
 then ``loss = s * sum_c loss_c`` and ``dgamma = sum_c dgamma_c`` (fp32); dW and dgamma are rounded to the
 weights' dtype once, at the end. Every chunk writes its logits, then dlogits, into the same [mc, V] buffer.
@@ -27,14 +27,15 @@ import triton
 import triton.language as tl
 
 from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.gemm import matmul, mm
+from kernels.coda.gemm import mm, mm_f32
 from kernels.coda.reduce import check_reduction
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 
-CHUNK_BYTES = 1 << 30
-"""The most a chunk's [mc, V] dlogits buffer takes (1 GiB), unless that is under CHUNK_MIN_ROWS rows. Fewer, larger
-chunks read and write the fp32 weight-gradient accumulator fewer times: on an H100 the Llama-3.2-1B training step
-took 1% less time than with 512 MiB (4096 rows, +0.5 GiB peak) and 1.5% less with 2 GiB (+1.5 GiB; PERF_NOTES)."""
+CHUNK_BYTES = 1 << 31
+"""The most a chunk's [mc, V] dlogits buffer takes (2 GiB), unless that is under CHUNK_MIN_ROWS rows. Fewer, larger
+chunks read and write the fp32 weight-gradient accumulator fewer times and have fewer partial waves: on an H100 the
+Llama-3.2-1B training step (2 x 8192 tokens, V = 128256: 2 chunks) took 1.2% less time than with 1 GiB (4 chunks),
+for 1 GiB more peak memory (A/B of 2026-11-26, PERF_NOTES). One chunk (4 GiB there) was 4% faster but +2.5 GiB."""
 CHUNK_MIN_ROWS = 1024
 """Every chunk's weight-gradient GEMM reads and writes the fp32 [V, d] accumulator: fewer rows make that dominate."""
 CHUNK_ALIGN = 256
@@ -105,8 +106,8 @@ def ce_chunk_rows(m: int, v: int, element_size: int) -> int:
     """Rows per chunk of :func:`lm_head_ce_grad`: the largest multiple of CHUNK_ALIGN whose [rows, v] buffer of
     ``element_size``-byte elements fits CHUNK_BYTES, at least CHUNK_MIN_ROWS, at most m.
 
-    Llama 3 (V = 128256, bf16): 4096 rows (1002 MiB). A chunk's dgrad GEMM, [mc, d] with K = V, then has
-    (4096 / 128) x (d / 256) tiles of 128 x 256: 256 for d = 2048, two waves of an H100's 132 SMs; its weight
+    Llama 3 (V = 128256, bf16): 8192 rows (2004 MiB). A chunk's dgrad GEMM, [mc, d] with K = V, then has
+    (8192 / 128) x (d / 256) tiles of 128 x 256: 512 for d = 2048, four waves of an H100's 132 SMs; its weight
     gradient GEMM reads and writes the fp32 [V, d] accumulator once, 8 bytes per element against 2 mc FLOPs.
     """
     rows = CHUNK_BYTES // (v * element_size) // CHUNK_ALIGN * CHUNK_ALIGN
@@ -138,7 +139,7 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
         loss, lse, dlogits, zdz = gemm_cross_entropy(h[c], w_lm, rstd[c], target[c], ignore_index, "sum",
                                                      with_grad=True, out=buf[:c.stop - r0], grad_scale=s)
         _, y, dgamma = dgrad_rmsnorm(dlogits, w_lm, x[c], rstd[c], gamma32, zdz, dx[c], inplace=True)
-        dw = mm(dlogits.T, y) if rows >= M else matmul(dlogits.T, y, torch.float32, acc=dw)
+        dw = mm(dlogits.T, y) if rows >= M else mm_f32(dlogits.T, y, dw)
         losses.append(loss)
         lses.append(lse)
         dgammas.append(dgamma)

@@ -71,6 +71,29 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return matmul(a, b)
 
 
+def mm_f32_split(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`mm_f32` split: cuBLAS's GEMM with an fp32 output (torch's ``out_dtype``, CUDA only; on the CPU the
+    same sum from fp32 copies of the operands)."""
+    if not a.is_cuda:
+        return a.float() @ b.float() if acc is None else acc.addmm_(a.float(), b.float())
+    if acc is None:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+def _fresh_acc(arguments: dict) -> dict:
+    acc = arguments["acc"]
+    return {**arguments, "acc": None if acc is None else acc.clone()}
+
+
+@with_split(mm_f32_split, safe=_fresh_acc)
+def mm_f32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` of plain operands in fp32, or ``acc += a @ b`` into an fp32 ``acc`` (returned): a weight gradient
+    summed over chunks of rows. The mainloop, or cuBLAS where it measures faster (:mod:`kernels.coda.strategy`);
+    on an H100, cuBLAS at the LM head's 128256 x 2048 chunks (PERF_NOTES)."""
+    return matmul(a, b, torch.float32, acc=acc)
+
+
 def linear(x: torch.Tensor | Fp8, w: torch.Tensor | Fp8, promote: bool = False) -> torch.Tensor:
     """``x @ w.T`` with w in nn.Linear layout (N, K); fp8 x, w: scales per tensor or per row of each."""
     return matmul(x, w.T, promote=promote)
