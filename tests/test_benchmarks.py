@@ -132,6 +132,22 @@ def test_gluon_ws_producer_compiles_for_hopper(tmp_path):
         assert buffers <= int(smem) <= HOPPER_SMEM, (variant, smem)
 
 
+def test_gluon_ws_dgrad_swiglu_compiles_for_hopper(tmp_path):
+    """The lost Gluon SwiGLU dgrad experiment still builds: every config compiles for sm_90 and its operand ring and
+    z_pre / dz_pre tile fit the shared memory."""
+    env = script_env(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "gluon_ws_dgrad_swiglu.py"), "--compile-only"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = re.findall(r"^config=(\d+),(\d+),(\d+),\w+: compiled for sm_90, (\d+) B", out.stdout, re.M)
+    shared = {(int(bn), int(bk), int(stages)): int(b) for bn, bk, stages, b in found}
+    g = load_script("gluon_ws_dgrad_swiglu")
+    assert set(shared) == {c[:3] for c in g.CONFIGS}, out.stdout
+    for (bn, bk, stages), smem in shared.items():
+        buffers = stages * (g.BM + bn) * bk * 2 + g.BM * bn * 4  # operand ring and the int32 z_pre / dz_pre tile
+        assert buffers <= smem <= HOPPER_SMEM, (bn, bk, stages, smem)
+
+
 def test_fused_kernels_compile_for_hopper_through_the_launch_helper():
     """benchmarks/compare_ptx.py --compile-only: the guide's example and the fp8 producer, launched by their host
     wrappers through FusedGemm (arguments caught at the autotuner), compile for sm_90 and fit its shared memory."""
