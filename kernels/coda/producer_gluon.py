@@ -171,13 +171,14 @@ def ws_producer_kernel(a_desc, b_desc, res_desc, x_desc, h_desc, gamma_ptr, ss_p
     ], [1], [LOADER_REGS])
 
 
-def _gl_dtype(dtype: torch.dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int32: gl.int32}
+"""Gluon's dtype of each tensor dtype a TMA descriptor here takes (int32: packed bf16 pairs, in experiments)."""
 
 
-def _desc(t: torch.Tensor, block: list[int]):
+def tma_desc(t: torch.Tensor, block: list[int]):
+    """A host TMA descriptor of ``t`` in ``block`` tiles, with the default NVMMA shared layout for that tile."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype)))
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype]))
 
 
 def ws_producer(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
@@ -195,8 +196,9 @@ def ws_producer(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     grid = (min(torch.cuda.get_device_properties(a.device).multi_processor_count,
                 triton.cdiv(M, BM) * triton.cdiv(N, BN)), )
     # The plain GEMM reads neither residual nor gamma: x and ss stand in for them.
-    ws_producer_kernel[grid](_desc(a, [BM, BK]), _desc(w, [BN, BK]),
-                             _desc(residual.contiguous() if producer else x, io), _desc(x, io), _desc(h, io),
+    ws_producer_kernel[grid](tma_desc(a, [BM, BK]), tma_desc(w, [BN, BK]),
+                             tma_desc(residual.contiguous() if producer else x, io), tma_desc(x, io),
+                             tma_desc(h, io),
                              gamma.contiguous() if producer else ss, ss, M, N, K, ss.stride(0), PRODUCER=producer,
                              H_FROM_X16=h_from_x16, S=STAGES, GROUP_M=GROUP_M, num_warps=WARPS, maxnreg=MAXNREG)
     return (x, h, finish_rstd(ss, ss.shape[1], N, eps)) if producer else x
