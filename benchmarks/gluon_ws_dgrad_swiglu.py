@@ -247,6 +247,9 @@ def main() -> int:
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args()
+    unknown = [m for m in args.models.split(",") if m not in SHAPES]
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
     if args.compile_only:
         for name, smem in compile_only().items():
             print(f"{name}: compiled for sm_90, {smem} B shared memory")

@@ -143,6 +143,9 @@ def test_gluon_ws_dgrad_swiglu_compiles_for_hopper(tmp_path):
     shared = {(int(bn), int(bk), int(stages)): int(b) for bn, bk, stages, b in found}
     g = load_script("gluon_ws_dgrad_swiglu")
     assert set(shared) == {c[:3] for c in g.CONFIGS}, out.stdout
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "gluon_ws_dgrad_swiglu.py"), "--models", "llama-1b,nope"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--models: unknown nope" in bad.stderr and "Traceback" not in bad.stderr
     for (bn, bk, stages), smem in shared.items():
         buffers = stages * (g.BM + bn) * bk * 2 + g.BM * bn * 4  # operand ring and the int32 z_pre / dz_pre tile
         assert buffers <= smem <= HOPPER_SMEM, (bn, bk, stages, smem)
