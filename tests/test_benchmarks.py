@@ -203,3 +203,24 @@ def test_profile_cell_profiles_each_implementation_of_a_cell_and_refuses_bad_nam
                         (["--op", "gemm_out"], "gemm_out has no bwd mode")):
         bad = subprocess.run(cmd + extra, env=script_env(), capture_output=True, text=True, timeout=300)
         assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+
+
+def test_gluon_pingpong_dgrad_swiglu_compiles_for_hopper(tmp_path):
+    """The lost ping-pong SwiGLU dgrad experiment still builds: every config, with and without its epilogue, compiles
+    for sm_90, its operand ring(s) fit the shared memory, and ptxas reports its registers."""
+    env = script_env(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    script = str(BENCHMARKS / "gluon_pingpong_dgrad_swiglu.py")
+    out = subprocess.run([sys.executable, script, "--compile-only"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = re.findall(r"^config=(\d+),(\d+),(\d+),(\d+) epilogue=(\w+): compiled for sm_90, (\d+) B shared, (.*)$",
+                       out.stdout, re.M)
+    g = load_script("gluon_pingpong_dgrad_swiglu")
+    assert {(tuple(map(int, f[:4])), f[4]) for f in found} == {(c, e) for c in g.CONFIGS for e in ("True", "False")}
+    for bn, bk, stages, _rings, _epi, smem, ptxas in found:
+        ring = int(stages) * (g.BM + int(bn)) * int(bk) * 2
+        assert ring <= int(smem) <= HOPPER_SMEM, (bn, bk, stages, smem)
+        assert "registers" in ptxas, ptxas
+    bad = subprocess.run([sys.executable, script, "--models", "nope"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--models: unknown nope" in bad.stderr and "Traceback" not in bad.stderr

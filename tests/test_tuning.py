@@ -48,6 +48,19 @@ def test_round_trip_restores_the_winner_under_its_exact_key(cache_dir):
     assert fresh.cache == {KEY: CONFIGS[1]}  # the tuple key with its int, str and bool survives JSON
 
 
+def test_cache_file_follows_the_environment_after_it_was_asked_for(cache_dir, tmp_path, monkeypatch):
+    """The path is built once per environment (every strategy choice asks for it), not once per process."""
+    first = tuning.cache_file("NVIDIA H200")
+    other = tmp_path / "elsewhere"
+    monkeypatch.setenv("CODABENCH_CACHE_DIR", str(other))
+    assert tuning.cache_file("NVIDIA H200") == other / "autotune" / first.name
+    monkeypatch.delenv("CODABENCH_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tuning.cache_file("NVIDIA H200") == tmp_path / "home" / ".cache" / "codabench" / "autotune" / first.name
+    monkeypatch.setenv("CODABENCH_CACHE_DIR", str(cache_dir))
+    assert tuning.cache_file("NVIDIA H200") == first
+
+
 def test_other_gpu_other_kernel_source_and_unknown_configs_are_not_used(cache_dir):
     h100, h200 = tuning.cache_file("NVIDIA H100 80GB HBM3"), tuning.cache_file("NVIDIA H200")
     assert h100 != h200

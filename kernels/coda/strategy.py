@@ -164,6 +164,7 @@ def pick(times: dict[str, float]) -> str:
     return best if times[best] < (1 - MARGIN) * times[FUSED] else FUSED
 
 
+@functools.lru_cache(maxsize=None)
 def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import hashlib
 import inspect
 import json
@@ -76,8 +77,14 @@ def _slug(gpu_name: str) -> str:
 
 
 def cache_file(gpu_name: str, triton_version: str = triton.__version__) -> Path:
-    """The cache file of one GPU model and Triton version."""
-    root = Path(os.environ.get("CODABENCH_CACHE_DIR", Path.home() / ".cache" / "codabench"))
+    """The cache file of one GPU model and Triton version (under ``CODABENCH_CACHE_DIR``, else
+    ``~/.cache/codabench``; every strategy choice asks for it, so the path is built once per environment)."""
+    return _cache_file(os.environ.get("CODABENCH_CACHE_DIR"), os.environ.get("HOME"), gpu_name, triton_version)
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_file(cache_dir: str | None, home: str | None, gpu_name: str, triton_version: str) -> Path:
+    root = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "codabench"
     return root / "autotune" / f"{_slug(gpu_name)}--triton-{triton_version}.json"
 
 

@@ -1,0 +1,318 @@
+"""Experiment (lost, not shipped): the SwiGLU backward's dgrad GEMM as a *ping-pong* warp-specialized Gluon kernel.
+
+    python benchmarks/gluon_pingpong_dgrad_swiglu.py               # times it at the 1B / 7B / 70B shapes (H100/H200)
+    python benchmarks/gluon_pingpong_dgrad_swiglu.py --compile-only # no GPU needed: compiles every config for sm_90
+
+The math is :func:`kernels.coda.swiglu_bwd.dgrad_swiglu`'s (and benchmarks/gluon_ws_dgrad_swiglu.py's),
+
+    dy = dx @ w_down,   s = sigmoid(gate),   dgate = dy up s (1 + gate (1 - s)),   dup = dy gate s,
+    y = gate s up,      zdz[m, tile_n] = sum_{j in tile_n} gate_mj dgate_mj + up_mj dup_mj,
+
+on the interleaved pre-activation ``z_pre`` [M, 2f]. The cooperative kernel of that experiment lost because each
+tile's epilogue ran between two mainloops. Here two consumer warpgroups (4 warps each) own alternate tiles of a
+program, each with its own (BM, BN) accumulator, and take turns at the tensor cores: a pair of mbarriers passes the
+turn after each mainloop, so one warpgroup's epilogue (global loads of its z_pre pairs, the math, global stores of
+dz_pre, y and the row sums) runs while the other's mainloop does. A 1-warp loader partition fills one operand ring
+for both, in tile order. The turn also keeps each consumer's ring phases valid: a consumer waits on a stage only
+after the other has waited on every earlier one.
+
+Measured on an H100 (2026-11-26, benchmarks/PERF_NOTES.md): bit-exact with the fused Triton kernel (zdz to 2e-7),
+but 1.07-1.10x its time at 1B, 1.01x at 7B, 1.02x at 70B (best config, 4 stages, one ring). Its mainloop alone (the
+plain GEMM through the same schedule) ran at 0.89-0.98 ms against cuBLAS's 0.85 at 1B, so the epilogue is what is
+not hidden: on one warpgroup (4 warps, 128 elements a thread a tile) it takes longer than the other warpgroup's
+mainloop, and the two alternate at that pace. Two rings without the turn, and an epilogue without its loads, were no
+faster.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, also without pip install -e .
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords, tma_desc, tma_load
+from kernels.coda.reduce import finish_row_sum
+
+BM, GROUP_M, WG = 128, 8, 4
+CONSUMER_REGS = gl.constexpr(232)
+"""Registers per consumer thread: 2 x 128 x 232 + the loader's warpgroup at 40 x 128 = 64512 of the SM's 64K."""
+MAXNREG = 168
+FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)
+"""The two consumers' ids (CID)."""
+
+
+@gluon.jit
+def loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, RINGS: gl.constexpr, GROUP_M: gl.constexpr):
+    S: gl.constexpr = a_bufs.type.shape[0] // RINGS
+    TM: gl.constexpr = a_desc.block_type.shape[0]
+    TK: gl.constexpr = a_desc.block_type.shape[1]
+    TN: gl.constexpr = b_desc.block_type.shape[1]
+    n_m = gl.cdiv(M, TM)
+    n_n = gl.cdiv(N, TN)
+    k_tiles = gl.cdiv(K, TK)
+    for i in range(local_tiles(n_m, n_n)):
+        pid_m, pid_n = tile_coords(i, n_m, n_n, GROUP_M)
+        p = (i // RINGS) * k_tiles
+        for kk in range(k_tiles):
+            slot = (i % RINGS) * S + p % S
+            mbarrier.wait(empty.index(slot), ((p // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma_load(a_desc, [pid_m * TM, kk * TK], ready.index(slot), a_bufs.index(slot))
+            tma_load(b_desc, [kk * TK, pid_n * TN], ready.index(slot), b_bufs.index(slot))
+            p += 1
+
+
+@gluon.jit
+def swiglu_pairs_bwd(dy, pairs):
+    """The SwiGLU backward of the fp32 tile dy given the (gate, up) bf16 pairs of z_pre as uint32 words (gate in the
+    low half): the packed (dgate, dup) words, y, and the tile's row sums of ``gate dgate + up dup``."""
+    gate = (pairs << 16).to(gl.float32, bitcast=True)
+    up = ((pairs >> 16) << 16).to(gl.float32, bitcast=True)
+    s = 1.0 / (1.0 + gl.exp(-gate))
+    silu = gate * s
+    dgate = dy * up * s * (1.0 + gate * (1.0 - s))
+    dup = dy * silu
+    lo = dgate.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
+    hi = dup.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
+    return (lo | (hi << 16)).to(gl.int32, bitcast=True), (silu * up).to(gl.bfloat16), gl.sum(gate * dgate + up * dup,
+                                                                                              axis=1)
+
+
+@gluon.jit
+def epilogue_rows(acc, off_m, off_n, z_ptr, dz_ptr, y_ptr, part_ptr, M, N, stride_p, pid_n,
+                  EPILOGUE: gl.constexpr, EVEN: gl.constexpr, NOLOAD: gl.constexpr):
+    """The epilogue of one (rows, TN) accumulator at (off_m, off_n), from and to global memory."""
+    layout: gl.constexpr = acc.type.layout
+    rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    offs = rows.to(gl.int64)[:, None] * N + cols[None, :]
+    mask = None if EVEN else (rows < M)[:, None] & (cols < N)[None, :]
+    if EPILOGUE:
+        if NOLOAD:  # a diagnostic: the epilogue's math and stores without its loads (wrong results)
+            pairs = acc.to(gl.uint32, bitcast=True)
+        else:
+            pairs = gl.load(z_ptr + offs, mask=mask, other=0 if not EVEN else None).to(gl.uint32, bitcast=True)
+        dz, y, zdz = swiglu_pairs_bwd(acc, pairs)
+        gl.store(dz_ptr + offs, dz, mask=mask)
+        gl.store(y_ptr + offs, y, mask=mask)
+        gl.store(part_ptr + rows * stride_p + pid_n, zdz, mask=None if EVEN else rows < M)
+    else:
+        gl.store(y_ptr + offs, acc.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def consumer(a_bufs, b_bufs, ready, empty, turn, z_ptr, dz_ptr, y_ptr, part_ptr, M, N, K, stride_p,
+             CID: gl.constexpr, RINGS: gl.constexpr, EPILOGUE: gl.constexpr, EVEN: gl.constexpr,
+             NOLOAD: gl.constexpr, GROUP_M: gl.constexpr, W: gl.constexpr):
+    S: gl.constexpr = a_bufs.type.shape[0] // RINGS
+    TM: gl.constexpr = a_bufs.type.shape[1]
+    TK: gl.constexpr = a_bufs.type.shape[2]
+    TN: gl.constexpr = b_bufs.type.shape[2]
+    HM: gl.constexpr = TM // 2
+    # Two accumulators of HM rows each (the same wgmmas as one of TM rows): the epilogue takes one at a time, so
+    # its z_pre pairs and temporaries sit beside half the tile's registers.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                         instr_shape=[16, TN, 16])
+    n_m = gl.cdiv(M, TM)
+    n_n = gl.cdiv(N, TN)
+    k_tiles = gl.cdiv(K, TK)
+    acc0 = gl.zeros((HM, TN), dtype=gl.float32, layout=acc_layout)
+    acc1 = gl.zeros((HM, TN), dtype=gl.float32, layout=acc_layout)
+    j = 0
+    for i in range(CID, local_tiles(n_m, n_n), 2):
+        pid_m, pid_n = tile_coords(i, n_m, n_n, GROUP_M)
+        # The turn: consumer 0 starts; each passes it on after its mainloop's last stage wait.
+        if RINGS == 1:
+            mbarrier.wait(turn.index(CID), (j & 1) ^ (1 - CID))
+        c = (i // RINGS) * k_tiles
+        base = (i % RINGS) * S
+        for kk in range(k_tiles):
+            slot = base + c % S
+            mbarrier.wait(ready.index(slot), (c // S) & 1)
+            a = a_bufs.index(slot)
+            b = b_bufs.index(slot)
+            acc0 = warpgroup_mma(a.slice(0, HM), b, acc0, use_acc=kk > 0, is_async=True)
+            acc1 = warpgroup_mma(a.slice(HM, HM), b, acc1, use_acc=kk > 0, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
+            thread_barrier()  # every warp is done with the previous slot
+            mbarrier.arrive(empty.index(base + (c + S - 1) % S), pred=kk > 0)
+            c += 1
+        if RINGS == 1:
+            mbarrier.arrive(turn.index(1 - CID))
+        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
+        thread_barrier()
+        mbarrier.arrive(empty.index(base + (c + S - 1) % S))
+        epilogue_rows(acc0, pid_m * TM, pid_n * TN, z_ptr, dz_ptr, y_ptr, part_ptr, M, N, stride_p, pid_n, EPILOGUE,
+                      EVEN, NOLOAD)
+        epilogue_rows(acc1, pid_m * TM + HM, pid_n * TN, z_ptr, dz_ptr, y_ptr, part_ptr, M, N, stride_p, pid_n,
+                      EPILOGUE, EVEN, NOLOAD)
+        j += 1
+
+
+@gluon.jit
+def pingpong_dgrad_swiglu_kernel(a_desc, b_desc, z_ptr, dz_ptr, y_ptr, part_ptr, M, N, K, stride_p, S: gl.constexpr,
+                                 RINGS: gl.constexpr, EPILOGUE: gl.constexpr, EVEN: gl.constexpr,
+                                 NOLOAD: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [S] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [S] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for s in gl.static_range(2):
+        mbarrier.init(turn.index(s), count=1)
+    gl.warp_specialize([
+        (consumer, (a_bufs, b_bufs, ready, empty, turn, z_ptr, dz_ptr, y_ptr, part_ptr, M, N, K, stride_p, FIRST,
+                    RINGS, EPILOGUE, EVEN, NOLOAD, GROUP_M, num_warps)),
+        (consumer, (a_bufs, b_bufs, ready, empty, turn, z_ptr, dz_ptr, y_ptr, part_ptr, M, N, K, stride_p, SECOND,
+                    RINGS, EPILOGUE, EVEN, NOLOAD, GROUP_M, num_warps)),
+        (loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, RINGS, GROUP_M)),
+    ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def dgrad_swiglu_pingpong(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor,
+                          config: tuple[int, int, int, int] = (128, 64, 4, 1), epilogue: bool = True,
+                          noload: bool = False):
+    """``(dz_pre, y, zdz)`` of :func:`kernels.coda.swiglu_bwd.dgrad_swiglu` for bf16 dx [M, d], w_down [d, f], z_pre
+    [M, 2f]; ``config``: (BN, BK, stages, rings), BM = 128 per consumer; rings = 2: each consumer its own ring of
+    stages / 2 (no turn: the mainloops may overlap). ``epilogue=False``: the plain GEMM ``dx @ w_down`` through the
+    same schedule (returned as y), to compare the mainloop with cuBLAS; ``noload``: the epilogue without its z_pre
+    loads (a timing diagnostic, wrong results)."""
+    bn, bk, stages, rings = config
+    dx, w_down, z_pre = dx.contiguous(), w_down.contiguous(), z_pre.contiguous()
+    M, K = dx.shape
+    N = w_down.shape[1]
+    dz_pre = torch.empty_like(z_pre)
+    y = torch.empty(M, N, device=dx.device, dtype=dx.dtype)
+    part = torch.empty(M, triton.cdiv(N, bn), device=dx.device, dtype=torch.float32)
+    grid = (min(torch.cuda.get_device_properties(dx.device).multi_processor_count,
+                triton.cdiv(M, BM) * triton.cdiv(N, bn)), )
+    pingpong_dgrad_swiglu_kernel[grid](tma_desc(dx, [BM, bk]), tma_desc(w_down, [bk, bn]), z_pre.view(torch.int32),
+                                       dz_pre.view(torch.int32), y, part, M, N, K, part.stride(0), S=stages,
+                                       RINGS=rings, EPILOGUE=epilogue, EVEN=M % BM == 0 and N % bn == 0,
+                                       NOLOAD=noload, GROUP_M=GROUP_M,
+                                       num_warps=WG, maxnreg=MAXNREG)
+    if not epilogue:
+        return y
+    return dz_pre, y, finish_row_sum(part, part.shape[1])
+
+
+CONFIGS = [(128, 64, 4, 1), (128, 64, 6, 2)]
+"""(BN, BK, stages, rings) tried; BM = 128 per consumer warpgroup."""
+SHAPES = {"llama-1b": (16384, 8192, 2048), "llama-7b": (16384, 11008, 4096), "llama-70b": (16384, 28672, 8192)}
+"""(M, f, d) of the suite's swiglu_dgrad cells."""
+
+
+def ptxas_usage(kernel) -> str:
+    """ptxas's register and spill line for a compiled kernel (Triton's bundled ptxas, ``-v``)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    try:
+        ptxas = get_ptxas(90).path  # Triton 3.9's signature
+    except TypeError:
+        ptxas = get_ptxas().path
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        res = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True)
+    lines = [ln.split("info    : ")[-1] for ln in res.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    return "; ".join(lines) or res.stderr.strip()[-200:]
+
+
+def compile_only() -> dict[str, str]:
+    """Compile every config for sm_90 (no GPU needed): shared memory bytes and register spills per config."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(block):
+        return f"tensordesc<bf16[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
+
+    names = pingpong_dgrad_swiglu_kernel.arg_names
+    out = {}
+    for bn, bk, stages, rings in CONFIGS:
+        for epi in (True, False):
+            types = [desc([BM, bk]), desc([bk, bn]), "*i32", "*i32", "*bf16", "*fp32", "i32", "i32", "i32", "i32"]
+            consts = {"S": stages, "RINGS": rings, "EPILOGUE": epi, "EVEN": True, "NOLOAD": False, "GROUP_M": GROUP_M,
+                      "num_warps": WG}
+            sig = dict(zip(names, types + ["constexpr"] * len(consts)))
+            src = GluonASTSource(pingpong_dgrad_swiglu_kernel, sig, {(names.index(k), ): v for k, v in consts.items()})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": WG, "maxnreg": MAXNREG})
+            out[f"config={bn},{bk},{stages},{rings} epilogue={epi}"] = f"{k.metadata.shared} B shared, {ptxas_usage(k)}"
+    return out
+
+
+def bench(models: list[str]) -> None:
+    """Per shape: the fused Triton kernel, its split path, each ping-pong config (and its plain GEMM), cuBLAS, 3
+    interleaved ``do_bench`` rounds (L2 flushed), medians; each config checked against the fused kernel first."""
+    from codabench.metrics import rel_err
+    from kernels.coda.swiglu_bwd import dgrad_swiglu
+
+    torch.manual_seed(0)
+    for model in models:
+        m, f, d = SHAPES[model]
+        dx = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(d, f, device="cuda") * d ** -0.5).to(torch.bfloat16)
+        z = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)
+        args = {"dx": dx, "w_down": w, "z_pre": z}
+        paths = {"fused (Triton)": lambda: dgrad_swiglu.fused(**args), "split": lambda: dgrad_swiglu.split(**args)}
+        paths.update({f"pingpong {c}": (lambda c=c: dgrad_swiglu_pingpong(**args, config=c)) for c in CONFIGS})
+        paths.update({f"pingpong GEMM {c}": (lambda c=c: dgrad_swiglu_pingpong(**args, config=c, epilogue=False))
+                      for c in CONFIGS})
+        paths.update({f"pingpong no loads {c}": (lambda c=c: dgrad_swiglu_pingpong(**args, config=c, noload=True))
+                      for c in CONFIGS})
+        paths["cuBLAS GEMM"] = lambda: dx @ w
+        ref = paths["fused (Triton)"]()
+        gemm = (dx @ w).double()
+        for c in CONFIGS:
+            try:
+                errs = [rel_err(a, b.double()) for a, b in zip(paths[f"pingpong {c}"](), ref)]
+                gerr = rel_err(paths[f"pingpong GEMM {c}"](), gemm)
+                print(f"{model} pingpong {c}: rel_err against fused: dz_pre {errs[0]:.1e}, y {errs[1]:.1e}, "
+                      f"zdz {errs[2]:.1e}; its GEMM against cuBLAS {gerr:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001 - an experiment: report the config and go on
+                print(f"{model} pingpong {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                for k in [k for k in paths if k.endswith(str(c))]:
+                    paths.pop(k)
+        times = {k: [] for k in paths}
+        for _ in range(3):
+            for k, fn in paths.items():
+                times[k].append(triton.testing.do_bench(fn, warmup=25, rep=100))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{model}, M = {m}, f = {f}, d = {d}:")
+        fused = med["fused (Triton)"]
+        for k, v in med.items():
+            print(f"  {k:30} {v:7.3f} ms  {2 * m * f * d / v / 1e9:4.0f} TFLOP/s  {v / fused:.3f}x fused", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    args = p.parse_args()
+    unknown = [m for m in args.models.split(",") if m not in SHAPES]
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
+    if args.compile_only:
+        for name, info in compile_only().items():
+            print(f"{name}: compiled for sm_90, {info}")
+        return 0
+    bench(args.models.split(","))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
