@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, also without pip install -e .
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gluon_build, also when loaded by path
 
 import torch
 import triton
@@ -214,44 +215,19 @@ SHAPES = {"llama-1b": (16384, 8192, 2048), "llama-7b": (16384, 11008, 4096), "ll
 """(M, f, d) of the suite's swiglu_dgrad cells."""
 
 
-def ptxas_usage(kernel) -> str:
-    """ptxas's register and spill line for a compiled kernel (Triton's bundled ptxas, ``-v``)."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-    try:
-        ptxas = get_ptxas(90).path  # Triton 3.9's signature
-    except TypeError:
-        ptxas = get_ptxas().path
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        res = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(Path(tmp) / "k.o")],
-                             capture_output=True, text=True)
-    lines = [ln.split("info    : ")[-1] for ln in res.stderr.splitlines() if "registers" in ln or "spill" in ln]
-    return "; ".join(lines) or res.stderr.strip()[-200:]
-
-
 def compile_only() -> dict[str, str]:
-    """Compile every config for sm_90 (no GPU needed): shared memory bytes and register spills per config."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    """Compile every config for sm_90 (no GPU needed): shared memory bytes, and ptxas's registers and spills."""
+    from gluon_build import compile_for_hopper, desc_type
 
-    def desc(block):
-        return f"tensordesc<bf16[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
-
-    names = pingpong_dgrad_swiglu_kernel.arg_names
     out = {}
     for bn, bk, stages, rings in CONFIGS:
         for epi in (True, False):
-            types = [desc([BM, bk]), desc([bk, bn]), "*i32", "*i32", "*bf16", "*fp32", "i32", "i32", "i32", "i32"]
+            types = [desc_type([BM, bk]), desc_type([bk, bn]), "*i32", "*i32", "*bf16", "*fp32", "i32", "i32", "i32",
+                     "i32"]
             consts = {"S": stages, "RINGS": rings, "EPILOGUE": epi, "EVEN": True, "NOLOAD": False, "GROUP_M": GROUP_M,
                       "num_warps": WG}
-            sig = dict(zip(names, types + ["constexpr"] * len(consts)))
-            src = GluonASTSource(pingpong_dgrad_swiglu_kernel, sig, {(names.index(k), ): v for k, v in consts.items()})
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": WG, "maxnreg": MAXNREG})
-            out[f"config={bn},{bk},{stages},{rings} epilogue={epi}"] = f"{k.metadata.shared} B shared, {ptxas_usage(k)}"
+            shared, usage = compile_for_hopper(pingpong_dgrad_swiglu_kernel, types, consts, WG, MAXNREG)
+            out[f"config={bn},{bk},{stages},{rings} epilogue={epi}"] = f"{shared} B shared, {usage}"
     return out
 
 

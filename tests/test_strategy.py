@@ -486,9 +486,50 @@ def test_gluon_producer_matches_its_triton_twin_on_hopper(m, n, k, dtype):
 
 
 @hopper_only
-@pytest.mark.parametrize("op_name,mode", [("block", "fwd_bwd"), ("rmsnorm_linear", "fwd_bwd"), ("producer_out", "fwd")])
-def test_the_gluon_path_passes_the_harness_check_on_hopper(op_name, mode, monkeypatch):
-    """coda-triton with the Gluon path forced (where it applies: the producers; fused elsewhere), bf16, the pass rule."""
+@pytest.mark.parametrize("m,f,d", [(2048, 2048, 2048), (1000, 776, 320), (384, 8192, 64), (4096, 5504, 4096)])
+def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(m, f, d):
+    """The Gluon SwiGLU dgrad (epilogue partition) against the fused Triton kernel, its CPU-tested reference: dz_pre
+    and y bit for bit (the same fp32 dy and math, rounded once), zdz to the order of its sums; partial tiles at every
+    edge (1000 x 776 x 320), one k-step (d = 64), the 4-stage ring (d = 4096)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(m + f + d)
+    args = {"dx": torch.randn(m, d, device=dev, generator=g).to(torch.bfloat16),
+            "w_down": (torch.randn(d, f, device=dev, generator=g) * d ** -0.5).to(torch.bfloat16),
+            "z_pre": torch.randn(m, 2 * f, device=dev, generator=g).to(torch.bfloat16), "promote": False}
+    assert dgrad_swiglu.chooser.strategies(args) == ("fused", "split", "gluon")
+    dz, y, zdz = dgrad_swiglu.chooser.path("gluon")(**args)
+    dzt, yt, zdzt = dgrad_swiglu.fused(**args)
+    assert (dz.shape, dz.dtype, y.shape, y.dtype, zdz.shape, zdz.dtype) == \
+        (dzt.shape, dzt.dtype, yt.shape, yt.dtype, zdzt.shape, zdzt.dtype)
+    assert torch.equal(dz, dzt) and torch.equal(y, yt)
+    assert rel_err(zdz, zdzt.double()) <= 1e-5
+
+
+def test_the_gluon_swiglu_dgrad_applies_to_plain_bf16_on_hopper_only(monkeypatch):
+    """Where the Gluon SwiGLU dgrad takes part (checked without a GPU): bf16 operands of matching shapes with rows TMA
+    can address, on Hopper; not fp8 (promote), fp16, odd widths or another GPU."""
+    from kernels.coda.swiglu_bwd import gluon_applies
+    args = {"dx": torch.empty(64, 32, dtype=torch.bfloat16), "w_down": torch.empty(32, 48, dtype=torch.bfloat16),
+            "z_pre": torch.empty(64, 96, dtype=torch.bfloat16), "promote": False}
+    monkeypatch.setattr("kernels.coda.swiglu_bwd.hopper", lambda device: True)
+    assert gluon_applies(args)
+    assert not gluon_applies({**args, "promote": True})
+    assert not gluon_applies({k: v.half() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+    assert not gluon_applies({**args, "w_down": torch.empty(32, 44, dtype=torch.bfloat16),
+                              "z_pre": torch.empty(64, 88, dtype=torch.bfloat16)})
+    assert not gluon_applies({**args, "z_pre": torch.empty(64, 48, dtype=torch.bfloat16)})
+    monkeypatch.setattr("kernels.coda.swiglu_bwd.hopper", lambda device: False)
+    assert not gluon_applies(args)
+
+
+@hopper_only
+@pytest.mark.parametrize("op_name,mode,paths", [("block", "fwd_bwd", ("residual_norm", "dgrad_swiglu")),
+                                                ("rmsnorm_linear", "fwd_bwd", ("residual_norm",)),
+                                                ("producer_out", "fwd", ("residual_norm",)),
+                                                ("swiglu_dgrad", "bwd", ("dgrad_swiglu",))])
+def test_the_gluon_path_passes_the_harness_check_on_hopper(op_name, mode, paths, monkeypatch):
+    """coda-triton with the Gluon path forced (where it applies: the producers and the SwiGLU dgrad; fused elsewhere),
+    bf16, the pass rule."""
     monkeypatch.setenv(S.ENV, "gluon")
     ran = passes_the_harness_check_on_the_gpu(op_name, mode)
-    assert "residual_norm:gluon" in ran, ran
+    assert all(f"{p}:gluon" in ran for p in paths), ran

@@ -9,7 +9,9 @@ computed ``y_i = silu(gate_i) up_i``, ``x = ... + y @ Wd^T``. Given the gradient
 :func:`dgrad_swiglu` gets ``dy = dx @ Wd`` from its own GEMM (the down-proj dgrad) and also writes the
 recomputed activation ``y`` for the weight gradient ``dWd = dx^T y``; zdz comes from per-N-tile row
 partials and :func:`kernels.coda.reduce.finish_row_sum`; its epilogue runs on EPI_SUB column sub-tiles
-(autotuned: 2 or 4), each reading a [BM, 2 * BN / EPI_SUB] tile of z_pre. :func:`swiglu_bwd` is the
+(autotuned: 2 or 4), each reading a [BM, 2 * BN / EPI_SUB] tile of z_pre. On Hopper it also has a Gluon path
+(:mod:`kernels.coda.swiglu_bwd_gluon`: the epilogue in a warp partition of its own, beside the next tile's
+mainloop), chosen per shape like the split path. :func:`swiglu_bwd` is the
 elementwise kernel for a given dy (one pass over dy in wide, short blocks; zdz from their row partials), the same
 math (:func:`swiglu_bwd_tile`); with y stored too it is :func:`dgrad_swiglu`'s split path
 (:mod:`kernels.coda.strategy`) after the plain GEMM.
@@ -27,7 +29,7 @@ from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
                                    tile_coords, tile_desc)
 from kernels.coda.reduce import finish_row_sum, launched_tiles, row_partials
-from kernels.coda.strategy import with_split
+from kernels.coda.strategy import Gluon, hopper, with_split
 from workloads.fp8 import Fp8
 
 
@@ -137,7 +139,17 @@ def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre
     return dz_pre, y, zdz
 
 
-@with_split(dgrad_swiglu_split)
+def gluon_applies(arguments: dict) -> bool:
+    """Where the Gluon path (:mod:`kernels.coda.swiglu_bwd_gluon`) applies: a Hopper GPU, plain bf16 dx [M, d], w_down
+    [d, f] and z_pre [M, 2f] (no fp8), d and f multiples of 8 (rows TMA can address)."""
+    dx, w, z = arguments["dx"], arguments["w_down"], arguments["z_pre"]
+    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.dim() == 2 for t in (dx, w, z)):
+        return False
+    return (not arguments["promote"] and dx.shape[1] == w.shape[0] and z.shape == (dx.shape[0], 2 * w.shape[1])
+            and dx.shape[1] % 8 == 0 and w.shape[1] % 8 == 0 and hopper(dx.device))
+
+
+@with_split(dgrad_swiglu_split, gluon=Gluon("kernels.coda.swiglu_bwd_gluon", "dgrad_swiglu_gluon", gluon_applies))
 def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor, promote: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dz_pre, y, zdz)``: SwiGLU backward of ``dy = dx @ w_down`` fused into that dgrad GEMM.
