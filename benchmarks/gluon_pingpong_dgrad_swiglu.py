@@ -25,13 +25,11 @@ faster.
 """
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, also without pip install -e .
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gluon_build, also when loaded by path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gluon_experiment, also when loaded by path
 
 import torch
 import triton
@@ -39,8 +37,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, time_paths
 from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords, tma_desc, tma_load
 from kernels.coda.reduce import finish_row_sum
+from kernels.coda.swiglu_bwd_gluon import swiglu_pairs_bwd
 
 BM, GROUP_M, WG = 128, 8, 4
 CONSUMER_REGS = gl.constexpr(232)
@@ -69,22 +69,6 @@ def loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, RINGS: gl.cons
             tma_load(a_desc, [pid_m * TM, kk * TK], ready.index(slot), a_bufs.index(slot))
             tma_load(b_desc, [kk * TK, pid_n * TN], ready.index(slot), b_bufs.index(slot))
             p += 1
-
-
-@gluon.jit
-def swiglu_pairs_bwd(dy, pairs):
-    """The SwiGLU backward of the fp32 tile dy given the (gate, up) bf16 pairs of z_pre as uint32 words (gate in the
-    low half): the packed (dgate, dup) words, y, and the tile's row sums of ``gate dgate + up dup``."""
-    gate = (pairs << 16).to(gl.float32, bitcast=True)
-    up = ((pairs >> 16) << 16).to(gl.float32, bitcast=True)
-    s = 1.0 / (1.0 + gl.exp(-gate))
-    silu = gate * s
-    dgate = dy * up * s * (1.0 + gate * (1.0 - s))
-    dup = dy * silu
-    lo = dgate.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
-    hi = dup.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
-    return (lo | (hi << 16)).to(gl.int32, bitcast=True), (silu * up).to(gl.bfloat16), gl.sum(gate * dgate + up * dup,
-                                                                                              axis=1)
 
 
 @gluon.jit
@@ -211,14 +195,10 @@ def dgrad_swiglu_pingpong(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.T
 
 CONFIGS = [(128, 64, 4, 1), (128, 64, 6, 2)]
 """(BN, BK, stages, rings) tried; BM = 128 per consumer warpgroup."""
-SHAPES = {"llama-1b": (16384, 8192, 2048), "llama-7b": (16384, 11008, 4096), "llama-70b": (16384, 28672, 8192)}
-"""(M, f, d) of the suite's swiglu_dgrad cells."""
 
 
 def compile_only() -> dict[str, str]:
     """Compile every config for sm_90 (no GPU needed): shared memory bytes, and ptxas's registers and spills."""
-    from gluon_build import compile_for_hopper, desc_type
-
     out = {}
     for bn, bk, stages, rings in CONFIGS:
         for epi in (True, False):
@@ -226,69 +206,29 @@ def compile_only() -> dict[str, str]:
                      "i32"]
             consts = {"S": stages, "RINGS": rings, "EPILOGUE": epi, "EVEN": True, "NOLOAD": False, "GROUP_M": GROUP_M,
                       "num_warps": WG}
-            shared, usage = compile_for_hopper(pingpong_dgrad_swiglu_kernel, types, consts, WG, MAXNREG)
-            out[f"config={bn},{bk},{stages},{rings} epilogue={epi}"] = f"{shared} B shared, {usage}"
+            out[f"config={bn},{bk},{stages},{rings} epilogue={epi}"] = compile_for_hopper(
+                pingpong_dgrad_swiglu_kernel, types, consts, WG, MAXNREG)
     return out
 
 
-def bench(models: list[str]) -> None:
-    """Per shape: the fused Triton kernel, its split path, each ping-pong config (and its plain GEMM), cuBLAS, 3
-    interleaved ``do_bench`` rounds (L2 flushed), medians; each config checked against the fused kernel first."""
+def bench(model: str) -> None:
+    """The fused Triton kernel, its split path, each ping-pong config, its plain GEMM and its epilogue without loads
+    (each config checked against the fused kernel first), cuBLAS."""
     from codabench.metrics import rel_err
-    from kernels.coda.swiglu_bwd import dgrad_swiglu
 
-    torch.manual_seed(0)
-    for model in models:
-        m, f, d = SHAPES[model]
-        dx = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(d, f, device="cuda") * d ** -0.5).to(torch.bfloat16)
-        z = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)
-        args = {"dx": dx, "w_down": w, "z_pre": z}
-        paths = {"fused (Triton)": lambda: dgrad_swiglu.fused(**args), "split": lambda: dgrad_swiglu.split(**args)}
-        paths.update({f"pingpong {c}": (lambda c=c: dgrad_swiglu_pingpong(**args, config=c)) for c in CONFIGS})
-        paths.update({f"pingpong GEMM {c}": (lambda c=c: dgrad_swiglu_pingpong(**args, config=c, epilogue=False))
-                      for c in CONFIGS})
-        paths.update({f"pingpong no loads {c}": (lambda c=c: dgrad_swiglu_pingpong(**args, config=c, noload=True))
-                      for c in CONFIGS})
-        paths["cuBLAS GEMM"] = lambda: dx @ w
-        ref = paths["fused (Triton)"]()
-        gemm = (dx @ w).double()
-        for c in CONFIGS:
-            try:
-                errs = [rel_err(a, b.double()) for a, b in zip(paths[f"pingpong {c}"](), ref)]
-                gerr = rel_err(paths[f"pingpong GEMM {c}"](), gemm)
-                print(f"{model} pingpong {c}: rel_err against fused: dz_pre {errs[0]:.1e}, y {errs[1]:.1e}, "
-                      f"zdz {errs[2]:.1e}; its GEMM against cuBLAS {gerr:.1e}", flush=True)
-            except Exception as e:  # noqa: BLE001 - an experiment: report the config and go on
-                print(f"{model} pingpong {c}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                for k in [k for k in paths if k.endswith(str(c))]:
-                    paths.pop(k)
-        times = {k: [] for k in paths}
-        for _ in range(3):
-            for k, fn in paths.items():
-                times[k].append(triton.testing.do_bench(fn, warmup=25, rep=100))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"{model}, M = {m}, f = {f}, d = {d}:")
-        fused = med["fused (Triton)"]
-        for k, v in med.items():
-            print(f"  {k:30} {v:7.3f} ms  {2 * m * f * d / v / 1e9:4.0f} TFLOP/s  {v / fused:.3f}x fused", flush=True)
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    args = p.parse_args()
-    unknown = [m for m in args.models.split(",") if m not in SHAPES]
-    if unknown:
-        p.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
-    if args.compile_only:
-        for name, info in compile_only().items():
-            print(f"{name}: compiled for sm_90, {info}")
-        return 0
-    bench(args.models.split(","))
-    return 0
+    args = inputs(model)
+    paths = reference_paths(args)
+    for c in CONFIGS:
+        paths[f"pingpong {c}"] = lambda c=c: dgrad_swiglu_pingpong(**args, config=c)
+        paths[f"pingpong GEMM {c}"] = lambda c=c: dgrad_swiglu_pingpong(**args, config=c, epilogue=False)
+        paths[f"pingpong no loads {c}"] = lambda c=c: dgrad_swiglu_pingpong(**args, config=c, noload=True)
+    ref = paths["fused (Triton)"]()
+    gemm = (args["dx"] @ args["w_down"]).double()
+    for c in CONFIGS:
+        check(f"{model} pingpong {c}", paths[f"pingpong {c}"](), ref)
+        print(f"{model} pingpong GEMM {c}: rel_err against cuBLAS {rel_err(paths[f'pingpong GEMM {c}'](), gemm):.1e}")
+    time_paths(model, paths)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli(__doc__, compile_only, bench))

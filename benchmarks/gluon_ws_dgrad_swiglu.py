@@ -22,12 +22,11 @@ is not overlapped with the next tile's mainloop.
 """
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, also without pip install -e .
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gluon_experiment, also when loaded by path
 
 import torch
 import triton
@@ -35,9 +34,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, time_paths
 from kernels.coda.producer_gluon import (LOADER_REGS, MAXNREG, RES_AT, local_tiles, send, thread_barrier,
                                          tile_coords, tma_desc, tma_load)
 from kernels.coda.reduce import finish_row_sum
+from kernels.coda.swiglu_bwd_gluon import swiglu_pairs_bwd
 
 BM, BN, BK, STAGES, GROUP_M, WARPS = 128, 128, 64, 3, 8, 8
 
@@ -68,22 +69,6 @@ def loader(a_desc, b_desc, z_desc, a_bufs, b_bufs, io_z, ready, empty, z_ready, 
                 mbarrier.wait(z_empty, (i & 1) ^ 1)
                 mbarrier.expect(z_ready, z_desc.block_type.nbytes)
                 tma_load(z_desc, [off_m, off_n], z_ready, io_z)
-
-
-@gluon.jit
-def swiglu_pairs_bwd(dy, pairs):
-    """The SwiGLU backward of the fp32 tile dy given the (gate, up) bf16 pairs of z_pre as uint32 words (gate in the
-    low half): the packed (dgate, dup) words, y, and the tile's row sums of ``gate dgate + up dup``."""
-    gate = (pairs << 16).to(gl.float32, bitcast=True)
-    up = ((pairs >> 16) << 16).to(gl.float32, bitcast=True)
-    s = 1.0 / (1.0 + gl.exp(-gate))
-    silu = gate * s
-    dgate = dy * up * s * (1.0 + gate * (1.0 - s))
-    dup = dy * silu
-    lo = dgate.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
-    hi = dup.to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.uint32)
-    return (lo | (hi << 16)).to(gl.int32, bitcast=True), (silu * up).to(gl.bfloat16), gl.sum(gate * dgate + up * dup,
-                                                                                              axis=1)
 
 
 @gluon.jit
@@ -183,80 +168,36 @@ def dgrad_swiglu_gluon(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tens
 
 CONFIGS = [(128, 64, 3, False), (128, 64, 4, True), (256, 64, 2, True), (256, 32, 4, True)]
 """(BN, BK, stages, y from registers) tried; BM = 128."""
-SHAPES = {"llama-1b": (16384, 8192, 2048), "llama-7b": (16384, 11008, 4096), "llama-70b": (16384, 28672, 8192)}
-"""(M, f, d) of the suite's swiglu_dgrad cells."""
 
 
-def compile_only() -> dict[str, int]:
-    """Compile every config for sm_90 (no GPU needed); shared memory bytes per config."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def desc(block, dtype, name):
-        return f"tensordesc<{name}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
-
-    names = ws_dgrad_swiglu_kernel.arg_names
-    shared = {}
+def compile_only() -> dict[str, str]:
+    """Compile every config for sm_90 (no GPU needed): shared memory bytes, and ptxas's registers and spills."""
+    out = {}
     for bn, bk, stages, y_direct in CONFIGS:
-        types = [desc([BM, bk], gl.bfloat16, "bf16"), desc([bk, bn], gl.bfloat16, "bf16"),
-                 desc([BM, bn], gl.int32, "i32"), desc([BM, bn], gl.int32, "i32"), desc([BM, bn], gl.bfloat16, "bf16"),
-                 "*fp32", "*bf16", "i32", "i32", "i32", "i32"]
+        types = [desc_type([BM, bk]), desc_type([bk, bn]), desc_type([BM, bn], gl.int32, "i32"),
+                 desc_type([BM, bn], gl.int32, "i32"), desc_type([BM, bn]), "*fp32", "*bf16", "i32", "i32", "i32",
+                 "i32"]
         consts = {"S": stages, "Y_DIRECT": y_direct, "GROUP_M": GROUP_M, "num_warps": WARPS}
-        sig = dict(zip(names, types + ["constexpr"] * len(consts)))
-        src = GluonASTSource(ws_dgrad_swiglu_kernel, sig, {(names.index(k), ): v for k, v in consts.items()})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS, "maxnreg": MAXNREG})
-        shared[f"config={bn},{bk},{stages},{y_direct}"] = k.metadata.shared
-    return shared
+        out[f"config={bn},{bk},{stages},{y_direct}"] = compile_for_hopper(ws_dgrad_swiglu_kernel, types, consts,
+                                                                           WARPS, MAXNREG)
+    return out
 
 
-def bench(models: list[str]) -> None:
-    """Per shape: the fused Triton kernel, its split path, each Gluon config, the producer's plain Gluon GEMM and
-    cuBLAS (``dx @ w_down``), 3 interleaved ``do_bench`` rounds (L2 flushed), medians; each config checked against
-    the fused kernel first."""
-    from codabench.metrics import rel_err
+def bench(model: str) -> None:
+    """The fused Triton kernel, its split path, each Gluon config (checked against the fused kernel first), the
+    producer's plain Gluon GEMM and cuBLAS."""
     from kernels.coda.producer_gluon import ws_producer
-    from kernels.coda.swiglu_bwd import dgrad_swiglu
 
-    torch.manual_seed(0)
-    for model in models:
-        m, f, d = SHAPES[model]
-        dx = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(d, f, device="cuda") * d ** -0.5).to(torch.bfloat16)
-        wt, z = w.T.contiguous(), torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)
-        args = {"dx": dx, "w_down": w, "z_pre": z}
-        paths = {"fused (Triton)": lambda: dgrad_swiglu.fused(**args), "split": lambda: dgrad_swiglu.split(**args)}
-        paths.update({f"gluon {c}": (lambda c=c: dgrad_swiglu_gluon(**args, config=c)) for c in CONFIGS})
-        paths.update({"plain Gluon GEMM 128x256": lambda: ws_producer(dx, wt), "cuBLAS GEMM": lambda: dx @ w})
-        ref = paths["fused (Triton)"]()
-        for c in CONFIGS:
-            errs = [rel_err(a, b.double()) for a, b in zip(paths[f"gluon {c}"](), ref)]
-            print(f"{model} gluon {c}: rel_err against fused: dz_pre {errs[0]:.1e}, y {errs[1]:.1e}, zdz {errs[2]:.1e}")
-        times = {k: [] for k in paths}
-        for _ in range(3):
-            for k, fn in paths.items():
-                times[k].append(triton.testing.do_bench(fn, warmup=25, rep=100))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"{model}, M = {m}, f = {f}, d = {d}:")
-        fused = med["fused (Triton)"]
-        for k, v in med.items():
-            print(f"  {k:28} {v:7.3f} ms  {2 * m * f * d / v / 1e9:4.0f} TFLOP/s  {v / fused:.3f}x fused")
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    args = p.parse_args()
-    unknown = [m for m in args.models.split(",") if m not in SHAPES]
-    if unknown:
-        p.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
-    if args.compile_only:
-        for name, smem in compile_only().items():
-            print(f"{name}: compiled for sm_90, {smem} B shared memory")
-        return 0
-    bench(args.models.split(","))
-    return 0
+    args = inputs(model)
+    paths = reference_paths(args)
+    paths.update({f"gluon {c}": (lambda c=c: dgrad_swiglu_gluon(**args, config=c)) for c in CONFIGS})
+    wt = args["w_down"].T.contiguous()
+    paths["plain Gluon GEMM 128x256"] = lambda: ws_producer(args["dx"], wt)
+    ref = paths["fused (Triton)"]()
+    for c in CONFIGS:
+        check(f"{model} gluon {c}", paths[f"gluon {c}"](), ref)
+    time_paths(model, paths)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli(__doc__, compile_only, bench))
