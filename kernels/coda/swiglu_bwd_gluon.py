@@ -36,7 +36,7 @@ from kernels.coda.reduce import finish_row_sum
 BM, BN, BK, GROUP_M, SUB_M = 128, 128, 64, 8, 32
 MMA_WARPS, EPI_WARPS = 4, 8
 MMA_REGS = gl.constexpr(232)
-"""Registers per thread: mma 128 x 232 (its accumulator takes 128), loader 128 x 40, epilogue 256 x ~112: the
+"""Registers per thread: mma 128 x 232 (its accumulator takes 128), loader 128 x 40, epilogue 256 x 120: the
 kernel's maxnreg 128 x 512 threads, the SM's 64K."""
 MAXNREG = 128
 
