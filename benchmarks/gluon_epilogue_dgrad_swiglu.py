@@ -36,7 +36,8 @@ def bench(model: str) -> None:
     """The fused Triton kernel, its split path, each config (checked against the fused kernel first), cuBLAS."""
     args = inputs(model)
     paths = reference_paths(args)
-    paths.update({f"gluon {c}": (lambda c=c: G.ws_dgrad_swiglu(*args.values(), *c)) for c in CONFIGS})
+    for stages, sub_m in CONFIGS:
+        paths[f"gluon {(stages, sub_m)}"] = lambda s=stages, r=sub_m: G.ws_dgrad_swiglu(**args, n_stages=s, sub_m=r)
     ref = paths["fused (Triton)"]()
     for c in CONFIGS:
         check(f"{model} gluon {c}", paths[f"gluon {c}"](), ref)

@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, time_paths
 from kernels.coda.producer_gluon import (LOADER_REGS, MAXNREG, RES_AT, local_tiles, send, thread_barrier,
                                          tile_coords, tma_desc, tma_load)
+from kernels.coda.mainloop import persistent_grid
 from kernels.coda.reduce import finish_row_sum
 from kernels.coda.swiglu_bwd_gluon import swiglu_pairs_bwd
 
@@ -156,8 +157,7 @@ def dgrad_swiglu_gluon(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tens
     dz_pre = torch.empty_like(z_pre)
     y = torch.empty(M, N, device=dx.device, dtype=dx.dtype)
     part = torch.empty(M, triton.cdiv(N, bn), device=dx.device, dtype=torch.float32)
-    grid = (min(torch.cuda.get_device_properties(dx.device).multi_processor_count,
-                triton.cdiv(M, BM) * triton.cdiv(N, bn)), )
+    grid = persistent_grid(M, N, dx.device)({"BM": BM, "BN": bn})
     ws_dgrad_swiglu_kernel[grid](tma_desc(dx, [BM, bk]), tma_desc(w_down, [bk, bn]),
                                  tma_desc(z_pre.view(torch.int32), [BM, bn]),
                                  tma_desc(dz_pre.view(torch.int32), [BM, bn]), tma_desc(y, [BM, bn]), part, y, M, N, K,

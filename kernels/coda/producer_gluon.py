@@ -24,6 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from kernels.coda.mainloop import persistent_grid
 from kernels.coda.reduce import finish_rstd
 from workloads.fp8 import Recipe
 
@@ -193,8 +194,7 @@ def ws_producer(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     h = torch.empty_like(x) if producer else x
     ss = torch.empty(M, triton.cdiv(N, BN), device=a.device, dtype=torch.float32)
     io = [BM, BN]
-    grid = (min(torch.cuda.get_device_properties(a.device).multi_processor_count,
-                triton.cdiv(M, BM) * triton.cdiv(N, BN)), )
+    grid = persistent_grid(M, N, a.device)({"BM": BM, "BN": BN})
     # The plain GEMM reads neither residual nor gamma: x and ss stand in for them.
     ws_producer_kernel[grid](tma_desc(a, [BM, BK]), tma_desc(w, [BN, BK]),
                              tma_desc(residual.contiguous() if producer else x, io), tma_desc(x, io),

@@ -31,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords, tma_desc, tma_load
+from kernels.coda.mainloop import persistent_grid
 from kernels.coda.reduce import finish_row_sum
 
 BM, BN, BK, GROUP_M, SUB_M = 128, 128, 64, 8, 32
@@ -176,8 +177,7 @@ def ws_dgrad_swiglu(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor,
     dz_pre = torch.empty_like(z_pre)
     y = torch.empty(M, N, device=dx.device, dtype=dx.dtype)
     part = torch.empty(M, triton.cdiv(N, BN), device=dx.device, dtype=torch.float32)
-    grid = (min(torch.cuda.get_device_properties(dx.device).multi_processor_count,
-                triton.cdiv(M, BM) * triton.cdiv(N, BN)), )
+    grid = persistent_grid(M, N, dx.device)({"BM": BM, "BN": BN})
     ws_dgrad_swiglu_kernel[grid](tma_desc(dx, [BM, BK]), tma_desc(w_down, [BK, BN]), z_pre.view(torch.int32),
                                  dz_pre.view(torch.int32), y, part, M, N, K, part.stride(0), S=n_stages or stages(K),
                                  GROUP_M=GROUP_M, SUB_M=sub_m, MMA_W=MMA_WARPS, num_warps=EPI_WARPS,
