@@ -84,7 +84,10 @@ def cache_file(gpu_name: str, triton_version: str = triton.__version__) -> Path:
 
 @functools.lru_cache(maxsize=64)
 def _cache_file(cache_dir: str | None, home: str | None, gpu_name: str, triton_version: str) -> Path:
-    root = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "codabench"
+    if cache_dir is not None:
+        root = Path(cache_dir)
+    else:  # $HOME, or the password database's home directory where HOME is unset (as Path.home())
+        root = (Path(home) if home else Path.home()) / ".cache" / "codabench"
     return root / "autotune" / f"{_slug(gpu_name)}--triton-{triton_version}.json"
 
 
