@@ -86,7 +86,7 @@ class Consumer:
 
 class Linear(Consumer):
     """``z`` itself (pattern (a), plain row scale); keeps nothing: no ZdZ, which the RMSNorm backward then takes from
-    its dgrad output (:func:`kernels.coda.rmsnorm_bwd.norm_zdz`, on the split path)."""
+    its dgrad output's rows (:func:`kernels.coda.rmsnorm_bwd.rmsnorm_bwd_rows_kernel`, on the split path)."""
 
     def forward(self, h, w, rstd, save, promote=False):
         return scaled_linear(h, w, rstd, promote), (), ()

@@ -12,10 +12,10 @@ One fused GEMM writes dx, y and the dgamma partials; :func:`kernels.coda.reduce.
 the partials. dx may overwrite dres (each tile is read and written by the one program that owns it).
 The epilogue runs on EPI_SUB column sub-tiles of the accumulator (autotuned: 2 or 4), so the large tile
 fits in shared memory next to its TMA staging buffers. Split path (:mod:`kernels.coda.strategy`): gy = dz @ W by the
-plain GEMM, then the same epilogue math on blocks of gy in a bandwidth-bound kernel (y written over gy, dgamma
-partials per row block). A consumer that produces no ZdZ (a plain linear keeps no z) gets it from gy on the split
-path instead, ``zdz_m = rstd_m sum_j gy_mj gamma_j x_mj`` (= <z_m, dz_m>; :func:`norm_zdz`): M d elements read
-twice rather than z and dz, M N' each; the fused epilogue cannot, as it needs c before its first tile.
+plain GEMM, then the same epilogue math on whole rows of gy in one bandwidth-bound kernel (y written over gy, dgamma
+partials per program). A consumer that produces no ZdZ (a plain linear keeps no z) gets c from the row of gy there,
+``c_m = (1/d) sum_j gy_mj gamma_j xhat_mj`` (= s <z_m, dz_m> / d): no extra pass, as the row is in registers; the
+fused epilogue cannot, as it needs c before a tile's first column, so a call without zdz takes the split path.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from kernels.coda.epilogue import (col_subtile, col_sum_partial, dequant, load_b
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
-                                   tile_coords, tile_desc)
+                                   num_sms, tile_coords, tile_desc)
 from kernels.coda.reduce import col_partials, finish_col_sum, launched_tiles
 from kernels.coda.strategy import with_split
 from workloads.fp8 import Fp8
@@ -89,66 +89,51 @@ def scale_arg(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor
 
 @triton.jit
 def rmsnorm_bwd_rows_kernel(gy_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_ptr, dx_ptr, dg_ptr, M, N,
-                            stride_gy, stride_x, stride_dres, stride_dx, stride_dg, HAS_RES: tl.constexpr,
-                            HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """One (BM, BN) block of the dgrad GEMM's output ``gy = dz @ W`` per program (grid: row blocks x column blocks),
-    read and written with pointer accesses (a bandwidth-bound pass: no descriptors, no loop): the fused kernel's
-    epilogue math (:func:`rmsnorm_dx`), dx, y written over gy, and the block's dgamma column partials into
-    ``dg[row block]``."""
-    off_m, off_n = tl.program_id(0) * BM, tl.program_id(1) * BN
-    c_scale = 1.0 / N
-    gy = load_block(gy_ptr, stride_gy, off_m, off_n, M, N, BM, BN)
+                            stride_gy, stride_x, stride_dres, stride_dx, stride_dg, HAS_ZDZ: tl.constexpr,
+                            HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """The fused kernel's epilogue math over whole rows of the dgrad GEMM's output ``gy = dz @ W`` (a bandwidth-bound
+    pass, pointer accesses): program p takes the blocks of BM rows p, p + P, ... (P programs), each row whole (N <= BD
+    columns), so ``c = (1/d) sum_j gy_j gamma_j xhat_j`` comes from the row itself when no ZdZ is given (HAS_ZDZ
+    false), one read of gy and x either way; writes dx, y over gy, and its dgamma partial ``sum gy xhat`` over its rows
+    into ``dg[p]``."""
+    gamma = load_cols(gamma_ptr, 0, N, BD)
+    scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr).to(tl.float32)
-        gy = gy * scale
-        c_scale = c_scale * scale
-    rstd = load_rows(rstd_ptr, off_m, M, BM)
-    c = load_rows(zdz_ptr, off_m, M, BM) * c_scale
-    gamma = load_cols(gamma_ptr, off_n, N, BN)
-    xhat = load_block(x_ptr, stride_x, off_m, off_n, M, N, BM, BN) * rstd[:, None]
-    dx = rmsnorm_dx(gy, xhat, rstd, gamma, c)
-    if HAS_RES:
-        dx += load_block(dres_ptr, stride_dres, off_m, off_n, M, N, BM, BN)
-    store_block(dx_ptr, stride_dx, off_m, off_n, M, N, dx, BM, BN)
-    store_block(gy_ptr, stride_gy, off_m, off_n, M, N, xhat * gamma[None, :], BM, BN)
-    col_sum_partial(dg_ptr, gy * xhat, off_m, off_n, N, stride_dg, BM, BN)
+    dg = tl.zeros((BD,), dtype=tl.float32)
+    for off_m in tl.range(tl.program_id(0) * BM, M, tl.num_programs(0) * BM):
+        gy = load_block(gy_ptr, stride_gy, off_m, 0, M, N, BM, BD) * scale
+        rstd = load_rows(rstd_ptr, off_m, M, BM)
+        xhat = load_block(x_ptr, stride_x, off_m, 0, M, N, BM, BD) * rstd[:, None]
+        if HAS_ZDZ:
+            c = load_rows(zdz_ptr, off_m, M, BM) * (scale / N)
+        else:
+            c = tl.sum(gy * xhat * gamma[None, :], axis=1) / N
+        dx = rmsnorm_dx(gy, xhat, rstd, gamma, c)
+        if HAS_RES:
+            dx += load_block(dres_ptr, stride_dres, off_m, 0, M, N, BM, BD)
+        store_block(dx_ptr, stride_dx, off_m, 0, M, N, dx, BM, BD)
+        store_block(gy_ptr, stride_gy, off_m, 0, M, N, xhat * gamma[None, :], BM, BD)
+        dg += tl.sum(gy * xhat, axis=0)
+    cols = tl.arange(0, BD)
+    tl.store(dg_ptr + tl.program_id(0).to(tl.int64) * stride_dg + cols, dg, mask=cols < N)
 
 
-ROW_BLOCK = (64, 128, 8)
-"""(BM, BN, num_warps) of :func:`rmsnorm_bwd_rows_kernel` on the GPU (BM rows per dgamma partial). Measured on an
-H200 (the split path, cuBLAS included; M = 16384): 1.464 / 0.392 ms at the 1B gate/up and QKV dgrads, against 1.508 /
-0.411 for (32, 128, 4) and 1.62-1.78 / 0.46-0.64 for wider, shorter blocks; at 7B and 70B within +-2% of the best
-of nine shapes."""
+ROW_BLOCK = (16384, 8, 2)
+"""(elements per row block, num_warps, programs per SM) of :func:`rmsnorm_bwd_rows_kernel` on the GPU: BM =
+max(1, elements // BD) rows per block. Measured on an H100 (M = 16384, gy given; 36 configs of 2048-16384 elements,
+4-16 warps, 2-8 programs per SM): within 1% of the best at every shape, 0.121 ms at the 1B gate/up dgrad without
+zdz (the norm_zdz pass and the 2-D block kernel before it: 0.181), 0.235 at 7B (0.341), 0.487 at 70B (0.663); with
+zdz 0.121 / 0.235 / 0.466 at the 1B QKV / 7B gate/up / 70B QKV dgrads (0.125 / 0.244 / 0.478)."""
 
 
-@triton.jit
-def norm_zdz_kernel(gy_ptr, x_ptr, rstd_ptr, gamma_ptr, out_ptr, M, N, stride_gy, stride_x, BM: tl.constexpr,
-                    BN: tl.constexpr):
-    """Rows [pid BM, pid BM + BM): ``out_m = rstd_m sum_j gy_mj gamma_j x_mj`` in fp32, one pass over the columns
-    (pointer accesses)."""
-    off_m = tl.program_id(0) * BM
-    acc = tl.zeros((BM,), dtype=tl.float32)
-    for off_n in range(0, N, BN):
-        gy = load_block(gy_ptr, stride_gy, off_m, off_n, M, N, BM, BN)
-        x = load_block(x_ptr, stride_x, off_m, off_n, M, N, BM, BN)
-        acc += tl.sum(gy * x * load_cols(gamma_ptr, off_n, N, BN)[None, :], axis=1)
-    rows = off_m + tl.arange(0, BM)
-    tl.store(out_ptr + rows, acc * load_rows(rstd_ptr, off_m, M, BM), mask=rows < M)
-
-
-def norm_zdz(gy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """fp32 [M]: the ZdZ of a GEMM ``z = (x rstd gamma) W^T`` from its dgrad output ``gy = dz W`` [M, d] instead of
-    from z and dz: ``<z_m, dz_m> = rstd_m sum_j gy_mj gamma_j x_mj`` (reads 2 M d elements, not 2 M N'; for a
-    consumer that keeps no z)."""
-    if gy.shape != x.shape or gy.dim() != 2:
-        raise ValueError(f"norm_zdz needs gy and x of one [M, d] shape, got {tuple(gy.shape)} and {tuple(x.shape)}")
-    gy, x = gy.contiguous(), x.contiguous()
-    M, N = gy.shape
-    out = torch.empty(M, device=gy.device, dtype=torch.float32)
-    bm, bn, warps = (16, 32, 4) if INTERPRET else (4, 512, 4)
-    norm_zdz_kernel[(triton.cdiv(M, bm),)](gy, x, rstd, gamma, out, M, N, gy.stride(0), x.stride(0), BM=bm, BN=bn,
-                                           num_warps=warps)
-    return out
+def rows_launch(M: int, N: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BM, BD, num_warps, programs) of :func:`rmsnorm_bwd_rows_kernel` for gy [M, N] (the interpreter: blocks of 8
+    rows on its 4 programs, so a program takes several)."""
+    bd = triton.next_power_of_2(N)
+    elements, warps, per_sm = (8 * bd, 4, 1) if INTERPRET else ROW_BLOCK
+    bm = max(1, elements // bd)
+    return bm, bd, warps, min(per_sm * num_sms(device), triton.cdiv(M, bm))
 
 
 def _check(M: int, N: int, x: torch.Tensor, dres: torch.Tensor | None, inplace: bool) -> None:
@@ -162,26 +147,24 @@ def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.
                         gamma: torch.Tensor, zdz: torch.Tensor | None, dres: torch.Tensor | None = None,
                         dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, promote: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`dgrad_rmsnorm` split: ``gy = dz @ w`` (:func:`kernels.coda.gemm.split_matmul`), zdz from gy where none
-    is given (:func:`norm_zdz`), then one pass over gy (:func:`rmsnorm_bwd_rows_kernel`: dx, y over gy, dgamma
-    partials) and the partials' sum."""
+    """:func:`dgrad_rmsnorm` split: ``gy = dz @ w`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over whole
+    rows of gy (:func:`rmsnorm_bwd_rows_kernel`: c from zdz or from the row, dx, y over gy, dgamma partials) and the
+    partials' sum."""
     gy = split_matmul(dz, w, promote)
     M, N = gy.shape
     _check(M, N, x, dres, inplace)
     x, gamma = x.contiguous(), gamma.contiguous()
-    if zdz is None:
-        zdz = norm_zdz(gy, x, rstd, gamma)
     dres = dres.contiguous() if dres is not None else None
     dx = dres if inplace else torch.empty(M, N, device=gy.device, dtype=(dres if dres is not None else x).dtype)
-    bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
-    dg = torch.empty(triton.cdiv(M, bm), N, device=gy.device, dtype=torch.float32)
+    bm, bd, warps, programs = rows_launch(M, N, gy.device)
+    dg = torch.empty(programs, N, device=gy.device, dtype=torch.float32)
     scale = scale_arg(dz_scale, gy.device)
     res = dres if dres is not None else dx
-    rmsnorm_bwd_rows_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        gy, x, rstd, gamma, zdz, scale if scale is not None else rstd, res, dx, dg, M, N, gy.stride(0), x.stride(0),
-        res.stride(0), dx.stride(0), dg.stride(0), HAS_RES=dres is not None, HAS_SCALE=scale is not None, BM=bm, BN=bn,
-        num_warps=warps)
-    return dx, gy, finish_col_sum(dg, dg.shape[0], gamma.dtype)
+    rmsnorm_bwd_rows_kernel[(programs,)](
+        gy, x, rstd, gamma, zdz if zdz is not None else rstd, scale if scale is not None else rstd, res, dx, dg, M, N,
+        gy.stride(0), x.stride(0), res.stride(0), dx.stride(0), dg.stride(0), HAS_ZDZ=zdz is not None,
+        HAS_RES=dres is not None, HAS_SCALE=scale is not None, BM=bm, BD=bd, num_warps=warps)
+    return dx, gy, finish_col_sum(dg, programs, gamma.dtype)
 
 
 def _not_inplace(arguments: dict) -> dict:
@@ -197,7 +180,7 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     """``(dx, y, dgamma)`` of RMSNorm followed by ``z = y @ w.T``, given ``dz`` (see the module docstring).
 
     dz [M, N'] and w [N', d] (nn.Linear layout of the consumer GEMM); x [M, d] the saved residual stream,
-    rstd and zdz fp32 [M] (zdz None: the split path computes it from gy, :func:`norm_zdz`), gamma [d]. ``dres``
+    rstd and zdz fp32 [M] (zdz None: the split path takes c from the rows of gy), gamma [d]. ``dres``
     [M, d] is the incoming residual gradient (None: zero), and ``inplace`` writes dx into it. ``dz_scale`` (float,
     or a one-element tensor read on the device) multiplies dz, and with it gy, dx, dgamma and c; y is not scaled. dx
     has dres's dtype (x's without dres), y dz's, dgamma gamma's.
