@@ -266,7 +266,7 @@ class Measurer:
             group.cast_note = f"no cast time: {describe_exception(e)}"
 
     def _time(self, cell: Cell, group: _Group, cfg: TimingConfig) -> tuple[RoundResult, _Timed]:
-        """One timing round on the TIMING_SEED inputs, the clock sampled meanwhile."""
+        """One timing round on the TIMING_SEED inputs, the clock sampled during its kept samples."""
         op, impl, dev = OPS[cell.op], self.registry.get(cell.op, cell.impl), self.device
         case = self._case(cell, TIMING_SEED)
         self._measure_cast(group, case)
@@ -281,14 +281,15 @@ class Measurer:
             else:
                 try:
                     sets = self._graph_sets(impl, case, native)
-                    with torch.no_grad(), self.clocks.sampling(sampled):
-                        timing = measure_graph(lambda nat: impl.run(nat), sets, dev, cfg)
+                    with torch.no_grad():
+                        timing = measure_graph(lambda nat: impl.run(nat), sets, dev, cfg,
+                                               during=lambda: self.clocks.sampling(sampled))
                     return _round(timing, sampled), _Timed(case, native, grads, None)
                 except Exception as e:
                     note = f"cuda-graph capture failed ({describe_exception(e)}): timed with events"
         timed = timed_call(op, impl, native, cell.mode, grads_native)
-        with timed.context, self.clocks.sampling(sampled):
-            timing = measure(timed.fn, timed.setup, dev, cfg)
+        with timed.context:
+            timing = measure(timed.fn, timed.setup, dev, cfg, during=lambda: self.clocks.sampling(sampled))
         timing.note = note
         return _round(timing, sampled), _Timed(case, native, grads, timed)
 

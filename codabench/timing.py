@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
 import torch
@@ -132,13 +133,20 @@ def _n_samples(cfg: TimingConfig, est_ms: float) -> int:
     return max(cfg.min_reps, min(cfg.max_reps, n))
 
 
+During = Callable[[], AbstractContextManager]
+"""A context entered around the kept samples alone, not the first call, the warm-up or the pilot samples (the
+clock sampler of :mod:`codabench.clocks`: a first call that compiles leaves the GPU idle, at its top clock, for
+seconds)."""
+
+
 def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: torch.device,
-            cfg: TimingConfig | None = None) -> Timing:
-    """Time ``fn(setup())`` per sample; ``setup`` (may be None) runs untimed before each sample."""
+            cfg: TimingConfig | None = None, during: During = nullcontext) -> Timing:
+    """Time ``fn(setup())`` per sample; ``setup`` (may be None) runs untimed before each sample; ``during()`` is
+    entered around the kept samples."""
     cfg = cfg or TimingConfig()
     setup = setup or (lambda: None)
     if device.type != "cuda":
-        return _measure_cpu(fn, setup, cfg)
+        return _measure_cpu(fn, setup, cfg, during)
     flusher = l2_flusher(device) if cfg.flush_l2 else None
     first = _first_call(fn, setup, device)
     start_warm, calls = perf_counter(), 1
@@ -149,7 +157,9 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
         calls += 1
     est = _sample_events(fn, setup, flusher, device, 3)
     n = _n_samples(cfg, statistics.median(est))
-    return Timing(_sample_events(fn, setup, flusher, device, n), CUDA_EVENTS, first_call_s=first)
+    with during():
+        samples = _sample_events(fn, setup, flusher, device, n)
+    return Timing(samples, CUDA_EVENTS, first_call_s=first)
 
 
 def _first_call(fn, setup, device: torch.device) -> float:
@@ -177,19 +187,20 @@ def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n
     return [elapsed_ms(s, e) for s, e in zip(starts, ends)]
 
 
-def _measure_cpu(fn, setup, cfg: TimingConfig) -> Timing:
+def _measure_cpu(fn, setup, cfg: TimingConfig, during: During) -> Timing:
     first = _first_call(fn, setup, torch.device("cpu"))  # the warm-up call: compile, first-call allocations
     samples = []
-    for _ in range(cfg.reps or cfg.cpu_reps):
-        state = setup()
-        t0 = perf_counter()
-        fn(state)
-        samples.append((perf_counter() - t0) * 1e3)
+    with during():
+        for _ in range(cfg.reps or cfg.cpu_reps):
+            state = setup()
+            t0 = perf_counter()
+            fn(state)
+            samples.append((perf_counter() - t0) * 1e3)
     return Timing(samples, CPU_WALL, first_call_s=first)
 
 
 def measure_graph(fn: Callable[[Any], Any], states: list[Any], device: torch.device,
-                  cfg: TimingConfig | None = None) -> Timing:
+                  cfg: TimingConfig | None = None, during: During = nullcontext) -> Timing:
     """CUDA-graph mode: one graph per input set in ``states``, replayed in rotation.
 
     Rotating among input sets whose total size exceeds L2 keeps the data cold without a flush
@@ -216,8 +227,9 @@ def measure_graph(fn: Callable[[Any], Any], states: list[Any], device: torch.dev
     k = len(graphs)
     est = _sample_events(lambda i: graphs[i % k].replay(), _counter(), None, device, 3)
     n = _n_samples(cfg, statistics.median(est))
-    return Timing(_sample_events(lambda i: graphs[i % k].replay(), _counter(), None, device, n), CUDA_GRAPH,
-                  note=f"cuda graph, {k} rotating input sets", first_call_s=first)
+    with during():
+        samples = _sample_events(lambda i: graphs[i % k].replay(), _counter(), None, device, n)
+    return Timing(samples, CUDA_GRAPH, note=f"cuda graph, {k} rotating input sets", first_call_s=first)
 
 
 def _counter() -> Callable[[], int]:

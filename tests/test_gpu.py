@@ -3,6 +3,8 @@
 Run on a GPU node with ``python -m pytest -q tests/test_gpu.py``; without a GPU every test here is
 reported as skipped (the CPU paths are covered by the other test files).
 """
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -29,6 +31,23 @@ def test_event_timing_excludes_setup():
     t = measure(lambda _: a.mul_(1.0), slow_setup, GPU, FAST)
     assert t.kind == CUDA_EVENTS and len(t.samples_ms) == 10
     assert 0 < t.median < 2.0
+
+
+def test_during_wraps_only_the_kept_samples_on_the_gpu():
+    """The context given as ``during`` (the clock sampler) is entered after the first call, the warm-up and the
+    pilot samples, and left after the last kept sample: the calls it sees are the samples."""
+    a, calls, seen = torch.randn(1024, 1024, device=GPU), [], []
+
+    @contextmanager
+    def during():
+        start = len(calls)
+        yield
+        seen.append(len(calls) - start)
+
+    for timing in (measure(lambda _: calls.append(a.mul_(1.0)), None, GPU, FAST, during=during),
+                   measure_graph(lambda x: x.mul_(1.0), [a, a.clone()], GPU, FAST, during=during)):
+        assert len(timing.samples_ms) == 10
+    assert seen[0] == 10 and len(calls) > 10 and seen[1] == 0  # graph replays call no Python fn
 
 
 def test_l2_flusher_exceeds_l2():

@@ -1,5 +1,6 @@
 """Timing summaries and the sampling loop (CPU path; the CUDA path is exercised on the GPU node)."""
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -47,6 +48,21 @@ def test_first_call_is_timed_on_its_own():
     t = measure(fn, None, torch.device("cpu"), TimingConfig(cpu_reps=3))
     assert len(calls) == 4 and len(t.samples_ms) == 3
     assert t.first_call_s >= 0.05 and max(t.samples_ms) < 20.0
+
+
+def test_during_wraps_the_kept_samples_and_not_the_first_call():
+    """The clock sampler's context (``during``) sees the kept samples only: a first call that compiles for seconds,
+    with the GPU idle at its top clock, must not weigh in the cell's clock."""
+    events = []
+
+    @contextmanager
+    def during():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    t = measure(lambda _: events.append("call"), None, torch.device("cpu"), TimingConfig(cpu_reps=3), during=during)
+    assert events == ["call", "enter", "call", "call", "call", "exit"] and len(t.samples_ms) == 3
 
 
 def test_a_round_takes_its_share_of_the_samples():
