@@ -1,9 +1,10 @@
-"""The GPU's SM clock, power and temperature sampled by NVML during each cell's timed region (read only, never set).
+"""The GPU's SM clock, power and temperature sampled by NVML during each cell's kept samples (read only, never set).
 
 A background thread reads NVML every :data:`PERIOD_S` while :meth:`ClockSampler.sampling` is active. Each cell gets
-the readings of its timed region (the results' ``sm_clock_min_mhz`` and ``sm_clock_median_mhz``); the run keeps a
-thinned trace of (wall time, SM MHz, power W, temperature C) for env.json and the report's clock plot. Without NVML
-(no GPU, no ``nvidia-ml-py``) nothing is sampled and the columns stay empty.
+the readings of its kept samples, not of its first call or warm-up, where the GPU may idle at its top clock while a
+compiler works (the results' ``sm_clock_min_mhz`` and ``sm_clock_median_mhz``); the run keeps a thinned trace of
+(wall time, SM MHz, power W, temperature C) for env.json and the report's clock plot. Without NVML (no GPU, no
+``nvidia-ml-py``) nothing is sampled and the columns stay empty.
 
 A cell whose clock fell more than :data:`CLOCK_DIP` below the run's median clock (:func:`clock_dips`) ran on a slower
 GPU than its neighbours: the report flags it.

@@ -50,8 +50,8 @@ peak memory one call allocates above its inputs. ``speedup_lo``/``speedup_hi`` =
 speedup; ``vs_best`` (with ``vs_best_lo``/``vs_best_hi``) = the fastest *other* implementation's median of the
 group over this one's; ``verdict`` = ``faster``, ``slower`` or ``tie`` against it (``n/a``: nothing to compare, CPU
 wall times or too few samples); all of them recomputed by :func:`codabench.stats.speed_figures` when a report is
-built. ``sm_clock_min_mhz``/``sm_clock_median_mhz`` = NVML SM clock sampled during the cell's timed
-region; ``sm_clock_mhz``, ``power_w``, ``temp_c`` = the GPU's state when the row was written. ``rel_err``, ``max_abs_err`` and ``err_ratio`` are the worst over
+built. ``sm_clock_min_mhz``/``sm_clock_median_mhz`` = NVML SM clock sampled during the cell's kept
+samples; ``sm_clock_mhz``, ``power_w``, ``temp_c`` = the GPU's state when the row was written. ``rel_err``, ``max_abs_err`` and ``err_ratio`` are the worst over
 the compared outputs; ``correct`` is True when every compared output passes. fp8 cells only (empty
 otherwise): ``fp8_recipe`` (scaling and accumulation), ``cast_ms`` (median time of quantizing the
 cell's GEMM operands, not part of ``median_ms``; one value per op/model/mode/dtype, on its timed rows) and

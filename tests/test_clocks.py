@@ -1,4 +1,4 @@
-"""NVML readings during timed regions (a fake NVML stands in for the GPU) and the flag of cells whose clock dipped."""
+"""NVML readings during the kept samples (a fake NVML stands in for the GPU) and the flag of cells whose clock dipped."""
 import sys
 import time
 import types

@@ -71,7 +71,7 @@ in the per-op tables was not measured for that cell (fp8-only columns, clocks wi
 <p>Timings: median of many samples with p20/p80, cold L2, CUDA events; <i>time / GEMMs</i> is the time over the
 plain cuBLAS GEMMs the op must do (ideal 1.00); <i>% ceiling</i> its TFLOP/s as a share of the GEMM ceiling measured
 at the start of the run (the roofline of these GEMM-bound ops); <i>peak MiB</i> the memory one call allocates above
-its inputs; <i>SM MHz</i> the NVML clock during the cell's timed region (min / median), highlighted where it fell more
+its inputs; <i>SM MHz</i> the NVML clock during the cell's kept samples (min / median), highlighted where it fell more
 than {100 * CLOCK_DIP:.0f}% below the run's median clock.</p>
 <p><i>strategy</i> (per-op tables): how the implementation ran the cell, in its own words (blank where it says
 nothing). coda-triton names each of its GEMM kernels with <code>fused</code> (the epilogue in the GEMM's kernel, the
@@ -425,7 +425,7 @@ def _clock_summary(df: pd.DataFrame, dips: pd.Series) -> list[str]:
     if run is None:
         return []
     med = pd.to_numeric(df.loc[df["status"] == "ok", "sm_clock_median_mhz"], errors="coerce")
-    text = (f"<p>SM clock during the timed regions: run median {run:.0f} MHz (cells' medians "
+    text = (f"<p>SM clock during the kept samples: run median {run:.0f} MHz (cells' medians "
             f"{med.min():.0f}-{med.max():.0f}; the trace is plotted at the end). ")
     if dips.any():
         names = ", ".join(f"{r['op']} {r['model']} {r['mode']} {r['dtype']} {r['impl']}" for _, r in df[dips].iterrows())

@@ -93,7 +93,7 @@ def make_plots(df: pd.DataFrame, out_dir: Path, env: dict[str, Any] | None = Non
     trace = (env or {}).get("clock_trace") or []
     if trace:
         path = out_dir / "clock_trace.png"
-        title = "GPU during the timed regions: SM clock, power, temperature"
+        title = "GPU during the kept samples: SM clock, power, temperature"
         _trace_figure(trace, run_clock_mhz(df), title, path)
         made.append((title, path))
     return made
