@@ -15,6 +15,7 @@ Every failure of an implementation becomes a result with an error message; a bro
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import time
@@ -274,6 +275,7 @@ class Measurer:
         native = impl.prepare(case)
         grads_native = impl.grad_outputs_to_native(grads, native) if grads is not None else None
         sampled = Sampled()
+        during = functools.partial(self.clocks.sampling, sampled)  # the clock, over the kept samples
         note = ""
         if self.cfg.cuda_graph and dev.type == "cuda":
             if uses_autograd(op, cell.mode):
@@ -282,14 +284,13 @@ class Measurer:
                 try:
                     sets = self._graph_sets(impl, case, native)
                     with torch.no_grad():
-                        timing = measure_graph(lambda nat: impl.run(nat), sets, dev, cfg,
-                                               during=lambda: self.clocks.sampling(sampled))
+                        timing = measure_graph(lambda nat: impl.run(nat), sets, dev, cfg, during=during)
                     return _round(timing, sampled), _Timed(case, native, grads, None)
                 except Exception as e:
                     note = f"cuda-graph capture failed ({describe_exception(e)}): timed with events"
         timed = timed_call(op, impl, native, cell.mode, grads_native)
         with timed.context:
-            timing = measure(timed.fn, timed.setup, dev, cfg, during=lambda: self.clocks.sampling(sampled))
+            timing = measure(timed.fn, timed.setup, dev, cfg, during=during)
         timing.note = note
         return _round(timing, sampled), _Timed(case, native, grads, timed)
 
