@@ -1,10 +1,11 @@
 """Times the Gluon SwiGLU dgrad with its epilogue partition (:mod:`kernels.coda.swiglu_bwd_gluon`, the Gluon path of
-``dgrad_swiglu`` on Hopper) against the fused Triton kernel, the split path and cuBLAS, over its configs.
+``dgrad_swiglu`` on Hopper) against the fused Triton kernel, the split path and cuBLAS, over its configs, with bf16
+operands and with fp8 ones (the dgrad's per-tensor recipe: dx e5m2, w_down e4m3 stored K-major).
 
     python benchmarks/gluon_epilogue_dgrad_swiglu.py                # 1B / 7B / 70B shapes (H100 or H200)
     python benchmarks/gluon_epilogue_dgrad_swiglu.py --compile-only  # no GPU needed: compiles each config for sm_90
 
-Each config is (operand ring stages, rows of an epilogue sub-tile); the shipped choice is
+Each config is (operand dtype, operand ring stages, rows of an epilogue sub-tile); the shipped choice is
 :func:`kernels.coda.swiglu_bwd_gluon.stages` and ``SUB_M``. Each config is checked against the fused kernel first.
 """
 from __future__ import annotations
@@ -15,34 +16,60 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, also without pip install -e .
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gluon_experiment, also when loaded by path
 
-from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, time_paths
-from kernels.coda import swiglu_bwd_gluon as G
+from triton.experimental.gluon import language as gl
 
-CONFIGS = [(4, 32), (5, 32), (4, 16), (4, 64)]
-"""(stages, epilogue sub-tile rows) timed; BM = BN = 128, BK = 64."""
+from gluon_experiment import FUSED, check, cli, compile_for_hopper, desc_type, inputs, reference_paths, time_paths
+from kernels.coda import swiglu_bwd_gluon as G
+from workloads.fp8 import E5M2, Fp8, Recipe, quantize, quantize_as
+
+CONFIGS = [("bf16", 4, 32), ("bf16", 5, 32), ("bf16", 4, 16), ("bf16", 4, 64), ("fp8", 4, 32), ("fp8", 5, 32)]
+"""(operands, stages, epilogue sub-tile rows) timed; BM = BN = 128, BK = 128 bytes (64 bf16, 128 fp8 elements)."""
 
 
 def compile_only() -> dict[str, str]:
     """Compile each config for sm_90 (no GPU needed): shared memory bytes, and ptxas's registers and spills."""
-    types = [desc_type([G.BM, G.BK]), desc_type([G.BK, G.BN]), "*i32", "*i32", "*bf16", "*fp32", "i32", "i32", "i32",
-             "i32"]
-    return {f"config={stages},{sub_m}": compile_for_hopper(
-        G.ws_dgrad_swiglu_kernel, types,
-        {"S": stages, "GROUP_M": G.GROUP_M, "SUB_M": sub_m, "MMA_W": G.MMA_WARPS, "num_warps": G.EPI_WARPS},
-        G.EPI_WARPS, G.MAXNREG) for stages, sub_m in CONFIGS}
+    out = {}
+    for dtype, stages, sub_m in CONFIGS:
+        fp8 = dtype == "fp8"
+        bk = G.K_BYTES // (1 if fp8 else 2)
+        descs = ([desc_type([G.BM, bk], gl.float8e5, "fp8e5"), desc_type([G.BN, bk], gl.float8e4nv, "fp8e4nv")]
+                 if fp8 else [desc_type([G.BM, bk]), desc_type([bk, G.BN])])
+        types = descs + ["*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32", "i32"]
+        consts = {"B_NK": fp8, "SCALED": fp8, "INSTR_K": 32 if fp8 else 16, "S": stages, "GROUP_M": G.GROUP_M,
+                  "SUB_M": sub_m, "MMA_W": G.MMA_WARPS, "num_warps": G.EPI_WARPS}
+        out[f"config={dtype},{stages},{sub_m}"] = compile_for_hopper(G.ws_dgrad_swiglu_kernel, types, consts,
+                                                                     G.EPI_WARPS, G.MAXNREG)
+    return out
+
+
+def fp8_inputs(args: dict) -> dict:
+    """``args`` quantized as the fp8 dgrad takes them: dx e5m2 per tensor, w_down e4m3 per tensor as the transposed
+    view of its K-major (f, d) copy (:func:`workloads.fp8.quantize_as`)."""
+    return {**args, "dx": quantize(args["dx"], E5M2), "w_down": quantize_as(args["w_down"], "weight_bwd",
+                                                                                Recipe(rowwise=False)).T}
+
+
+def k_bytes(args: dict) -> int:
+    """Bytes of a row of dx: the K the shipped stages depend on."""
+    dx = args["dx"].data if isinstance(args["dx"], Fp8) else args["dx"]
+    return dx.shape[1] * dx.element_size()
 
 
 def bench(model: str) -> None:
-    """The fused Triton kernel, its split path, each config (checked against the fused kernel first), cuBLAS."""
-    args = inputs(model)
-    paths = reference_paths(args)
-    for stages, sub_m in CONFIGS:
-        paths[f"gluon {(stages, sub_m)}"] = lambda s=stages, r=sub_m: G.ws_dgrad_swiglu(**args, n_stages=s, sub_m=r)
-    ref = paths["fused (Triton)"]()
-    for c in CONFIGS:
-        check(f"{model} gluon {c}", paths[f"gluon {c}"](), ref)
-    print(f"shipped at {model}: {G.stages(args['dx'].shape[1])} stages, {G.SUB_M} rows")
-    time_paths(model, paths)
+    """Per operand dtype: the fused Triton kernel, its split path, each config (checked against the fused kernel
+    first), the GEMM alone (cuBLAS; for fp8 the mainloop's, through the split path's GEMM)."""
+    for dtype, args in (("bf16", inputs(model)), ("fp8", None)):
+        args = args or fp8_inputs(inputs(model))
+        paths = reference_paths(args)
+        configs = [(s, r) for d, s, r in CONFIGS if d == dtype]
+        for stages, sub_m in configs:
+            paths[f"gluon {(stages, sub_m)}"] = lambda s=stages, r=sub_m: G.ws_dgrad_swiglu(**args, n_stages=s,
+                                                                                          sub_m=r)
+        ref = paths[FUSED]()
+        for c in configs:
+            check(f"{model} {dtype} gluon {c}", paths[f"gluon {c}"](), ref)
+        print(f"shipped at {model}: {G.stages(k_bytes(args))} stages, {G.SUB_M} rows")
+        time_paths(model, paths, dtype)
 
 
 if __name__ == "__main__":

@@ -63,11 +63,16 @@ def inputs(model: str) -> dict[str, torch.Tensor]:
             "z_pre": torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)}
 
 
-def reference_paths(args: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
-    """The fused Triton kernel (the reference every config is checked against), its split path and cuBLAS's GEMM."""
+def reference_paths(args: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """The fused Triton kernel (the reference every config is checked against), its split path and the GEMM alone
+    (cuBLAS; for fp8 operands ``torch._scaled_mm`` in fast accumulation)."""
     from kernels.coda.swiglu_bwd import dgrad_swiglu
+    from workloads.fp8 import Fp8, Recipe, ScaledMMGemms
+    dx, w = args["dx"], args["w_down"]
+    gemm = ((lambda: ScaledMMGemms(Recipe(rowwise=False)).dgrad(dx, w.T)) if isinstance(dx, Fp8) else
+            (lambda: dx @ w))
     return {FUSED: lambda: dgrad_swiglu.fused(**args), "split": lambda: dgrad_swiglu.split(**args),
-            "cuBLAS GEMM": lambda: args["dx"] @ args["w_down"]}
+            "cuBLAS GEMM": gemm}
 
 
 def check(label: str, out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> None:
@@ -77,16 +82,16 @@ def check(label: str, out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ..
     print(f"{label}: rel_err against fused: dz_pre {errs[0]:.1e}, y {errs[1]:.1e}, zdz {errs[2]:.1e}", flush=True)
 
 
-def time_paths(model: str, paths: dict[str, Callable[[], Any]]) -> None:
+def time_paths(model: str, paths: dict[str, Callable[[], Any]], label: str = "") -> None:
     """Time every path in 3 interleaved rounds of ``do_bench`` (L2 flushed) and print the medians, TFLOP/s and the
-    ratio to the fused kernel's."""
+    ratio to the fused kernel's, under ``model`` and ``label`` (the operands' dtype, say)."""
     m, f, d = SHAPES[model]
     times: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(3):
         for k, fn in paths.items():
             times[k].append(triton.testing.do_bench(fn, warmup=25, rep=100))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{model}, M = {m}, f = {f}, d = {d}:")
+    print(f"{model}{' ' + label if label else ''}, M = {m}, f = {f}, d = {d}:")
     width = max(map(len, med))
     for k, v in med.items():
         print(f"  {k:{width}} {v:7.3f} ms  {2 * m * f * d / v / 1e9:4.0f} TFLOP/s  {v / med[FUSED]:.3f}x fused",

@@ -228,21 +228,22 @@ def test_gluon_pingpong_dgrad_swiglu_compiles_for_hopper(tmp_path):
 
 def test_the_gluon_swiglu_dgrad_compiles_for_hopper_without_spills(tmp_path):
     """kernels/coda/swiglu_bwd_gluon.py through benchmarks/gluon_epilogue_dgrad_swiglu.py --compile-only: every timed
-    config compiles for sm_90 and fits the shared memory (operand ring and the fp32 accumulator buffer); the shipped
-    configs (the stages of a 1B and a 7B dgrad, SUB_M rows) spill nothing."""
+    config, bf16 and fp8 operands, compiles for sm_90 and fits the shared memory (operand ring of 128-byte K rows and
+    the fp32 accumulator buffer); the shipped configs (the stages of a 1B and a 7B dgrad, SUB_M rows) spill nothing."""
     env = script_env(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
     script = str(BENCHMARKS / "gluon_epilogue_dgrad_swiglu.py")
     out = subprocess.run([sys.executable, script, "--compile-only"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    found = {(int(s), int(r)): (int(b), usage) for s, r, b, usage in
-             re.findall(r"^config=(\d+),(\d+): compiled for sm_90, (\d+) B shared, (.*)$", out.stdout, re.M)}
+    found = {(d, int(s), int(r)): (int(b), usage) for d, s, r, b, usage in
+             re.findall(r"^config=(bf16|fp8),(\d+),(\d+): compiled for sm_90, (\d+) B shared, (.*)$", out.stdout, re.M)}
     bench = load_script("gluon_epilogue_dgrad_swiglu")
     G = bench.G
-    assert set(found) == set(bench.CONFIGS), out.stdout
-    for (stages, _), (smem, _) in found.items():
-        ring = stages * (G.BM + G.BN) * G.BK * 2 + G.BM * G.BN * 4
+    assert set(found) == set(bench.CONFIGS) and {d for d, _, _ in found} == {"bf16", "fp8"}, out.stdout
+    for (_, stages, _), (smem, _) in found.items():
+        ring = stages * (G.BM + G.BN) * G.K_BYTES + G.BM * G.BN * 4
         assert ring <= smem <= HOPPER_SMEM, (stages, smem)
-    for k in (2048, 4096):
-        usage = found[(G.stages(k), G.SUB_M)][1]
-        assert "registers" in usage and "0 bytes spill stores" in usage, usage
+    for dtype, size in (("bf16", 2), ("fp8", 1)):
+        for k in (2048, 4096):
+            usage = found[(dtype, G.stages(k * size), G.SUB_M)][1]
+            assert "registers" in usage and "0 bytes spill stores" in usage, (dtype, usage)

@@ -400,12 +400,12 @@ GPU_OPS = [("rmsnorm_linear", "fwd_bwd"), ("rmsnorm_swiglu", "fwd_bwd"), ("rmsno
            ("swiglu_dgrad", "bwd")]
 
 
-def passes_the_harness_check_on_the_gpu(op_name: str, mode: str) -> str:
-    """coda-triton's ``op_name`` in ``mode``, bf16, at a 1B-like shape with 1024 tokens, checked by the harness (the
-    pass rule); what it says it ran (``describe``)."""
+def passes_the_harness_check_on_the_gpu(op_name: str, mode: str, dtype: str = "bf16") -> str:
+    """coda-triton's ``op_name`` in ``mode``, ``dtype`` (bf16 or an fp8 recipe), at a 1B-like shape with 1024 tokens,
+    checked by the harness (the pass rule); what it says it ran (``describe``)."""
     op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
     model = get_model("llama-1b").with_(tokens=1024, vocab=8192)
-    case = Case(op, model, mode, "bf16", torch.device("cuda"),
+    case = Case(op, model, mode, dtype, torch.device("cuda"),
                 op.make_inputs(model, torch.bfloat16, "cuda", CHECK_SEED))
     outcome = check_impl(build_reference(op, case), impl)
     assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])
@@ -505,21 +505,55 @@ def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(m, f, d):
     assert rel_err(zdz, zdzt.double()) <= 1e-5
 
 
-def test_the_gluon_swiglu_dgrad_applies_to_plain_bf16_on_hopper_only(monkeypatch):
-    """Where the Gluon SwiGLU dgrad takes part (checked without a GPU): bf16 operands of matching shapes with rows TMA
-    can address, on Hopper; not fp8 (promote), fp16, odd widths or another GPU."""
+@hopper_only
+@pytest.mark.parametrize("m,f,d", [(2048, 2048, 2048), (1000, 776, 320), (384, 8192, 128), (4096, 5504, 4096)])
+def test_gluon_swiglu_dgrad_in_fp8_matches_its_triton_twin_on_hopper(m, f, d):
+    """The Gluon SwiGLU dgrad on fp8 operands (the dgrad's recipe: dx e5m2, w_down e4m3 K-major, per-tensor scales,
+    fast accumulation) against the fused Triton kernel on the same operands: dz_pre, y and zdz to the rounding of
+    the fp8 accumulator's partial sums (a different wgmma order over N), and the outputs bf16 and fp32 as the fused
+    kernel's; partial tiles at every edge, one k-step (d = 128), the 4-stage ring (d = 4096)."""
+    from workloads.fp8 import E5M2, Recipe, quantize, quantize_as
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(m + f + d)
+    w = torch.randn(d, f, device=dev, generator=g) * d ** -0.5
+    args = {"dx": quantize(torch.randn(m, d, device=dev, generator=g), E5M2),
+            "w_down": quantize_as(w, "weight_bwd", Recipe(rowwise=False)).T,
+            "z_pre": torch.randn(m, 2 * f, device=dev, generator=g).to(torch.bfloat16), "promote": False}
+    assert dgrad_swiglu.chooser.strategies(args) == ("fused", "split", "gluon")
+    dz, y, zdz = dgrad_swiglu.chooser.path("gluon")(**args)
+    dzt, yt, zdzt = dgrad_swiglu.fused(**args)
+    assert (dz.shape, dz.dtype, y.shape, y.dtype, zdz.shape, zdz.dtype) == \
+        (dzt.shape, dzt.dtype, yt.shape, yt.dtype, zdzt.shape, zdzt.dtype)
+    assert rel_err(dz, dzt.double()) <= 1e-3 and rel_err(y, yt.double()) <= 1e-3
+    assert rel_err(zdz, zdzt.double()) <= 1e-3
+
+
+def test_where_the_gluon_swiglu_dgrad_applies(monkeypatch):
+    """Where the Gluon SwiGLU dgrad takes part (checked without a GPU): on Hopper, bf16 operands of matching shapes
+    with rows TMA can address, or fp8 ones under the dgrad's recipe (per-tensor scales, the weight's data the
+    transposed view of its K-major copy, fast accumulation); not promoted fp8, rowwise scales, a row-major fp8 weight,
+    fp16, odd widths or another GPU."""
     from kernels.coda.swiglu_bwd import gluon_applies
+    from workloads.fp8 import E4M3, E5M2, Fp8
     args = {"dx": torch.empty(64, 32, dtype=torch.bfloat16), "w_down": torch.empty(32, 48, dtype=torch.bfloat16),
             "z_pre": torch.empty(64, 96, dtype=torch.bfloat16), "promote": False}
+    one = torch.ones(())
+    fp8 = {**args, "dx": Fp8(torch.empty(64, 32, dtype=E5M2), one),
+           "w_down": Fp8(torch.empty(48, 32, dtype=E4M3), one).T}
     monkeypatch.setattr("kernels.coda.swiglu_bwd.hopper", lambda device: True)
-    assert gluon_applies(args)
-    assert not gluon_applies({**args, "promote": True})
+    assert gluon_applies(args) and gluon_applies(fp8)
+    assert not gluon_applies({**args, "promote": True}) and not gluon_applies({**fp8, "promote": True})
     assert not gluon_applies({k: v.half() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
     assert not gluon_applies({**args, "w_down": torch.empty(32, 44, dtype=torch.bfloat16),
                               "z_pre": torch.empty(64, 88, dtype=torch.bfloat16)})
     assert not gluon_applies({**args, "z_pre": torch.empty(64, 48, dtype=torch.bfloat16)})
+    assert not gluon_applies({**fp8, "dx": Fp8(fp8["dx"].data, torch.ones(64, 1))})  # rowwise
+    assert not gluon_applies({**fp8, "w_down": Fp8(torch.empty(32, 48, dtype=E4M3), one)})  # row-major weight
+    assert not gluon_applies({**fp8, "dx": Fp8(torch.empty(64, 24, dtype=E5M2), one),  # d % 16
+                              "w_down": Fp8(torch.empty(48, 24, dtype=E4M3), one).T})
+    assert not gluon_applies({**fp8, "w_down": torch.empty(32, 48, dtype=torch.bfloat16)})  # mixed
     monkeypatch.setattr("kernels.coda.swiglu_bwd.hopper", lambda device: False)
-    assert not gluon_applies(args)
+    assert not gluon_applies(args) and not gluon_applies(fp8)
 
 
 @hopper_only
@@ -533,3 +567,13 @@ def test_the_gluon_path_passes_the_harness_check_on_hopper(op_name, mode, paths,
     monkeypatch.setenv(S.ENV, "gluon")
     ran = passes_the_harness_check_on_the_gpu(op_name, mode)
     assert all(f"{p}:gluon" in ran for p in paths), ran
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", ["fp8", "fp8-row"])
+def test_the_gluon_swiglu_dgrad_passes_the_harness_check_in_fp8_on_hopper(dtype, monkeypatch):
+    """swiglu_dgrad in both fp8 recipes (the dgrad's operands per tensor in either) with the Gluon path forced: the
+    pass rule, and the Gluon kernel ran."""
+    monkeypatch.setenv(S.ENV, "gluon")
+    ran = passes_the_harness_check_on_the_gpu("swiglu_dgrad", "bwd", dtype)
+    assert "dgrad_swiglu:gluon" in ran, ran

@@ -172,8 +172,10 @@ def ws_producer_kernel(a_desc, b_desc, res_desc, x_desc, h_desc, gamma_ptr, ss_p
     ], [1], [LOADER_REGS])
 
 
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int32: gl.int32}
-"""Gluon's dtype of each tensor dtype a TMA descriptor here takes (int32: packed bf16 pairs, in experiments)."""
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int32: gl.int32,
+             torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+"""Gluon's dtype of each tensor dtype a TMA descriptor here takes (int32: packed bf16 pairs, in experiments; fp8: the
+SwiGLU dgrad's operands)."""
 
 
 def tma_desc(t: torch.Tensor, block: list[int]):

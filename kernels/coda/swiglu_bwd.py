@@ -140,13 +140,22 @@ def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre
 
 
 def gluon_applies(arguments: dict) -> bool:
-    """Where the Gluon path (:mod:`kernels.coda.swiglu_bwd_gluon`) applies: a Hopper GPU, plain bf16 dx [M, d], w_down
-    [d, f] and z_pre [M, 2f] (no fp8), d and f multiples of 8 (rows TMA can address)."""
+    """Where the Gluon path (:mod:`kernels.coda.swiglu_bwd_gluon`) applies: a Hopper GPU, bf16 z_pre [M, 2f], and dx
+    [M, d], w_down [d, f] either bf16 (d and f multiples of 8) or fp8 with per-tensor scales in fast accumulation, the
+    weight's data the transposed view of its K-major (f, d) copy (d a multiple of 16): rows TMA can address."""
     dx, w, z = arguments["dx"], arguments["w_down"], arguments["z_pre"]
-    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.dim() == 2 for t in (dx, w, z)):
+    if arguments["promote"] or not (isinstance(z, torch.Tensor) and z.dtype == torch.bfloat16 and z.dim() == 2):
         return False
-    return (not arguments["promote"] and dx.shape[1] == w.shape[0] and z.shape == (dx.shape[0], 2 * w.shape[1])
-            and dx.shape[1] % 8 == 0 and w.shape[1] % 8 == 0 and hopper(dx.device))
+    if isinstance(dx, Fp8) and isinstance(w, Fp8):
+        (a, b), align = (dx.data, w.data), 16
+        if dx.scale.numel() != 1 or w.scale.numel() != 1 or not b.T.is_contiguous():
+            return False
+    elif all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in (dx, w)):
+        (a, b), align = (dx, w), 8
+    else:
+        return False
+    return (a.dim() == b.dim() == 2 and a.shape[1] == b.shape[0] and z.shape == (a.shape[0], 2 * b.shape[1])
+            and a.shape[1] % align == 0 and b.shape[1] % 8 == 0 and hopper(a.device))
 
 
 @with_split(dgrad_swiglu_split, gluon=Gluon("kernels.coda.swiglu_bwd_gluon", "dgrad_swiglu_gluon", gluon_applies))
