@@ -485,17 +485,31 @@ def test_gluon_producer_matches_its_triton_twin_on_hopper(m, n, k, dtype):
         assert passes(rel_err(ours, ref), rel_err(theirs, ref), dtype), (name, rel_err(ours, ref), rel_err(theirs, ref))
 
 
-@hopper_only
-@pytest.mark.parametrize("m,f,d", [(2048, 2048, 2048), (1000, 776, 320), (384, 8192, 64), (4096, 5504, 4096)])
-def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(m, f, d):
-    """The Gluon SwiGLU dgrad (epilogue partition) against the fused Triton kernel, its CPU-tested reference: dz_pre
-    and y bit for bit (the same fp32 dy and math, rounded once), zdz to the order of its sums; partial tiles at every
-    edge (1000 x 776 x 320), one k-step (d = 64), the 4-stage ring (d = 4096)."""
+def swiglu_dgrad_args(dtype: str, m: int, f: int, d: int) -> dict:
+    """Seeded dgrad_swiglu arguments on the GPU: bf16 operands, or fp8 ones as the dgrad's recipe gives them (dx e5m2,
+    w_down e4m3 stored K-major, per-tensor scales)."""
+    from workloads.fp8 import E5M2, Recipe, quantize, quantize_as
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(m + f + d)
-    args = {"dx": torch.randn(m, d, device=dev, generator=g).to(torch.bfloat16),
-            "w_down": (torch.randn(d, f, device=dev, generator=g) * d ** -0.5).to(torch.bfloat16),
-            "z_pre": torch.randn(m, 2 * f, device=dev, generator=g).to(torch.bfloat16), "promote": False}
+    dx, w = torch.randn(m, d, device=dev, generator=g), torch.randn(d, f, device=dev, generator=g) * d ** -0.5
+    if dtype == "fp8":
+        dx, w = quantize(dx, E5M2), quantize_as(w, "weight_bwd", Recipe(rowwise=False)).T
+    else:
+        dx, w = dx.to(torch.bfloat16), w.to(torch.bfloat16)
+    return {"dx": dx, "w_down": w, "z_pre": torch.randn(m, 2 * f, device=dev, generator=g).to(torch.bfloat16),
+            "promote": False}
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype,m,f,d", [(t, *s) for t, k1 in (("bf16", 64), ("fp8", 128))
+                                         for s in ((2048, 2048, 2048), (1000, 776, 320), (384, 8192, k1),
+                                                   (4096, 5504, 4096))])
+def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(dtype, m, f, d):
+    """The Gluon SwiGLU dgrad (epilogue partition) against the fused Triton kernel, its CPU-tested reference, on bf16
+    operands and on fp8 ones (per-tensor scales, fast accumulation): dz_pre and y bit for bit (the same fp32 dy and
+    math, rounded once), zdz to the order of its sums; partial tiles at every edge (1000 x 776 x 320), one k-step
+    (d = 128 bytes), the 4-stage ring (d = 4096)."""
+    args = swiglu_dgrad_args(dtype, m, f, d)
     assert dgrad_swiglu.chooser.strategies(args) == ("fused", "split", "gluon")
     dz, y, zdz = dgrad_swiglu.chooser.path("gluon")(**args)
     dzt, yt, zdzt = dgrad_swiglu.fused(**args)
@@ -503,29 +517,6 @@ def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(m, f, d):
         (dzt.shape, dzt.dtype, yt.shape, yt.dtype, zdzt.shape, zdzt.dtype)
     assert torch.equal(dz, dzt) and torch.equal(y, yt)
     assert rel_err(zdz, zdzt.double()) <= 1e-5
-
-
-@hopper_only
-@pytest.mark.parametrize("m,f,d", [(2048, 2048, 2048), (1000, 776, 320), (384, 8192, 128), (4096, 5504, 4096)])
-def test_gluon_swiglu_dgrad_in_fp8_matches_its_triton_twin_on_hopper(m, f, d):
-    """The Gluon SwiGLU dgrad on fp8 operands (the dgrad's recipe: dx e5m2, w_down e4m3 K-major, per-tensor scales,
-    fast accumulation) against the fused Triton kernel on the same operands: dz_pre, y and zdz to the rounding of
-    the fp8 accumulator's partial sums (a different wgmma order over N), and the outputs bf16 and fp32 as the fused
-    kernel's; partial tiles at every edge, one k-step (d = 128), the 4-stage ring (d = 4096)."""
-    from workloads.fp8 import E5M2, Recipe, quantize, quantize_as
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(m + f + d)
-    w = torch.randn(d, f, device=dev, generator=g) * d ** -0.5
-    args = {"dx": quantize(torch.randn(m, d, device=dev, generator=g), E5M2),
-            "w_down": quantize_as(w, "weight_bwd", Recipe(rowwise=False)).T,
-            "z_pre": torch.randn(m, 2 * f, device=dev, generator=g).to(torch.bfloat16), "promote": False}
-    assert dgrad_swiglu.chooser.strategies(args) == ("fused", "split", "gluon")
-    dz, y, zdz = dgrad_swiglu.chooser.path("gluon")(**args)
-    dzt, yt, zdzt = dgrad_swiglu.fused(**args)
-    assert (dz.shape, dz.dtype, y.shape, y.dtype, zdz.shape, zdz.dtype) == \
-        (dzt.shape, dzt.dtype, yt.shape, yt.dtype, zdzt.shape, zdzt.dtype)
-    assert rel_err(dz, dzt.double()) <= 1e-3 and rel_err(y, yt.double()) <= 1e-3
-    assert rel_err(zdz, zdzt.double()) <= 1e-3
 
 
 def test_where_the_gluon_swiglu_dgrad_applies(monkeypatch):
