@@ -20,7 +20,7 @@ from triton.experimental.gluon import language as gl
 
 from gluon_experiment import FUSED, check, cli, compile_for_hopper, desc_type, inputs, reference_paths, time_paths
 from kernels.coda import swiglu_bwd_gluon as G
-from workloads.fp8 import E5M2, Fp8, Recipe, quantize, quantize_as
+from workloads.fp8 import Fp8, Recipe, quantize_as
 
 CONFIGS = [("bf16", 4, 32), ("bf16", 5, 32), ("bf16", 4, 16), ("bf16", 4, 64), ("fp8", 4, 32), ("fp8", 5, 32)]
 """(operands, stages, epilogue sub-tile rows) timed; BM = BN = 128, BK = 128 bytes (64 bf16, 128 fp8 elements)."""
@@ -43,10 +43,12 @@ def compile_only() -> dict[str, str]:
 
 
 def fp8_inputs(args: dict) -> dict:
-    """``args`` quantized as the fp8 dgrad takes them: dx e5m2 per tensor, w_down e4m3 per tensor as the transposed
-    view of its K-major (f, d) copy (:func:`workloads.fp8.quantize_as`)."""
-    return {**args, "dx": quantize(args["dx"], E5M2), "w_down": quantize_as(args["w_down"], "weight_bwd",
-                                                                                Recipe(rowwise=False)).T}
+    """``args`` quantized as the fp8 dgrad takes them (:func:`workloads.fp8.quantize_as`, per tensor in either recipe):
+    dx as a gradient (e5m2), w_down as a dgrad weight (e4m3), passed as the transposed view of its K-major (f, d)
+    copy."""
+    recipe = Recipe(rowwise=False)
+    return {**args, "dx": quantize_as(args["dx"], "grad", recipe),
+            "w_down": quantize_as(args["w_down"], "weight_bwd", recipe).T}
 
 
 def k_bytes(args: dict) -> int:
@@ -58,8 +60,8 @@ def k_bytes(args: dict) -> int:
 def bench(model: str) -> None:
     """Per operand dtype: the fused Triton kernel, its split path, each config (checked against the fused kernel
     first), the GEMM alone (cuBLAS; for fp8 the mainloop's, through the split path's GEMM)."""
-    for dtype, args in (("bf16", inputs(model)), ("fp8", None)):
-        args = args or fp8_inputs(inputs(model))
+    for dtype in ("bf16", "fp8"):
+        args = fp8_inputs(inputs(model)) if dtype == "fp8" else inputs(model)
         paths = reference_paths(args)
         configs = [(s, r) for d, s, r in CONFIGS if d == dtype]
         for stages, sub_m in configs:

@@ -488,12 +488,13 @@ def test_gluon_producer_matches_its_triton_twin_on_hopper(m, n, k, dtype):
 def swiglu_dgrad_args(dtype: str, m: int, f: int, d: int) -> dict:
     """Seeded dgrad_swiglu arguments on the GPU: bf16 operands, or fp8 ones as the dgrad's recipe gives them (dx e5m2,
     w_down e4m3 stored K-major, per-tensor scales)."""
-    from workloads.fp8 import E5M2, Recipe, quantize, quantize_as
+    from workloads.fp8 import Recipe, quantize_as
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(m + f + d)
     dx, w = torch.randn(m, d, device=dev, generator=g), torch.randn(d, f, device=dev, generator=g) * d ** -0.5
     if dtype == "fp8":
-        dx, w = quantize(dx, E5M2), quantize_as(w, "weight_bwd", Recipe(rowwise=False)).T
+        recipe = Recipe(rowwise=False)
+        dx, w = quantize_as(dx, "grad", recipe), quantize_as(w, "weight_bwd", recipe).T
     else:
         dx, w = dx.to(torch.bfloat16), w.to(torch.bfloat16)
     return {"dx": dx, "w_down": w, "z_pre": torch.randn(m, 2 * f, device=dev, generator=g).to(torch.bfloat16),
@@ -545,6 +546,20 @@ def test_where_the_gluon_swiglu_dgrad_applies(monkeypatch):
     assert not gluon_applies({**fp8, "w_down": torch.empty(32, 48, dtype=torch.bfloat16)})  # mixed
     monkeypatch.setattr("kernels.coda.swiglu_bwd.hopper", lambda device: False)
     assert not gluon_applies(args) and not gluon_applies(fp8)
+
+
+def test_the_gluon_swiglu_dgrad_refuses_rowwise_fp8_scales_and_promoted_accumulation():
+    """Called directly (past ``gluon_applies``), the Gluon SwiGLU dgrad refuses what it cannot compute, before any
+    launch: rowwise fp8 scales (its epilogue multiplies by one sa sb) and promoted fp8 accumulation."""
+    from kernels.coda.swiglu_bwd_gluon import dgrad_swiglu_gluon, ws_dgrad_swiglu
+    from workloads.fp8 import E4M3, E5M2, Fp8
+    dx = Fp8(torch.zeros(64, 32, dtype=E5M2), torch.ones(64, 1))
+    w = Fp8(torch.zeros(48, 32, dtype=E4M3), torch.ones(48, 1)).T
+    z = torch.zeros(64, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="per-tensor scales, not rowwise"):
+        ws_dgrad_swiglu(dx, w, z)
+    with pytest.raises(ValueError, match="fast mode only, not promoted"):
+        dgrad_swiglu_gluon(dx, w, z, promote=True)
 
 
 @hopper_only

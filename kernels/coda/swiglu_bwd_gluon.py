@@ -32,7 +32,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from kernels.coda.fp8 import split_operand
+from kernels.coda.epilogue import SCALING_NONE, SCALING_ROWWISE
+from kernels.coda.fp8 import dequant_args
 from kernels.coda.mainloop import persistent_grid
 from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords, tma_desc, tma_load
 from kernels.coda.reduce import finish_row_sum
@@ -188,8 +189,10 @@ def ws_dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: t
     of 8), or fp8 ones with per-tensor scales, w_down's data the transposed view of a row-major (f, d) tensor (d a
     multiple of 16): TMA rows of 16-byte multiples. ``n_stages`` (default :func:`stages` of K's bytes) and ``sub_m``
     (rows of an epilogue sub-tile) for benchmarks."""
-    (a, sa), (b, sb) = split_operand(dx), split_operand(w_down)
-    scaled = sa is not None
+    a, b, sa, sb, scaling = dequant_args(dx, w_down)  # sa, sb: placeholders for plain operands
+    if scaling == SCALING_ROWWISE.value:
+        raise ValueError("the Gluon SwiGLU dgrad takes fp8 operands with per-tensor scales, not rowwise ones")
+    scaled = scaling != SCALING_NONE.value
     a, z_pre = a.contiguous(), z_pre.contiguous()
     b_nk = scaled  # fp8: B (f, d), K-major; bf16: B (d, f) as given
     b = b.T.contiguous() if b_nk else b.contiguous()
@@ -201,9 +204,8 @@ def ws_dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: t
     part = torch.empty(M, triton.cdiv(N, BN), device=a.device, dtype=torch.float32)
     grid = persistent_grid(M, N, a.device)({"BM": BM, "BN": BN})
     ws_dgrad_swiglu_kernel[grid](tma_desc(a, [BM, bk]), tma_desc(b, [BN, bk] if b_nk else [bk, BN]),
-                                 z_pre.view(torch.int32), dz_pre.view(torch.int32), y, part,
-                                 sa if scaled else part, sb if scaled else part, M, N, K, part.stride(0), B_NK=b_nk,
-                                 SCALED=scaled, INSTR_K=32 // a.element_size(),
+                                 z_pre.view(torch.int32), dz_pre.view(torch.int32), y, part, sa, sb, M, N, K,
+                                 part.stride(0), B_NK=b_nk, SCALED=scaled, INSTR_K=32 // a.element_size(),
                                  S=n_stages or stages(K * a.element_size()), GROUP_M=GROUP_M, SUB_M=sub_m,
                                  MMA_W=MMA_WARPS, num_warps=EPI_WARPS, maxnreg=MAXNREG)
     return dz_pre, y, finish_row_sum(part, part.shape[1])
