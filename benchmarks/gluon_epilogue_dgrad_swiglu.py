@@ -6,7 +6,7 @@ operands and with fp8 ones (the dgrad's per-tensor recipe: dx e5m2, w_down e4m3 
     python benchmarks/gluon_epilogue_dgrad_swiglu.py --compile-only  # no GPU needed: compiles each config for sm_90
 
 Each config is (operand dtype, operand ring stages, rows of an epilogue sub-tile); the shipped choice is
-:func:`kernels.coda.swiglu_bwd_gluon.stages` and ``SUB_M``. Each config is checked against the fused kernel first.
+:func:`kernels.coda.mainloop_gluon.stages` and ``SUB_M``. Each config is checked against the fused kernel first.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, also without pip install -e .
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gluon_experiment, also when loaded by path
 
-from triton.experimental.gluon import language as gl
-
-from gluon_experiment import FUSED, check, cli, compile_for_hopper, desc_type, inputs, reference_paths, time_paths
+from gluon_experiment import (FUSED, check, cli, compile_for_hopper, inputs, reference_paths, swiglu_case, time_paths,
+                              ws_consts, ws_types)
+from kernels.coda import mainloop_gluon as WS
 from kernels.coda import swiglu_bwd_gluon as G
 from workloads.fp8 import Fp8, Recipe, quantize_as
 
@@ -31,14 +31,10 @@ def compile_only() -> dict[str, str]:
     out = {}
     for dtype, stages, sub_m in CONFIGS:
         fp8 = dtype == "fp8"
-        bk = G.K_BYTES // (1 if fp8 else 2)
-        descs = ([desc_type([G.BM, bk], gl.float8e5, "fp8e5"), desc_type([G.BN, bk], gl.float8e4nv, "fp8e4nv")]
-                 if fp8 else [desc_type([G.BM, bk]), desc_type([bk, G.BN])])
-        types = descs + ["*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32", "i32"]
-        consts = {"B_NK": fp8, "SCALED": fp8, "INSTR_K": 32 if fp8 else 16, "S": stages, "GROUP_M": G.GROUP_M,
-                  "SUB_M": sub_m, "MMA_W": G.MMA_WARPS, "num_warps": G.EPI_WARPS}
+        types = ws_types(fp8) + ["*i32", "*i32", "*bf16", "*fp32", "i32"]
+        consts = {**ws_consts(fp8, stages), "SUB_M": sub_m}
         out[f"config={dtype},{stages},{sub_m}"] = compile_for_hopper(G.ws_dgrad_swiglu_kernel, types, consts,
-                                                                     G.EPI_WARPS, G.MAXNREG)
+                                                                     WS.EPI_WARPS, WS.MAXNREG)
     return out
 
 
@@ -70,8 +66,8 @@ def bench(model: str) -> None:
         ref = paths[FUSED]()
         for c in configs:
             check(f"{model} {dtype} gluon {c}", paths[f"gluon {c}"](), ref)
-        print(f"shipped at {model}: {G.stages(k_bytes(args))} stages, {G.SUB_M} rows")
-        time_paths(model, paths, dtype)
+        print(f"shipped at {model}: {WS.stages(k_bytes(args))} stages, {G.SUB_M} rows")
+        time_paths(paths, *swiglu_case(model, dtype))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""What the Gluon SwiGLU dgrad benchmarks share (gluon_epilogue_dgrad_swiglu.py, the shipped kernel's, and the two
-lost forms, gluon_ws_dgrad_swiglu.py and gluon_pingpong_dgrad_swiglu.py): the suite's shapes and inputs, building a
-kernel for sm_90 without a GPU (shared memory, ptxas's registers and spills), checking a path against the fused
-Triton kernel, interleaved timing, and the command line."""
+"""What the Gluon dgrad benchmarks share (gluon_epilogue_dgrad_swiglu.py and gluon_epilogue_dgrad_rmsnorm.py, the
+shipped kernels', and the SwiGLU dgrad's two lost forms, gluon_ws_dgrad_swiglu.py and gluon_pingpong_dgrad_swiglu.py):
+the suite's SwiGLU shapes and inputs, building a kernel for sm_90 without a GPU (shared memory, ptxas's registers and
+spills), checking a path against the fused Triton kernel, interleaved timing, and the command line."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,24 @@ def compile_for_hopper(kernel: Any, types: list[str], consts: dict[str, Any], nu
     return f"{compiled.metadata.shared} B shared, {ptxas_usage(compiled)}"
 
 
+def ws_types(fp8: bool) -> list[str]:
+    """The signature types of the leading runtime parameters of a :mod:`kernels.coda.mainloop_gluon` kernel (a_desc,
+    b_desc, sa_ptr, sb_ptr, M, N, K) for bf16 operands or fp8 ones (dx e5m2, the weight e4m3 staged K-major)."""
+    from kernels.coda.mainloop_gluon import BM, BN, K_BYTES
+    bk = K_BYTES // (1 if fp8 else 2)
+    descs = ([desc_type([BM, bk], gl.float8e5, "fp8e5"), desc_type([BN, bk], gl.float8e4nv, "fp8e4nv")] if fp8 else
+             [desc_type([BM, bk]), desc_type([bk, BN])])
+    return descs + ["*fp32", "*fp32", "i32", "i32", "i32"]
+
+
+def ws_consts(fp8: bool, stages: int) -> dict[str, Any]:
+    """The schedule's constexpr arguments of a :mod:`kernels.coda.mainloop_gluon` kernel, as :class:`WsGemm` passes
+    them."""
+    from kernels.coda.mainloop_gluon import EPI_WARPS, GROUP_M, MMA_WARPS
+    return {"B_NK": fp8, "SCALED": fp8, "INSTR_K": 32 if fp8 else 16, "S": stages, "GROUP_M": GROUP_M,
+            "MMA_W": MMA_WARPS, "num_warps": EPI_WARPS}
+
+
 def inputs(model: str) -> dict[str, torch.Tensor]:
     """bf16 ``dx`` [M, d], ``w_down`` [d, f] and ``z_pre`` [M, 2f] at ``model``'s swiglu_dgrad shape (seeded)."""
     m, f, d = SHAPES[model]
@@ -82,19 +100,24 @@ def check(label: str, out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ..
     print(f"{label}: rel_err against fused: dz_pre {errs[0]:.1e}, y {errs[1]:.1e}, zdz {errs[2]:.1e}", flush=True)
 
 
-def time_paths(model: str, paths: dict[str, Callable[[], Any]], label: str = "") -> None:
-    """Time every path in 3 interleaved rounds of ``do_bench`` (L2 flushed) and print the medians, TFLOP/s and the
-    ratio to the fused kernel's, under ``model`` and ``label`` (the operands' dtype, say)."""
+def swiglu_case(model: str, label: str = "") -> tuple[str, float]:
+    """(title, FLOPs) of ``model``'s swiglu_dgrad cell for :func:`time_paths`; ``label``: the operands' dtype, say."""
     m, f, d = SHAPES[model]
+    return f"{model}{' ' + label if label else ''}, M = {m}, f = {f}, d = {d}", 2 * m * f * d
+
+
+def time_paths(paths: dict[str, Callable[[], Any]], title: str, flops: float) -> None:
+    """Time every path in 3 interleaved rounds of ``do_bench`` (L2 flushed) and print the medians, TFLOP/s (of
+    ``flops``) and the ratio to the fused kernel's, under ``title``."""
     times: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(3):
         for k, fn in paths.items():
             times[k].append(triton.testing.do_bench(fn, warmup=25, rep=100))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{model}{' ' + label if label else ''}, M = {m}, f = {f}, d = {d}:")
+    print(f"{title}:")
     width = max(map(len, med))
     for k, v in med.items():
-        print(f"  {k:{width}} {v:7.3f} ms  {2 * m * f * d / v / 1e9:4.0f} TFLOP/s  {v / med[FUSED]:.3f}x fused",
+        print(f"  {k:{width}} {v:7.3f} ms  {flops / v / 1e9:4.0f} TFLOP/s  {v / med[FUSED]:.3f}x fused",
               flush=True)
 
 

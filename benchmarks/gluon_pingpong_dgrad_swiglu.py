@@ -37,7 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, time_paths
+from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, swiglu_case, time_paths
 from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords, tma_desc, tma_load
 from kernels.coda.mainloop import persistent_grid
 from kernels.coda.reduce import finish_row_sum
@@ -227,7 +227,7 @@ def bench(model: str) -> None:
     for c in CONFIGS:
         check(f"{model} pingpong {c}", paths[f"pingpong {c}"](), ref)
         print(f"{model} pingpong GEMM {c}: rel_err against cuBLAS {rel_err(paths[f'pingpong GEMM {c}'](), gemm):.1e}")
-    time_paths(model, paths)
+    time_paths(paths, *swiglu_case(model))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, time_paths
+from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, swiglu_case, time_paths
 from kernels.coda.producer_gluon import (LOADER_REGS, MAXNREG, RES_AT, local_tiles, send, thread_barrier,
                                          tile_coords, tma_desc, tma_load)
 from kernels.coda.mainloop import persistent_grid
@@ -196,7 +196,7 @@ def bench(model: str) -> None:
     ref = paths["fused (Triton)"]()
     for c in CONFIGS:
         check(f"{model} gluon {c}", paths[f"gluon {c}"](), ref)
-    time_paths(model, paths)
+    time_paths(paths, *swiglu_case(model))
 
 
 if __name__ == "__main__":

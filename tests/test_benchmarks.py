@@ -238,12 +238,32 @@ def test_the_gluon_swiglu_dgrad_compiles_for_hopper_without_spills(tmp_path):
     found = {(d, int(s), int(r)): (int(b), usage) for d, s, r, b, usage in
              re.findall(r"^config=(bf16|fp8),(\d+),(\d+): compiled for sm_90, (\d+) B shared, (.*)$", out.stdout, re.M)}
     bench = load_script("gluon_epilogue_dgrad_swiglu")
-    G = bench.G
+    WS = bench.WS
     assert set(found) == set(bench.CONFIGS) and {d for d, _, _ in found} == {"bf16", "fp8"}, out.stdout
     for (_, stages, _), (smem, _) in found.items():
-        ring = stages * (G.BM + G.BN) * G.K_BYTES + G.BM * G.BN * 4
+        ring = stages * (WS.BM + WS.BN) * WS.K_BYTES + WS.BM * WS.BN * 4
         assert ring <= smem <= HOPPER_SMEM, (stages, smem)
     for dtype, size in (("bf16", 2), ("fp8", 1)):
         for k in (2048, 4096):
-            usage = found[(dtype, G.stages(k * size), G.SUB_M)][1]
+            usage = found[(dtype, WS.stages(k * size), bench.G.SUB_M)][1]
             assert "registers" in usage and "0 bytes spill stores" in usage, (dtype, usage)
+
+
+def test_the_gluon_rmsnorm_dgrad_experiment_compiles_for_hopper_without_spills(tmp_path):
+    """benchmarks/gluon_epilogue_dgrad_rmsnorm.py --compile-only (the lost Gluon RMSNorm dgrad, on the shipped SwiGLU
+    dgrad's schedule): every timed config, bf16 and fp8 operands, compiles for sm_90, fits the shared memory (the
+    operand ring, the fp32 accumulator buffer and the dgamma reduction's scratch) and spills nothing."""
+    env = script_env(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    script = str(BENCHMARKS / "gluon_epilogue_dgrad_rmsnorm.py")
+    out = subprocess.run([sys.executable, script, "--compile-only"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = {(d, int(s), int(r), int(v)): (int(b), usage) for d, s, r, v, b, usage in re.findall(
+        r"^config=(bf16|fp8),(\d+),(\d+),(\d+): compiled for sm_90, (\d+) B shared, (.*)$", out.stdout, re.M)}
+    bench = load_script("gluon_epilogue_dgrad_rmsnorm")
+    WS = bench.WS
+    assert set(found) == set(bench.CONFIGS) and {c[0] for c in found} == {"bf16", "fp8"}, out.stdout
+    for (_, stages, _, _), (smem, usage) in found.items():
+        ring = stages * (WS.BM + WS.BN) * WS.K_BYTES + WS.BM * WS.BN * 4
+        assert ring <= smem <= HOPPER_SMEM, (stages, smem)
+        assert "registers" in usage and "0 bytes spill stores" in usage, usage

@@ -136,7 +136,7 @@ def rows_launch(M: int, N: int, device: torch.device) -> tuple[int, int, int, in
     return bm, bd, warps, min(per_sm * num_sms(device), triton.cdiv(M, bm))
 
 
-def _check(M: int, N: int, x: torch.Tensor, dres: torch.Tensor | None, inplace: bool) -> None:
+def check_shapes(M: int, N: int, x: torch.Tensor, dres: torch.Tensor | None, inplace: bool) -> None:
     if x.shape != (M, N):
         raise ValueError(f"shape mismatch: x {tuple(x.shape)} for dz @ w of shape {(M, N)}")
     if inplace and dres is None:
@@ -152,7 +152,7 @@ def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.
     partials' sum."""
     gy = split_matmul(dz, w, promote)
     M, N = gy.shape
-    _check(M, N, x, dres, inplace)
+    check_shapes(M, N, x, dres, inplace)
     x, gamma = x.contiguous(), gamma.contiguous()
     dres = dres.contiguous() if dres is not None else None
     dx = dres if inplace else torch.empty(M, N, device=gy.device, dtype=(dres if dres is not None else x).dtype)
@@ -190,7 +190,7 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     """
     gemm = FusedGemm(dz, w, promote)
     M, N = gemm.M, gemm.N
-    _check(M, N, x, dres, inplace)
+    check_shapes(M, N, x, dres, inplace)
     x, gamma = x.contiguous(), gamma.contiguous()
     dres = dres.contiguous() if dres is not None else None
     dx = dres if inplace else gemm.empty((dres if dres is not None else x).dtype)

@@ -1,0 +1,163 @@
+"""The warp-specialized Gluon GEMM for Hopper (sm_90) whose epilogue runs in a warp partition of its own, beside the
+next tile's mainloop: the schedule of the Gluon SwiGLU dgrad (:mod:`kernels.coda.swiglu_bwd_gluon`) and of the
+experiments built on it (benchmarks/gluon_epilogue_dgrad_rmsnorm.py). For ``C[M, N] = A @ B``, one persistent
+program per SM, three partitions:
+
+- **loader** (1 warp): the operand ring's TMA loads, tile after tile;
+- **mma** (4 warps, one warpgroup): each (BM, BN) tile's wgmmas into an fp32 accumulator in its registers, then the
+  accumulator into a shared-memory buffer ``acc_buf`` (``acc_ready``), and on to the next tile's mainloop;
+- **epilogue** (8 warps, the kernel's own): reads ``acc_buf`` in row sub-tiles, does the kernel's math, then gives
+  the buffer back (``acc_empty``).
+
+A kernel is its epilogue partition plus ten lines (``ws_buffers``, ``gl.warp_specialize`` over the epilogue,
+:func:`mma` and :func:`loader`); :class:`WsGemm` launches it. The operands are bf16 (B row-major (K, N)) or fp8 with
+per-tensor scales (B staged K-major, (N, K), which fp8 wgmma needs), dequantized by the epilogue as ``acc sa sb``.
+Gluon has no interpreter: each kernel's fused Triton twin is its CPU-tested reference, and the Hopper tests check the
+two against each other on an H100 or H200.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from kernels.coda.epilogue import SCALING_NONE, SCALING_ROWWISE
+from kernels.coda.fp8 import dequant_args
+from kernels.coda.mainloop import persistent_grid
+from kernels.coda.producer_gluon import local_tiles, thread_barrier, tile_coords, tma_desc, tma_load
+from workloads.fp8 import Fp8
+
+BM, BN, GROUP_M = 128, 128, 8
+K_BYTES = 128
+"""Bytes of K per operand tile row (BK = 64 bf16 or 128 fp8 elements): one 128-byte swizzle line, 32 KB a stage."""
+MMA_WARPS, EPI_WARPS = 4, 8
+MMA_REGS = gl.constexpr(232)
+"""Registers per thread: mma 128 x 232 (its accumulator takes 128), loader 128 x 40, epilogue 256 x 120: the
+kernel's maxnreg 128 x 512 threads, the SM's 64K."""
+MAXNREG = 128
+
+
+def stages(k_bytes: int) -> int:
+    """Operand ring stages for a K of ``k_bytes`` bytes a row: 5 (229 KB of shared memory with the 64 KB accumulator
+    buffer) at k_bytes <= 4096, where a tile's mainloop is short; 4 elsewhere. Measured with the SwiGLU dgrad on an
+    H100 at M = 16384 (PERF_NOTES; ms for 5 against 4 stages): bf16 1B (4096 bytes) 1.076 against 1.148, 7B (8192)
+    2.749 against 2.557, 70B 14.05 against 13.57; fp8 7B (4096) 1.514 against 1.595, 70B (8192) 7.57 against 7.14,
+    1B a tie."""
+    return 5 if k_bytes <= 4096 else 4
+
+
+@gluon.jit
+def loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_NK: gl.constexpr, GROUP_M: gl.constexpr):
+    S: gl.constexpr = a_bufs.type.shape[0]
+    TM: gl.constexpr = a_desc.block_type.shape[0]
+    TK: gl.constexpr = a_desc.block_type.shape[1]
+    TN: gl.constexpr = b_desc.block_type.shape[0] if B_NK else b_desc.block_type.shape[1]
+    n_m = gl.cdiv(M, TM)
+    n_n = gl.cdiv(N, TN)
+    k_tiles = gl.cdiv(K, TK)
+    p = 0
+    for i in range(local_tiles(n_m, n_n)):
+        pid_m, pid_n = tile_coords(i, n_m, n_n, GROUP_M)
+        for kk in range(k_tiles):
+            slot = p % S
+            mbarrier.wait(empty.index(slot), ((p // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma_load(a_desc, [pid_m * TM, kk * TK], ready.index(slot), a_bufs.index(slot))
+            if B_NK:
+                tma_load(b_desc, [pid_n * TN, kk * TK], ready.index(slot), b_bufs.index(slot))
+            else:
+                tma_load(b_desc, [kk * TK, pid_n * TN], ready.index(slot), b_bufs.index(slot))
+            p += 1
+
+
+@gluon.jit
+def mma(a_bufs, b_bufs, ready, empty, acc_buf, acc_ready, acc_empty, M, N, K, B_NK: gl.constexpr,
+        INSTR_K: gl.constexpr, W: gl.constexpr):
+    S: gl.constexpr = a_bufs.type.shape[0]
+    TM: gl.constexpr = a_bufs.type.shape[1]
+    TK: gl.constexpr = a_bufs.type.shape[2]
+    TN: gl.constexpr = acc_buf.type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                         instr_shape=[16, TN, INSTR_K])
+    k_tiles = gl.cdiv(K, TK)
+    acc = gl.zeros((TM, TN), dtype=gl.float32, layout=acc_layout)
+    c = 0
+    for i in range(local_tiles(gl.cdiv(M, TM), gl.cdiv(N, TN))):
+        for kk in range(k_tiles):
+            slot = c % S
+            mbarrier.wait(ready.index(slot), (c // S) & 1)
+            if B_NK:  # B staged (TN, TK), K-major: fp8 wgmma's layout
+                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
+                                    is_async=True)
+            else:
+                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot), acc, use_acc=kk > 0, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            thread_barrier()  # every warp is done with the previous slot
+            mbarrier.arrive(empty.index((c + S - 1) % S), pred=kk > 0)
+            c += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        thread_barrier()
+        mbarrier.arrive(empty.index((c + S - 1) % S))
+        mbarrier.wait(acc_empty, (i & 1) ^ 1)  # the epilogue is done with the previous tile's accumulator
+        acc_buf.store(acc)
+        thread_barrier()
+        mbarrier.arrive(acc_ready)
+
+
+@gluon.jit
+def ws_buffers(a_desc, b_desc, S: gl.constexpr, B_NK: gl.constexpr):
+    """The shared memory of the schedule, its barriers initialised: ``(a_bufs, b_bufs, ready, empty, acc_buf,
+    acc_ready, acc_empty)``, an S-stage operand ring and one (BM, BN) fp32 accumulator buffer."""
+    TM: gl.constexpr = a_desc.block_type.shape[0]
+    TN: gl.constexpr = b_desc.block_type.shape[0] if B_NK else b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [S] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [S] + b_desc.block_type.shape, b_desc.layout)
+    acc_buf = gl.allocate_shared_memory(gl.float32, [TM, TN],
+                                        gl.NVMMASharedLayout.get_default_for([TM, TN], gl.float32))
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(acc_ready, count=1)
+    mbarrier.init(acc_empty, count=1)
+    return a_bufs, b_bufs, ready, empty, acc_buf, acc_ready, acc_empty
+
+
+class WsGemm:
+    """``C[M, N] = A @ B`` set up for a kernel of this schedule, the counterpart of :class:`kernels.coda.launch.
+    FusedGemm`: ``a`` (M, K) and ``b`` (K, N) bf16, or fp8 (:class:`workloads.fp8.Fp8`) with per-tensor scales, b's
+    data the transposed view of its K-major (N, K) copy; ``what`` names the kernel in the error a rowwise-scaled
+    operand gets. ``M``, ``N``, ``device`` and ``out_dtype`` (bf16) size the epilogue's outputs."""
+
+    def __init__(self, a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, what: str) -> None:
+        a, b, self.sa, self.sb, scaling = dequant_args(a, b)  # sa, sb: placeholders for plain operands
+        if scaling == SCALING_ROWWISE.value:
+            raise ValueError(f"the Gluon {what} takes fp8 operands with per-tensor scales, not rowwise ones")
+        self.scaled = self.b_nk = scaling != SCALING_NONE.value  # fp8: B (N, K), K-major; bf16: B (K, N) as given
+        self.a = a.contiguous()
+        self.b = b.T.contiguous() if self.b_nk else b.contiguous()
+        self.M, self.K = self.a.shape
+        self.N = self.b.shape[0] if self.b_nk else self.b.shape[1]
+        self.device = self.a.device
+        self.out_dtype = torch.bfloat16
+
+    def empty(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An uninitialised (M, N) output in ``dtype`` (default: :attr:`out_dtype`)."""
+        return torch.empty(self.M, self.N, device=self.device, dtype=dtype or self.out_dtype)
+
+    def launch(self, kernel: Any, *epilogue: Any, n_stages: int | None = None, **constexprs: Any) -> None:
+        """Launch ``kernel(a_desc, b_desc, sa_ptr, sb_ptr, M, N, K, *epilogue, B_NK, SCALED, INSTR_K, S, GROUP_M,
+        MMA_W, **constexprs)`` on the persistent grid with the schedule's warps and registers; ``n_stages`` (default
+        :func:`stages` of K's bytes) for benchmarks."""
+        bk = K_BYTES // self.a.element_size()
+        grid = persistent_grid(self.M, self.N, self.device)({"BM": BM, "BN": BN})
+        kernel[grid](tma_desc(self.a, [BM, bk]), tma_desc(self.b, [BN, bk] if self.b_nk else [bk, BN]), self.sa,
+                     self.sb, self.M, self.N, self.K, *epilogue, B_NK=self.b_nk, SCALED=self.scaled,
+                     INSTR_K=32 // self.a.element_size(), S=n_stages or stages(self.K * self.a.element_size()),
+                     GROUP_M=GROUP_M, MMA_W=MMA_WARPS, num_warps=EPI_WARPS, maxnreg=MAXNREG, **constexprs)
