@@ -19,6 +19,8 @@ It lost on an H100 (2026-11-26, benchmarks/PERF_NOTES.md): at the block's two si
 better of the fused and split paths at best (1B QKV fp8, 7B / 70B QKV fp8) and is 2-22% slower elsewhere. The
 epilogue here (x, dres, dx, y: 128 KB a tile) is light next to the SwiGLU dgrad's, so hiding it gains little, and the
 single MMA warpgroup on 128 x 128 tiles runs the GEMM slower than the fused kernel's 128 x 256 tiles at large K.
+It also times the schedule's own GEMM (``ws_gemm``: an epilogue that only stores C) against cuBLAS at these shapes
+and at the LM head's forward shape, the GEMM a Gluon cross-entropy path would run: 0.80-0.94x cuBLAS's rate.
 
 Each config is (operand dtype, operand ring stages, rows of an epilogue sub-tile, columns a thread holds); the
 default is :func:`kernels.coda.mainloop_gluon.stages` (at most ``MAX_STAGES``), ``SUB_M`` and 8 columns. Each config
@@ -125,6 +127,48 @@ def ws_dgrad_rmsnorm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, M, N, K, x_ptr, rstd
     ], [MMA_W, 1], [MMA_REGS, LOADER_REGS])
 
 
+@gluon.jit
+def plain_epilogue(acc_buf, acc_ready, acc_empty, c_ptr, M, N, GROUP_M: gl.constexpr, SUB_M: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """The schedule's speed of light: C = acc, stored as bf16 from ``acc_buf`` in row sub-tiles."""
+    TM: gl.constexpr = acc_buf.type.shape[0]
+    TN: gl.constexpr = acc_buf.type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // TN, TN // 8], [num_warps, 1], [1, 0])
+    n_m = gl.cdiv(M, TM)
+    n_n = gl.cdiv(N, TN)
+    for i in range(local_tiles(n_m, n_n)):
+        pid_m, pid_n = tile_coords(i, n_m, n_n, GROUP_M)
+        cols = pid_n * TN + gl.arange(0, TN, layout=gl.SliceLayout(0, layout))
+        mbarrier.wait(acc_ready, i & 1)
+        for r in gl.static_range(TM // SUB_M):
+            rows = pid_m * TM + r * SUB_M + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, layout))
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            c = acc_buf.slice(r * SUB_M, SUB_M).load(layout)
+            gl.store(c_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], c.to(gl.bfloat16), mask=mask)
+        thread_barrier()
+        mbarrier.arrive(acc_empty)
+
+
+@gluon.jit
+def ws_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, M, N, K, c_ptr, B_NK: gl.constexpr, SCALED: gl.constexpr,
+                   INSTR_K: gl.constexpr, S: gl.constexpr, GROUP_M: gl.constexpr, MMA_W: gl.constexpr,
+                   SUB_M: gl.constexpr, num_warps: gl.constexpr):
+    a_bufs, b_bufs, ready, empty, acc_buf, acc_ready, acc_empty = ws_buffers(a_desc, b_desc, S, B_NK)
+    gl.warp_specialize([
+        (plain_epilogue, (acc_buf, acc_ready, acc_empty, c_ptr, M, N, GROUP_M, SUB_M, num_warps)),
+        (mma, (a_bufs, b_bufs, ready, empty, acc_buf, acc_ready, acc_empty, M, N, K, B_NK, INSTR_K, MMA_W)),
+        (loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_NK, GROUP_M)),
+    ], [MMA_W, 1], [MMA_REGS, LOADER_REGS])
+
+
+def ws_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (bf16 [M, K] and [K, N]) on the schedule, its epilogue only storing C: the schedule's own GEMM."""
+    gemm = WsGemm(a, b, "GEMM")
+    c = gemm.empty()
+    gemm.launch(ws_gemm_kernel, c, n_stages=min(WS.stages(gemm.K * 2), MAX_STAGES), SUB_M=SUB_M)
+    return c
+
+
 def ws_dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
                      gamma: torch.Tensor, zdz: torch.Tensor, dres: torch.Tensor | None = None,
                      dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, n_stages: int | None = None,
@@ -210,6 +254,8 @@ def bench(model: str) -> None:
             for s, r, v in configs:
                 paths[f"gluon {(s, r, v)}"] = lambda s=s, r=r, v=v: ws_dgrad_rmsnorm(
                     **{k: a for k, a in args.items() if k != "promote"}, n_stages=s, sub_m=r, vec=v)
+            if dtype == "bf16":
+                paths["schedule's plain GEMM"] = lambda: ws_gemm(dz, w)
             paths["cuBLAS GEMM"] = gemm
             ref = paths[FUSED]()
             for c in configs:
@@ -219,6 +265,23 @@ def bench(model: str) -> None:
             print(f"shipped at {model} {site}: {min(WS.stages(n * data.element_size()), MAX_STAGES)} stages, "
                   f"{SUB_M} rows")
             time_paths(paths, f"{model} {site} {dtype}, M = {m}, N' = {n}, d = {d}", 2 * m * n * d)
+    lm_head_gemm(model)
+
+
+def lm_head_gemm(model: str) -> None:
+    """The schedule's plain GEMM at the LM head's forward shape (logits = h @ W^T, K = d, N = V), the GEMM a Gluon
+    cross-entropy path would run, against cuBLAS (bf16; checked against it first)."""
+    shape = PRESETS[model]
+    torch.manual_seed(0)
+    h = torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    w_t = (torch.randn(shape.vocab, shape.hidden, device="cuda") * shape.hidden ** -0.5).to(torch.bfloat16).T
+    w_kn = w_t.contiguous()  # the schedule's bf16 B: row-major (K, N)
+    c = ws_gemm(h, w_kn)
+    from codabench.metrics import rel_err
+    print(f"{model} LM head: schedule's GEMM rel_err against cuBLAS {rel_err(c, (h @ w_t).double()):.1e}")
+    paths = {FUSED: lambda: h @ w_t, "schedule's plain GEMM": lambda: ws_gemm(h, w_kn)}
+    time_paths(paths, f"{model} LM head (cuBLAS as 'fused'), M = {shape.tokens}, K = {shape.hidden}, V = "
+               f"{shape.vocab}", 2 * shape.tokens * shape.hidden * shape.vocab)
 
 
 if __name__ == "__main__":
