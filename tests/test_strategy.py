@@ -188,6 +188,54 @@ def test_a_new_key_is_measured_once_chosen_by_the_lower_median_and_cached(gpu):
     assert len(json.loads(tuning.cache_file("Test GPU").read_text())[entry]) == 2
 
 
+def test_the_binder_binds_as_inspect_does_and_keeps_its_errors():
+    """A host function's call is bound by plain dict work (the dispatch runs at every layer): the same arguments, in
+    the signature's order, defaults filled, as ``inspect.Signature.bind`` + ``apply_defaults`` give, for every mix of
+    positional and keyword arguments of real host functions; calls it cannot bind get inspect's TypeError."""
+    import inspect
+    calls = [((1, 2, 3, 4, 5, 6), {}), ((1, 2, 3, 4, 5, 6, 7), {"promote": True}),
+             ((1, 2), {"gamma": 5, "rstd": 4, "x": 3, "zdz": 6, "inplace": True}),
+             ((), {"dz": 1, "w": 2, "x": 3, "rstd": 4, "gamma": 5, "zdz": None})]
+    for fn in (dgrad_rmsnorm, gemm_residual_norm, dgrad_swiglu, mm):
+        sig = inspect.signature(fn.fused)
+        bind = S.binder(fn.fused)
+        names = list(sig.parameters)
+        for args, kwargs in calls + [(tuple(range(len(names))), {})]:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as e:
+                with pytest.raises(TypeError, match=str(e)):
+                    bind(args, kwargs)
+                continue
+            bound.apply_defaults()
+            got = bind(args, kwargs)
+            assert got == bound.arguments and list(got) == list(bound.arguments), (fn.__name__, args, kwargs)
+    bind = S.binder(dgrad_rmsnorm.fused)
+    for args, kwargs, err in (((1,) * 11, {}, "too many positional"), ((1,), {"dz": 2}, "multiple values"),
+                              ((1, 2, 3, 4, 5, 6), {"nope": 1}, "unexpected keyword"), ((1,), {}, "missing")):
+        with pytest.raises(TypeError, match=err):
+            bind(args, kwargs)
+
+
+def test_a_calls_key_and_paths_are_worked_out_once_per_shape(gpu, monkeypatch):
+    """The chooser derives a call's JSON key and its paths once per :func:`shape_key` (shapes, strides, dtypes,
+    flags), then looks them up; a transposed tensor of the same shape is another key (a Gluon path's ``applies``
+    reads strides)."""
+    made = []
+    real = S.call_key
+    monkeypatch.setattr(S, "call_key", lambda arguments: (made.append(1), real(arguments))[1])
+    dispatch = S.with_split(_split, gluon=GLUON_WHERE_N_IS_3)(_fused)
+    gpu["times"] = {"fused": [1.0] * 3, "split": [2.0] * 3}
+    x = torch.zeros(8, 8)
+    for _ in range(3):
+        assert dispatch(x, 4) == "fused"
+    assert len(made) == 1 and len(gpu["log"]) == 2 * S.ROUNDS
+    assert S.shape_key({"x": x, "n": 4}) != S.shape_key({"x": x.T, "n": 4})
+    gpu["times"] = {"fused": [1.0] * 3, "split": [2.0] * 3}
+    assert dispatch(x.T, 4) == "fused" and len(made) == 2  # same JSON key: the stored choice, not measured again
+    assert len(gpu["log"]) == 2 * S.ROUNDS
+
+
 def test_a_shipped_table_choice_serves_a_key_the_cache_lacks(gpu, tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "TABLES", tmp_path / "tuned")
     x = torch.zeros(8, 4)

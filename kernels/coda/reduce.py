@@ -8,6 +8,8 @@ order, so results are deterministic (no atomics).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -16,16 +18,21 @@ import triton.language as tl
 # ---- host helpers: partial buffers --------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def smallest_tile(kernel, axis: str) -> int:
+    """The smallest ``axis`` (``"BM"`` or ``"BN"``) over an autotuned kernel's configs (fixed once it is decorated;
+    asked at every call of its host function: cached)."""
+    return min(c.kwargs[axis] for c in kernel.configs)
+
+
 def row_partials(kernel, M: int, N: int, device: torch.device) -> torch.Tensor:
     """fp32 ``[M, T_max]`` for the row partials of an autotuned ``kernel`` over N columns."""
-    t_max = max(triton.cdiv(N, c.kwargs["BN"]) for c in kernel.configs)
-    return torch.empty(M, t_max, device=device, dtype=torch.float32)
+    return torch.empty(M, triton.cdiv(N, smallest_tile(kernel, "BN")), device=device, dtype=torch.float32)
 
 
 def col_partials(kernel, M: int, N: int, device: torch.device) -> torch.Tensor:
     """fp32 ``[Tm_max, N]`` for the column partials of an autotuned ``kernel`` over M rows."""
-    t_max = max(triton.cdiv(M, c.kwargs["BM"]) for c in kernel.configs)
-    return torch.empty(t_max, N, device=device, dtype=torch.float32)
+    return torch.empty(triton.cdiv(M, smallest_tile(kernel, "BM")), N, device=device, dtype=torch.float32)
 
 
 def launched_tiles(kernel, M: int, N: int) -> tuple[int, int]:

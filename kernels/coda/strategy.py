@@ -131,6 +131,24 @@ def call_key(arguments: dict[str, Any]) -> str:
     return json.dumps(parts)
 
 
+def shape_key(arguments: dict[str, Any]) -> tuple:
+    """A call's arguments as a hashable tuple of what :func:`call_key` and a Gluon path's ``applies`` read: per tensor
+    its shape, strides, dtype and device (an fp8 operand's data's, and whether its scales are per row), flags as
+    they are (floats too: a finer key, never a coarser one). Cheaper than the JSON key: a host function is called
+    at every layer, so the chooser looks its call up by this first."""
+    parts = []
+    for v in arguments.values():
+        if isinstance(v, Fp8):
+            parts.append((v.data.shape, v.data.stride(), v.data.dtype, v.data.device, v.scale.numel() > 1))
+        elif isinstance(v, torch.Tensor):
+            parts.append((v.shape, v.stride(), v.dtype, v.device))
+        elif v is None or isinstance(v, (bool, int, str, float)):
+            parts.append(v)
+        else:
+            parts.append(repr(v))
+    return tuple(parts)
+
+
 def _device(arguments: dict[str, Any]) -> torch.device:
     first = next(v for v in arguments.values() if isinstance(v, (torch.Tensor, Fp8)))
     return (first.data if isinstance(first, Fp8) else first).device
@@ -246,6 +264,8 @@ class Chooser:
         """Per cache file (GPU model, Triton version): call key -> record (``strategy``, and the measured times)."""
         self._lock = threading.Lock()
         self._gluon_fn: Callable | None = None
+        self._facts: dict[tuple, tuple[str, tuple[str, ...]]] = {}
+        """:func:`shape_key` -> (:func:`call_key`, :meth:`strategies`): pure functions of the arguments, memoized."""
 
     def path(self, strategy: str) -> Callable:
         """The function of a strategy this chooser returned."""
@@ -273,8 +293,7 @@ class Chooser:
             gpu = gpu_name(device)
             path = tuning.cache_file(gpu)
             known = self._known(gpu)
-            key = call_key(arguments)
-            candidates = self.strategies(arguments)
+            key, candidates = self._call_facts(arguments)
             if key in known and serves(known[key], candidates):
                 return known[key]["strategy"]
             if not measurable(device):
@@ -287,6 +306,14 @@ class Chooser:
             if tuning.enabled():
                 tuning.store_entries(path, self.entry, {key: record})
             return record["strategy"]
+
+    def _call_facts(self, arguments: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+        """(:func:`call_key`, :meth:`strategies`) of a call, computed once per :func:`shape_key`."""
+        fast = shape_key(arguments)
+        facts = self._facts.get(fast)
+        if facts is None:
+            facts = self._facts[fast] = (call_key(arguments), self.strategies(arguments))
+        return facts
 
     def _known(self, gpu: str) -> dict[str, dict[str, Any]]:
         """The choices for GPU model ``gpu``: its shipped table's, overridden by its cache file's (both read once;
@@ -308,6 +335,36 @@ def serves(record: dict[str, Any], candidates: tuple[str, ...]) -> bool:
     return record["strategy"] in candidates and (not timed or timed >= set(candidates))
 
 
+def binder(fn: Callable) -> Callable[[tuple, dict[str, Any]], dict[str, Any]]:
+    """``bind(args, kwargs)``: the arguments of a call of ``fn`` by name, in its signature's order, defaults filled
+    (``inspect.Signature.bind`` then ``apply_defaults``). Parameters that are all positional-or-keyword, the host
+    functions' kind, take a fast path of plain dict work; anything else, and any call the fast path cannot bind
+    (too many arguments, an unknown or repeated name, a missing one), goes through ``inspect`` and its errors."""
+    signature = inspect.signature(fn)
+
+    def slow(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    params = list(signature.parameters.values())
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+        return slow
+    names = [p.name for p in params]
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+
+    def bind(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        given = dict(zip(names, args))
+        if len(args) > len(names) or any(k in given or k not in signature.parameters for k in kwargs):
+            return slow(args, kwargs)
+        given.update(kwargs)
+        if len(given) < len(names) and any(n not in given and n not in defaults for n in names):
+            return slow(args, kwargs)
+        return {n: given[n] if n in given else defaults[n] for n in names}
+
+    return bind
+
+
 def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]] = dict,
                gluon: Gluon | None = None, fuses: Callable[[dict[str, Any]], bool] = always
                ) -> Callable:
@@ -317,16 +374,15 @@ def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]]
     The decorated function keeps the first two as ``.fused`` and ``.split``, and its chooser as ``.chooser``."""
 
     def deco(fused: Callable) -> Callable:
-        signature = inspect.signature(fused)
+        bind = binder(fused)
         chooser = Chooser(fused, split, safe, gluon, fuses)
 
         @functools.wraps(fused)
         def dispatch(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            strategy = chooser.choose(bound.arguments)
+            arguments = bind(args, kwargs)
+            strategy = chooser.choose(arguments)
             _record(chooser.name, strategy)
-            return chooser.path(strategy)(**bound.arguments)
+            return chooser.path(strategy)(**arguments)
 
         dispatch.fused, dispatch.split, dispatch.chooser = fused, split, chooser
         return dispatch
