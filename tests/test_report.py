@@ -256,7 +256,7 @@ def test_committed_reference_reports_load_pass_and_rebuild(results, tmp_path):
     assert all(impl in html for impl in set(ok["impl"]))  # every implementation that ran, in the rebuilt report
 
 
-@pytest.mark.parametrize("run", ["h100-2026-11-26-full", "h200-2026-11-26-full"])
+@pytest.mark.parametrize("run", ["h100-2026-11-26-cold-full", "h200-2026-11-26-cold-full"])
 def test_the_full_reference_reports_are_full_runs(run):
     """The headline reports (README, Results) cover the whole full suite with the suite's sampling."""
     df, _, env = load_run(ROOT_REPORTS / run)
