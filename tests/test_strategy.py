@@ -231,6 +231,7 @@ def test_a_calls_key_and_paths_are_worked_out_once_per_shape(gpu, monkeypatch):
         assert dispatch(x, 4) == "fused"
     assert len(made) == 1 and len(gpu["log"]) == 2 * S.ROUNDS
     assert S.shape_key({"x": x, "n": 4}) != S.shape_key({"x": x.T, "n": 4})
+    assert S.shape_key({"x": x, "eps": 1e-5}) == S.shape_key({"x": x, "eps": 1e-6})  # as call_key: floats left out
     gpu["times"] = {"fused": [1.0] * 3, "split": [2.0] * 3}
     assert dispatch(x.T, 4) == "fused" and len(made) == 2  # same JSON key: the stored choice, not measured again
     assert len(gpu["log"]) == 2 * S.ROUNDS

@@ -134,18 +134,19 @@ def call_key(arguments: dict[str, Any]) -> str:
 def shape_key(arguments: dict[str, Any]) -> tuple:
     """A call's arguments as a hashable tuple of what :func:`call_key` and a Gluon path's ``applies`` read: per tensor
     its shape, strides, dtype and device (an fp8 operand's data's, and whether its scales are per row), flags as
-    they are (floats too: a finer key, never a coarser one). Cheaper than the JSON key: a host function is called
-    at every layer, so the chooser looks its call up by this first."""
+    they are; floats and tuples left out as :func:`call_key` leaves them (a loss scale that changes at every step
+    must not grow the memo). Cheaper than the JSON key: a host function is called at every layer, so the chooser
+    looks its call up by this first."""
     parts = []
     for v in arguments.values():
         if isinstance(v, Fp8):
             parts.append((v.data.shape, v.data.stride(), v.data.dtype, v.data.device, v.scale.numel() > 1))
         elif isinstance(v, torch.Tensor):
             parts.append((v.shape, v.stride(), v.dtype, v.device))
-        elif v is None or isinstance(v, (bool, int, str, float)):
+        elif v is None or isinstance(v, (bool, int, str)):
             parts.append(v)
-        else:
-            parts.append(repr(v))
+        elif not isinstance(v, (float, tuple)):
+            parts.append(str(v))
     return tuple(parts)
 
 
