@@ -38,7 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, swiglu_case, time_paths
-from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords, tma_desc, tma_load
+from kernels.coda.producer_gluon import (LOADER_REGS, local_tiles, ring_barriers, thread_barrier, tile_coords, tma_desc,
+                                         tma_load)
 from kernels.coda.mainloop import persistent_grid
 from kernels.coda.reduce import finish_row_sum
 from kernels.coda.swiglu_bwd_gluon import swiglu_pairs_bwd
@@ -150,12 +151,8 @@ def pingpong_dgrad_swiglu_kernel(a_desc, b_desc, z_ptr, dz_ptr, y_ptr, part_ptr,
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [S] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [S] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    ready, empty = ring_barriers(S)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(S):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
     for s in gl.static_range(2):
         mbarrier.init(turn.index(s), count=1)
     gl.warp_specialize([

@@ -35,8 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, swiglu_case, time_paths
-from kernels.coda.producer_gluon import (LOADER_REGS, MAXNREG, RES_AT, local_tiles, send, thread_barrier,
-                                         tile_coords, tma_desc, tma_load)
+from kernels.coda.producer_gluon import (LOADER_REGS, MAXNREG, RES_AT, handoff_barriers, local_tiles, ring_barriers,
+                                         send, thread_barrier, tile_coords, tma_desc, tma_load)
 from kernels.coda.mainloop import persistent_grid
 from kernels.coda.reduce import finish_row_sum
 from kernels.coda.swiglu_bwd_gluon import swiglu_pairs_bwd
@@ -128,15 +128,8 @@ def ws_dgrad_swiglu_kernel(a_desc, b_desc, z_desc, dz_desc, y_desc, part_ptr, y_
         io_y = io_z  # unused: y leaves from registers
     else:
         io_y = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    z_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    z_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(S):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(z_ready, count=1)
-    mbarrier.init(z_empty, count=1)
+    ready, empty = ring_barriers(S)
+    z_ready, z_empty = handoff_barriers()
     gl.warp_specialize([
         (consumer, (dz_desc, y_desc, a_bufs, b_bufs, io_z, io_y, ready, empty, z_ready, z_empty, part_ptr, y_ptr, M,
                     N, K, stride_p, Y_DIRECT, GROUP_M, num_warps)),

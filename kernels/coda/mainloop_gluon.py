@@ -27,7 +27,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from kernels.coda.epilogue import SCALING_NONE, SCALING_ROWWISE
 from kernels.coda.fp8 import dequant_args
 from kernels.coda.mainloop import persistent_grid
-from kernels.coda.producer_gluon import local_tiles, thread_barrier, tile_coords, tma_desc, tma_load
+from kernels.coda.producer_gluon import (handoff_barriers, local_tiles, ring_barriers, thread_barrier, tile_coords,
+                                         tma_desc, tma_load)
 from workloads.fp8 import Fp8
 
 BM, BN, GROUP_M = 128, 128, 8
@@ -117,15 +118,8 @@ def ws_buffers(a_desc, b_desc, S: gl.constexpr, B_NK: gl.constexpr):
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [S] + b_desc.block_type.shape, b_desc.layout)
     acc_buf = gl.allocate_shared_memory(gl.float32, [TM, TN],
                                         gl.NVMMASharedLayout.get_default_for([TM, TN], gl.float32))
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(S):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(acc_ready, count=1)
-    mbarrier.init(acc_empty, count=1)
+    ready, empty = ring_barriers(S)
+    acc_ready, acc_empty = handoff_barriers()
     return a_bufs, b_bufs, ready, empty, acc_buf, acc_ready, acc_empty
 
 

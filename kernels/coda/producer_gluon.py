@@ -58,6 +58,29 @@ def tile_coords(i, n_m, n_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def ring_barriers(S: gl.constexpr):
+    """``(ready, empty)``: the mbarriers of an S-stage operand ring (a slot's operands landed; a slot free again), each
+    initialised for one arrival."""
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def handoff_barriers():
+    """``(full, free)``: the pair of mbarriers by which one partition hands a shared-memory buffer to another and gets
+    it back, each initialised for one arrival."""
+    full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(full, count=1)
+    mbarrier.init(free, count=1)
+    return full, free
+
+
+@gluon.jit
 def loader(a_desc, b_desc, res_desc, a_bufs, b_bufs, io, ready, empty, io_ready, io_empty, M, N, K,
            PRODUCER: gl.constexpr, GROUP_M: gl.constexpr):
     S: gl.constexpr = a_bufs.type.shape[0]
@@ -155,15 +178,8 @@ def ws_producer_kernel(a_desc, b_desc, res_desc, x_desc, h_desc, gamma_ptr, ss_p
     a_bufs = gl.allocate_shared_memory(dtype, [S] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [S] + b_desc.block_type.shape, b_desc.layout)
     io = gl.allocate_shared_memory(dtype, x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    io_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    io_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(S):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(io_ready, count=1)
-    mbarrier.init(io_empty, count=1)
+    ready, empty = ring_barriers(S)
+    io_ready, io_empty = handoff_barriers()
     gl.warp_specialize([
         (consumer, (x_desc, h_desc, a_bufs, b_bufs, io, ready, empty, io_ready, io_empty, gamma_ptr, ss_ptr,
                     M, N, K, stride_ss, PRODUCER, H_FROM_X16, GROUP_M, num_warps)),
