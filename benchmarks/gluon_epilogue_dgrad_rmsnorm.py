@@ -45,7 +45,7 @@ from kernels.coda import mainloop_gluon as WS
 from kernels.coda.mainloop_gluon import BM, MMA_REGS, WsGemm, loader, mma, ws_buffers
 from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords
 from kernels.coda.reduce import finish_col_sum
-from kernels.coda.rmsnorm_bwd import check_shapes, scale_arg
+from kernels.coda.rmsnorm_bwd import norm_bwd_operands, scale_arg
 from workloads.fp8 import Fp8, Recipe, ScaledMMGemms, quantize_as
 from workloads.models import PRESETS
 
@@ -180,10 +180,7 @@ def ws_dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Ten
     epilogue sub-tile) and ``vec`` (columns a thread holds) for benchmarks."""
     gemm = WsGemm(dz, w, "RMSNorm dgrad")
     M, N = gemm.M, gemm.N
-    check_shapes(M, N, x, dres, inplace)
-    x, gamma = x.contiguous(), gamma.contiguous()
-    dres = dres.contiguous() if dres is not None else None
-    dx = dres if inplace else gemm.empty((dres if dres is not None else x).dtype)
+    x, gamma, dres, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gemm.device)
     y = gemm.empty()
     dg = torch.empty(triton.cdiv(M, BM), N, device=gemm.device, dtype=torch.float32)
     scale = scale_arg(dz_scale, gemm.device)

@@ -136,11 +136,18 @@ def rows_launch(M: int, N: int, device: torch.device) -> tuple[int, int, int, in
     return bm, bd, warps, min(per_sm * num_sms(device), triton.cdiv(M, bm))
 
 
-def check_shapes(M: int, N: int, x: torch.Tensor, dres: torch.Tensor | None, inplace: bool) -> None:
+def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None, inplace: bool,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(x, gamma, dres, dx)`` of an RMSNorm dgrad of output [M, N], checked (x [M, N]; ``inplace`` needs dres) and
+    contiguous; dx is dres itself when ``inplace``, else a new [M, N] tensor in dres's dtype (x's without dres)."""
     if x.shape != (M, N):
         raise ValueError(f"shape mismatch: x {tuple(x.shape)} for dz @ w of shape {(M, N)}")
     if inplace and dres is None:
         raise ValueError("inplace=True needs dres")
+    x, gamma = x.contiguous(), gamma.contiguous()
+    dres = dres.contiguous() if dres is not None else None
+    dx = dres if inplace else torch.empty(M, N, device=device, dtype=(dres if dres is not None else x).dtype)
+    return x, gamma, dres, dx
 
 
 def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
@@ -152,10 +159,7 @@ def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.
     partials' sum."""
     gy = split_matmul(dz, w, promote)
     M, N = gy.shape
-    check_shapes(M, N, x, dres, inplace)
-    x, gamma = x.contiguous(), gamma.contiguous()
-    dres = dres.contiguous() if dres is not None else None
-    dx = dres if inplace else torch.empty(M, N, device=gy.device, dtype=(dres if dres is not None else x).dtype)
+    x, gamma, dres, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gy.device)
     bm, bd, warps, programs = rows_launch(M, N, gy.device)
     dg = torch.empty(programs, N, device=gy.device, dtype=torch.float32)
     scale = scale_arg(dz_scale, gy.device)
@@ -190,10 +194,7 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     """
     gemm = FusedGemm(dz, w, promote)
     M, N = gemm.M, gemm.N
-    check_shapes(M, N, x, dres, inplace)
-    x, gamma = x.contiguous(), gamma.contiguous()
-    dres = dres.contiguous() if dres is not None else None
-    dx = dres if inplace else gemm.empty((dres if dres is not None else x).dtype)
+    x, gamma, dres, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gemm.device)
     y = gemm.empty()
     kernel = dgrad_rmsnorm_kernel
     dg = col_partials(kernel, M, N, gemm.device)
