@@ -123,7 +123,8 @@ def time_paths(paths: dict[str, Callable[[], Any]], title: str, flops: float) ->
 
 def cli(doc: str, compile_only: Callable[[], dict[str, str]], bench: Callable[[str], None]) -> int:
     """``--compile-only`` (each config built for sm_90: ``config=...: compiled for sm_90, <info>``) or ``bench`` of
-    each of ``--models``; an unknown model is one argparse error line, exit 2."""
+    each of ``--models``; an unknown model is one argparse error line, exit 2, and so is timing without a Hopper GPU
+    (the kernels are sm_90's)."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -135,6 +136,9 @@ def cli(doc: str, compile_only: Callable[[], dict[str, str]], bench: Callable[[s
         for name, info in compile_only().items():
             print(f"{name}: compiled for sm_90, {info}")
         return 0
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        p.exit(2, f"{p.prog}: timing needs a Hopper GPU (sm_90: an H100 or H200); --compile-only builds the kernels "
+                  "without one\n")
     for model in args.models.split(","):
         bench(model)
     return 0

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from codabench import results as tables
 from codabench.results import load_run
@@ -260,6 +261,10 @@ def test_the_gluon_rmsnorm_dgrad_experiment_compiles_for_hopper_without_spills(t
     assert out.returncode == 0, out.stderr[-3000:]
     found = {(d, int(s), int(r), int(v)): (int(b), usage) for d, s, r, v, b, usage in re.findall(
         r"^config=(bf16|fp8),(\d+),(\d+),(\d+): compiled for sm_90, (\d+) B shared, (.*)$", out.stdout, re.M)}
+    if not torch.cuda.is_available():  # timing here is one line and exit 2, not a traceback
+        nogpu = subprocess.run([sys.executable, script, "--models", "llama-1b"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert nogpu.returncode == 2 and "timing needs a Hopper GPU" in nogpu.stderr and "Traceback" not in nogpu.stderr
     bench = load_script("gluon_epilogue_dgrad_rmsnorm")
     WS = bench.WS
     assert set(found) == set(bench.CONFIGS) and {c[0] for c in found} == {"bf16", "fp8"}, out.stdout
