@@ -56,6 +56,11 @@ MAX_STAGES = 4
 accumulator buffer, so a fifth 32 KB stage no longer fits (Triton 3.6 on an H100: 233600 bytes against 232448)."""
 
 
+def ring_stages(k_bytes: int) -> int:
+    """The experiment's default ring: :func:`kernels.coda.mainloop_gluon.stages` of K's bytes, at most MAX_STAGES."""
+    return min(WS.stages(k_bytes), MAX_STAGES)
+
+
 @gluon.jit
 def rmsnorm_rows_bwd(gy, x, rstd, c, gamma):
     """RMSNorm's backward on a sub-tile (:func:`kernels.coda.epilogue.rmsnorm_dx`'s form): ``(dx without dres, y,
@@ -165,7 +170,7 @@ def ws_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` (bf16 [M, K] and [K, N]) on the schedule, its epilogue only storing C: the schedule's own GEMM."""
     gemm = WsGemm(a, b, "GEMM")
     c = gemm.empty()
-    gemm.launch(ws_gemm_kernel, c, n_stages=min(WS.stages(gemm.K * 2), MAX_STAGES), SUB_M=SUB_M)
+    gemm.launch(ws_gemm_kernel, c, n_stages=ring_stages(gemm.K * gemm.a.element_size()), SUB_M=SUB_M)
     return c
 
 
@@ -176,7 +181,7 @@ def ws_dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Ten
     """``(dx, y, dgamma)`` as :func:`kernels.coda.rmsnorm_bwd.dgrad_rmsnorm` for dz [M, N'] and w [N', d]: bf16 (N'
     and d multiples of 8), or fp8 with per-tensor scales, w's data the transposed view of a row-major (d, N') tensor
     (N' a multiple of 16): TMA rows of 16-byte multiples. ``n_stages`` (default
-    :func:`kernels.coda.mainloop_gluon.stages` of K's bytes, at most :data:`MAX_STAGES`), ``sub_m`` (rows of an
+    :func:`ring_stages` of K's bytes), ``sub_m`` (rows of an
     epilogue sub-tile) and ``vec`` (columns a thread holds) for benchmarks."""
     gemm = WsGemm(dz, w, "RMSNorm dgrad")
     M, N = gemm.M, gemm.N
@@ -184,7 +189,7 @@ def ws_dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Ten
     y = gemm.empty()
     dg = torch.empty(triton.cdiv(M, BM), N, device=gemm.device, dtype=torch.float32)
     scale = scale_arg(dz_scale, gemm.device)
-    n_stages = n_stages or min(WS.stages(gemm.K * gemm.a.element_size()), MAX_STAGES)
+    n_stages = n_stages or ring_stages(gemm.K * gemm.a.element_size())
     gemm.launch(ws_dgrad_rmsnorm_kernel, x, rstd, gamma, zdz, scale if scale is not None else rstd,
                 dres if dres is not None else dx, dx, y, dg, n_stages=n_stages, HAS_RES=dres is not None,
                 HAS_SCALE=scale is not None, SUB_M=sub_m, VEC=vec)
@@ -259,7 +264,7 @@ def bench(model: str) -> None:
                 check(f"{model} {site} {dtype} gluon {c}", paths[f"gluon {c}"](), ref)
             data = dz.data if isinstance(dz, Fp8) else dz
             (m, n), d = data.shape, args["x"].shape[1]
-            print(f"shipped at {model} {site}: {min(WS.stages(n * data.element_size()), MAX_STAGES)} stages, "
+            print(f"shipped at {model} {site}: {ring_stages(n * data.element_size())} stages, "
                   f"{SUB_M} rows")
             time_paths(paths, f"{model} {site} {dtype}, M = {m}, N' = {n}, d = {d}", 2 * m * n * d)
     lm_head_gemm(model)
