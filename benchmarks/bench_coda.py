@@ -41,8 +41,8 @@ select_device()  # before anything imports triton: TRITON_INTERPRET=1 when there
 
 from codabench import cli  # noqa: E402
 from codabench.eager import TorchCompile, TorchEager  # noqa: E402
-from codabench.results import KEY, load_run, sample_rounds  # noqa: E402
-from codabench.stats import Ratio, Timed, ratio  # noqa: E402
+from codabench.results import KEY, load_run  # noqa: E402
+from codabench.stats import Ratio, Timed, ratio, read_timed  # noqa: E402
 from workloads.suites import KERNEL_SUITE_OPS  # noqa: E402
 
 SUITE = "kernels"
@@ -89,14 +89,14 @@ def table(run_dir: Path) -> list[str]:
     """The lines of the table: one per (model, op, implementation other than the baselines); model by model (by
     size), the ops in the suite's order."""
     df, _, env = load_run(run_dir)
-    rounds = sample_rounds(run_dir, env)
+    samples = read_timed(run_dir, env)
     models = list(dict.fromkeys(df["model"]))
     ops = [*KERNEL_SUITE_OPS, *(o for o in dict.fromkeys(df["op"]) if o not in KERNEL_SUITE_OPS)]
     df = df.iloc[sorted(range(len(df)), key=lambda i: (models.index(df["model"].iat[i]), ops.index(df["op"].iat[i])))]
 
     def timed(row) -> Timed:
         key = tuple(str(row[k]) for k in KEY)
-        return Timed(rounds.get(key, []), str(row["timing"]), "|".join(key))
+        return samples.get(key) or Timed([], [], str(row["timing"]), "|".join(key))
 
     head = (f"{'model':10} {'op':18} {'dtype':5} {'impl':14} {'ms':>9} {'GEMM ms':>9} {'fused/GEMM':>10} "
             f"{'vs eager':>19} {'vs compile':>19} {'err x torch':>11}")

@@ -2,7 +2,8 @@
 
 :func:`finalize` only reads the run's files, so it also works after a killed run, after
 ``--resume`` and after ``merge``; the derived speed columns (speedups, intervals, verdicts:
-:func:`codabench.stats.speed_figures`) are recomputed from the rows and samples.jsonl.
+:func:`codabench.stats.speed_figures`, with env.json's ``timing.same_within``) are recomputed from the rows and
+samples.jsonl.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pandas as pd
 
 from codabench import results as tables
 from codabench.results import load_run, records
-from codabench.stats import speed_figures
+from codabench.stats import read_timed, speed_figures, timing_settings
 from codabench.report.html import render
 from codabench.report.plots import make_plots
 
@@ -23,7 +24,7 @@ def finalize(run_dir: str | Path) -> Path:
     """Rewrite results.csv/errors.csv sorted, write results.json, the plots and report.html."""
     run_dir = Path(run_dir)
     df, err, env = load_run(run_dir)
-    df = speed_figures(df, tables.sample_rounds(run_dir, env))
+    df = speed_figures(df, read_timed(run_dir, env), timing_settings(env)[1])
     _rewrite(run_dir / tables.RESULTS, df, tables.RESULT_COLUMNS)
     _rewrite(run_dir / tables.ERRORS, err, tables.ERROR_COLUMNS)
     samples = {tuple(s[k] for k in tables.KEY): s["samples_ms"] for s in tables.read_samples(run_dir / tables.SAMPLES)}

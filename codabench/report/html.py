@@ -1,6 +1,8 @@
 """report.html: one self-contained page (inline CSS, plots embedded as base64 PNG, no scripts).
 
-Sections: run facts (wall time, clocks), how to read, headline table (speedup vs torch-compile with its 95% interval,
+Sections: the verdicts at a glance (per mode, the verdict counts of the implementation in focus, coda-triton where
+present, and the run's resolving power: the median half-width of the vs-fastest-other intervals and the share of
+decided cells), run facts (wall time, clocks), how to read (folded), headline table (speedup vs torch-compile with its 95% interval,
 the verdict against the fastest other implementation, pass/fail, per op x model x mode x dtype, one column per
 implementation), the roofline view (% of the measured GEMM ceiling), failures, per-op tables with the per-output
 errors, plots, the GPU clock trace, environment. A CPU run (wall times of the Triton interpreter) says so at the top
@@ -19,12 +21,13 @@ from typing import Any, Callable
 import pandas as pd
 
 from codabench.clocks import CLOCK_DIP, clock_dips, run_clock_mhz
-from codabench.matrix import PLUGIN_OP, SPEED_BASELINE
+from codabench.matrix import BASELINE_ORDER, PLUGIN_OP, SPEED_BASELINE
 from codabench.report.palette import impl_colors, impl_order
 from codabench.report.training import REFERENCES, train_step_table
-from codabench.stats import MIN_SAMPLES
+from codabench.stats import DECIDED, MIN_PAIRS, MIN_SAMPLES, VERDICTS, Ratio, timing_settings
 from codabench.timing import CPU_WALL
 from workloads.fp8 import FP8_DTYPES
+from workloads.op import MODES
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1600px}
@@ -45,11 +48,16 @@ img{max-width:100%;border:1px solid #eee;margin:6px 0}details{margin:4px 0 12px}
 .sw{display:inline-block;width:10px;height:10px;margin-right:4px;border-radius:2px;vertical-align:baseline}
 .ci{color:#555;font-size:11px}
 .v{display:inline-block;padding:0 4px;border-radius:3px;font-size:11px;margin-right:3px}
-.v-faster{background:#1b7f3b;color:#fff;font-weight:600}.v-tie{background:#d6e4f5;color:#173a63}
-.v-slower{color:#555;border:1px solid #bbb}.v-na{color:#888}
+.v-faster{background:#1b7f3b;color:#fff;font-weight:600}.v-same{background:#d6e4f5;color:#173a63}
+.v-slower{color:#555;border:1px solid #bbb}.v-unresolved{background:#fff;color:#8a5a00;border:1px dashed #d9a441}
+.v-na{color:#888}
+#glance td,#glance th{font-size:13px;padding:3px 8px}.glance{font-size:15px}
 #headline{font-size:11px}#headline td.best{outline:2px solid #1b7f3b;outline-offset:-2px}
 td.bar{min-width:64px}table.perop{font-size:11px}table.perop td,table.perop th{padding:2px 4px}
 """
+
+FOCUS = "coda-triton"
+"""The implementation whose verdicts the report's first screen counts, where the run has it."""
 
 HOW_TO_READ = f"""<p>Each cell of the matrix is one implementation (<i>impl</i>) of one op, for one model size,
 mode (<code>fwd</code>, <code>bwd</code>: backward alone, <code>fwd_bwd</code>) and dtype. The headline table shows
@@ -58,11 +66,15 @@ the speedup against torch-compile on the same cell (&gt;1 is faster) with its 95
 passed the error rule: relative error &le; 2&times; PyTorch's own error in the same dtype + a small floor, against a
 float64 reference; NaN/Inf never passes.</p>
 <p><b>Verdicts.</b> <span class="v v-faster">faster</span> the interval of this cell's speed over the fastest other
-implementation lies above 1: the fastest of the row beyond noise. <span class="v v-tie">tie</span> the interval
-contains 1: within noise of the fastest (ties for first). <span class="v v-slower">slower</span> the interval lies
-below 1. <span class="v v-na">n/a</span> no interval: CPU wall times, fewer than {MIN_SAMPLES} samples, or nothing
-to compare with. The interval: a bootstrap of the ratio of medians within each timing round, widened by Student's t
-over the per-round ratios (the rounds of a row's cells ran interleaved); see <code>codabench/stats.py</code>.</p>
+implementation lies above 1: the fastest of the row beyond noise. <span class="v v-same">same</span> the whole
+interval lies inside the equivalence margin (&plusmn;{{margin}}, env.json <code>timing.same_within</code>): level with
+the fastest. <span class="v v-slower">slower</span> the interval lies below 1. <span class="v v-unresolved">unresolved
+</span> the interval contains 1 but reaches beyond the margin: the samples cannot tell equal from different.
+<span class="v v-na">n/a</span> no interval: CPU wall times, fewer than {MIN_SAMPLES} samples (or {MIN_PAIRS} common
+sweeps), or nothing to compare with. The interval: where a row's cells were sampled in interleaved sweeps (one sample
+of each per sweep, in random order), the median of the per-sweep log ratios with the union of its order-statistic
+interval and a batch-means t interval; in runs sampled in rounds, a bootstrap of the ratio of medians within each
+round widened by Student's t over the per-round ratios. See <code>codabench/stats.py</code>.</p>
 <p><b>Blank vs n/a.</b> A blank headline cell: no such cell in this run (the implementation does not register the op,
 or was not selected). <code>n/a</code> as a status: the implementation registers the op but has no such mode/dtype;
 <code>skipped</code>: it cannot run here (reason in the tooltip and the per-op tables); <code>error</code>: it raised,
@@ -324,22 +336,27 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>codabench {_esc(run_dir.name)}</title>"
              f"<style>{CSS}</style></head><body>",
              f"<h1>codabench report: {_esc(run_dir.name)}</h1>"]
+    precision, same_within = timing_settings(env)
     if cpu:
         parts.append(CPU_BANNER)
+    if perf:
+        parts += _glance(ok, impls, precision, same_within)
     parts.append(_facts(env, counts, n_pass, len(ok)))
     parts += _clock_summary(df, dips)
-    parts += ["<h2>How to read this report</h2>", HOW_TO_READ,
+    parts += ["<details><summary><b>How to read this report</b> (verdicts, statuses, columns)</summary>",
+              HOW_TO_READ.replace("{margin}", f"{100 * same_within:g}%"),
               '<p class="legend"><span class="pass">pass</span><span class="fail">error above the rule</span>'
               '<span class="err">error row</span><span class="skip">skipped</span><span class="na">n/a</span>'
-              '<span class="dip">clock dip &#9888;</span></p>']
+              '<span class="dip">clock dip &#9888;</span></p></details>']
     if perf:
-        ties = ok["verdict"].eq("tie").sum()
+        n = ok["verdict"].value_counts()
         parts += ["<h2>Headline: speedup vs torch-compile [95% interval], verdict against the fastest other, "
                   "pass/fail</h2>",
-                  f"<p>{(ok['verdict'] == 'faster').sum()} cells faster than every other implementation of their row, "
-                  f"{ties} within noise of the fastest (tie), {(ok['verdict'] == 'slower').sum()} slower; the fastest "
-                  "beyond noise is outlined. First line: the speedup against torch-compile [95% interval]; second: "
-                  "the verdict with its own ratio, to the fastest other implementation of the row [95% interval].</p>"]
+                  f"<p>{n.get('faster', 0)} cells faster than every other implementation of their row, "
+                  f"{n.get('same', 0)} the same as the fastest (within &plusmn;{100 * same_within:g}%), "
+                  f"{n.get('slower', 0)} slower, {n.get('unresolved', 0)} unresolved; the fastest beyond noise is "
+                  "outlined. First line: the speedup against torch-compile [95% interval]; second: the verdict with "
+                  "its own ratio, to the fastest other implementation of the row [95% interval].</p>"]
     else:
         parts.append("<h2>Headline: pass/fail</h2>")
     parts.append(_headline(df, impls, colors, perf, dips))
@@ -379,6 +396,50 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
     parts += ["<h2>Environment</h2>", f"<pre>{_esc(json.dumps(shown, indent=2, default=str))}</pre>",
               "</body></html>"]
     return "\n".join(parts)
+
+
+def focus_impl(ok: pd.DataFrame, impls: list[str]) -> str | None:
+    """The implementation the first screen counts: :data:`FOCUS` where it has a verdict, else the first non-baseline
+    implementation (in report order) that has one; None without any."""
+    judged = set(ok.loc[ok["verdict"].isin(VERDICTS), "impl"])
+    order = [FOCUS] + [i for i in impls if i not in BASELINE_ORDER]
+    return next((i for i in order if i in judged), None)
+
+
+def resolving_power(ok: pd.DataFrame) -> tuple[float | None, float | None]:
+    """(median half-width of the vs_best intervals, share of the cells with an interval that are decided: faster,
+    same or slower) over ``ok`` rows; None where no row has an interval."""
+    judged = ok[ok["verdict"].isin(VERDICTS)]
+    if judged.empty:
+        return None, None
+    hw = [Ratio(*(float(r[c]) for c in ("vs_best", "vs_best_lo", "vs_best_hi"))).half_width
+          for _, r in judged.iterrows()]
+    return float(pd.Series(hw).median()), float(judged["verdict"].isin(DECIDED).mean())
+
+
+def _glance(ok: pd.DataFrame, impls: list[str], precision: float, same_within: float) -> list[str]:
+    """The first screen: the focus implementation's verdict counts per mode, and the run's resolving power."""
+    cells = ok[ok["op"] != PLUGIN_OP]
+    hw, decided = resolving_power(cells)
+    if hw is None:
+        return []
+    parts = ["<h2>Verdicts at a glance</h2>"]
+    impl = focus_impl(cells, impls)
+    if impl is not None:
+        mine = cells[cells["impl"] == impl]
+        head = "".join(f"<th>{_verdict(pd.Series({'verdict': v}))}</th>" for v in (*VERDICTS, "n/a"))
+        rows = []
+        for mode in [m for m in MODES if m in set(mine["mode"])]:
+            n = mine.loc[mine["mode"] == mode, "verdict"].value_counts()
+            rows.append(f'<tr><td class="l">{_esc(mode)}</td>'
+                        + "".join(f"<td>{n.get(v, 0)}</td>" for v in (*VERDICTS, "n/a")) + "</tr>")
+        parts.append(f"<p class='glance'><b>{_esc(impl)}</b> against the fastest other implementation of each row, "
+                     f"by mode (<i>same</i>: within &plusmn;{100 * same_within:g}%):</p>"
+                     f'<table id="glance"><tr><th class="l">mode</th>{head}</tr>{"".join(rows)}</table>')
+    parts.append(f"<p class='glance'>Resolving power: median half-width of the intervals against the fastest other "
+                 f"<b>&plusmn;{100 * hw:.1f}%</b> (target &plusmn;{100 * precision:g}%); <b>{100 * decided:.0f}%</b> "
+                 "of the cells with an interval are decided (faster, same or slower), the rest unresolved.</p>")
+    return parts
 
 
 def _training(results: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], perf: bool) -> list[str]:
