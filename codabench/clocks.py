@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import threading
 import time
+from time import perf_counter  # bound at import, as the timing loops' clock (codabench.timing)
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import pandas as pd
 import torch
 
 PERIOD_S = 0.01
+"""100 readings a second at most (an NVML read takes about a millisecond)."""
 TRACE_EVERY_S = 0.5
 """Spacing of the run's clock trace (the per-cell samples are kept whole)."""
 CLOCK_DIP = 0.10
@@ -34,6 +37,34 @@ class Sampled:
     sm_mhz: list[float] = field(default_factory=list)
     power_w: list[float] = field(default_factory=list)
     temp_c: list[float] = field(default_factory=list)
+    t_s: list[float] = field(default_factory=list)
+    """``time.perf_counter()`` of each reading (the clock of the timing loops), to place a sample's clock."""
+
+    def at(self, times_s: "list[float]") -> list[float | None]:
+        """The SM clock read nearest in time to each of ``times_s`` (perf_counter seconds); None without readings."""
+        if not self.t_s:
+            return [None] * len(times_s)
+        t, q = np.asarray(self.t_s[:len(self.t_s)]), np.asarray(times_s, dtype=float)  # (t_s is appended last)
+        after = np.clip(np.searchsorted(t, q), 0, len(t) - 1)
+        before = np.clip(after - 1, 0, len(t) - 1)
+        i = np.where(np.abs(t[before] - q) < np.abs(t[after] - q), before, after)
+        return [self.sm_mhz[j] for j in i]
+
+    def settled(self, window_s: float, clock_tol: float, power_tol: float) -> bool:
+        """The readings of the last ``window_s`` seconds vary by no more than ``clock_tol`` (SM clock) and
+        ``power_tol`` (power), each as (max - min) / median; False with fewer than 3 readings in the window."""
+        if not self.t_s:
+            return False
+        n = len(self.t_s)  # appended last by the sampling thread: the other lists hold at least n readings
+        t = np.asarray(self.t_s[:n])
+        recent = t >= t[-1] - window_s
+        if recent.sum() < 3 or t[-1] - t[0] < window_s:
+            return False
+        for values, tol in ((self.sm_mhz, clock_tol), (self.power_w, power_tol)):
+            v = np.asarray(values[:n])[recent]
+            if (v.max() - v.min()) > tol * np.median(v):
+                return False
+        return True
 
 
 class ClockSampler:
@@ -90,6 +121,7 @@ class ClockSampler:
         into.sm_mhz.append(sm)
         into.power_w.append(power)
         into.temp_c.append(temp)
+        into.t_s.append(perf_counter())
         now = time.time()
         if not self.trace or now - self.trace[-1][0] >= TRACE_EVERY_S:
             self.trace.append((now, sm, power, temp))

@@ -42,10 +42,14 @@ def fresh_leaves(native: Tensors, keys: list[str]) -> Tensors:
 
 
 def call_run(impl: Implementation, native: Tensors) -> Tensors:
+    """``impl.run(native)``, its outputs checked (:func:`check_outputs`)."""
     out = impl.run(native)
-    if not isinstance(out, dict):
-        raise CellError(f"run() returned {type(out).__name__}, expected a dict of named tensors")
+    check_outputs(out, native, _device_of(native))
     return out
+
+
+def _device_of(native: Tensors) -> torch.device:
+    return next((v.device for v in native.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
 
 def backward(outputs: Tensors, grad_outputs: Tensors) -> None:
@@ -63,26 +67,81 @@ def backward(outputs: Tensors, grad_outputs: Tensors) -> None:
 
 @dataclass
 class Timed:
-    """``setup`` (untimed, per sample) and ``fn`` (timed), for :func:`codabench.timing.measure`."""
+    """``setup`` (untimed, per sample) and ``fn`` (timed), for :func:`codabench.timing.measure` and the interleaved
+    sweeps of :mod:`codabench.sweep`. ``fn(state)`` returns ``(outputs, leaves)``: what the call returned and the
+    tensors it ran on (the fresh leaves, whose ``.grad`` hold the gradients, in autograd modes), for the checks of
+    the timed call's own results (:func:`check_outputs`, :func:`timed_result`)."""
 
-    fn: Callable[[Any], Any]
+    fn: Callable[[Any], tuple[Tensors, Tensors]]
     setup: Callable[[], Any] | None
     context: Any
-    """Context to hold around the whole measurement (no_grad for forward-only modes)."""
+    """Context to hold around each timed call (no_grad for forward-only modes)."""
+    keys: list[str]
+    """The differentiable native keys (autograd modes), whose leaves' gradients are compared."""
 
 
 def timed_call(op: Op, impl: Implementation, native: Tensors, mode: str, grad_outputs_native: Tensors) -> Timed:
     if not uses_autograd(op, mode):
-        return Timed(lambda _: impl.run(native), None, torch.no_grad())
+        return Timed(lambda _: (impl.run(native), native), None, torch.no_grad(), [])
     keys = differentiable_keys(op, impl, native)
     if mode == "fwd_bwd":
-        return Timed(lambda leaves: backward(impl.run(leaves), grad_outputs_native),
-                     lambda: fresh_leaves(native, keys), nullcontext())
+        def fwd_bwd(leaves):
+            out = impl.run(leaves)
+            backward(out, grad_outputs_native)
+            return out, leaves
+
+        return Timed(fwd_bwd, lambda: fresh_leaves(native, keys), nullcontext(), keys)
 
     def forward():
-        return impl.run(fresh_leaves(native, keys))
+        leaves = fresh_leaves(native, keys)
+        return impl.run(leaves), leaves
 
-    return Timed(lambda out: backward(out, grad_outputs_native), forward, nullcontext())
+    def bwd(state):
+        out, leaves = state
+        backward(out, grad_outputs_native)
+        return out, leaves
+
+    return Timed(bwd, forward, nullcontext(), keys)
+
+
+def _storages(tensors: Tensors) -> dict[int, str]:
+    return {v.untyped_storage().data_ptr(): k for k, v in tensors.items()
+            if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()}
+
+
+def check_outputs(outputs: Any, native: Tensors, device: torch.device) -> None:
+    """The outputs of a call must be a dict of plain ``torch.Tensor`` (the exact type: a subclass can defer its work
+    until it is first read, after the timed region), on the cell's device, none sharing storage with an input (an
+    input returned, or written into, as the result). Raises :class:`CellError`."""
+    if not isinstance(outputs, dict):
+        raise CellError(f"run() returned {type(outputs).__name__}, expected a dict of named tensors")
+    inputs = _storages(native)
+    for k, v in outputs.items():
+        if v is None or not isinstance(v, torch.Tensor) and not hasattr(v, "__torch_function__"):
+            continue  # a non-tensor side value (e.g. a count) is not compared
+        if type(v) is not torch.Tensor and type(v) is not torch.nn.Parameter:
+            raise CellError(f"output {k!r} is a {type(v).__module__}.{type(v).__qualname__}, not a plain "
+                            "torch.Tensor (a tensor subclass may finish its work after the timed region)")
+        if v.device.type != device.type:
+            raise CellError(f"output {k!r} is on {v.device}, expected {device.type}")
+        ptr = v.untyped_storage().data_ptr() if v.untyped_storage().nbytes() else None
+        if ptr in inputs:
+            raise CellError(f"output {k!r} shares its storage with the input {inputs[ptr]!r} (an input returned or "
+                            "overwritten as the result)")
+
+
+def timed_result(op: Op, impl: Implementation, mode: str, returned: tuple[Tensors, Tensors], keys: list[str]
+                 ) -> "Result":
+    """The canonical outputs and gradients of one timed call (what :attr:`Timed.fn` returned)."""
+    outputs, leaves = returned
+    with torch.no_grad():
+        canon_out = impl.outputs_to_canonical({k: (v.detach() if isinstance(v, torch.Tensor) else v)
+                                               for k, v in outputs.items()}, leaves)
+    if not uses_autograd(op, mode):
+        return Result(canon_out, {})
+    grads = {k: leaves[k].grad for k in keys if leaves[k].grad is not None}
+    canon_grads = impl.grads_to_canonical(grads, leaves)
+    return Result(canon_out, {f"grad_{k}": v for k, v in canon_grads.items()})
 
 
 @dataclass

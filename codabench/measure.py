@@ -1,15 +1,24 @@
-"""What the worker does to a cell (runs in the worker process; :mod:`codabench.worker` calls it).
+"""What the worker does to a cell and to a group (runs in the worker process; :mod:`codabench.worker` calls it).
 
 Per cell, :meth:`Measurer.first`: the untimed correctness pass on fresh inputs (:mod:`codabench.correctness`), the
-first timing round on other inputs (:mod:`codabench.timing`) with the GPU's clock sampled during it
-(:mod:`codabench.clocks`), then the checks that make the time count (:mod:`codabench.verify`: the timed buffers,
-refilled, new buffers; on the GPU the calling stream and the events), the peak memory of a call, and the
-implementation's account of how it ran (``describe``). Later rounds
-(:meth:`Measurer.again`) time the cell again and check the timed buffers once more. :meth:`Measurer.gemms` times the
-plain GEMMs of a cell's speed-of-light. The shared state of a group (one op, model, mode and dtype: the float64
-reference, PyTorch's results on the verification inputs, the timing's upstream gradients, the fp8 cast time) is
-built lazily and dropped when the next group starts.
+cell's timed call built on other inputs (:mod:`codabench.execute`), its first call timed (``first_call_s``: compile,
+JIT, autotuning), then the checks that make its time count (:mod:`codabench.verify`: the same buffers, on the GPU the
+calling stream and the events, refilled buffers, new buffers), the peak memory of a call, and the implementation's
+account of how it ran (``describe``). The cell's timed call then stays resident for its group.
 
+Per group, :meth:`Measurer.sample`: the resident cells and the plain GEMMs of the group's speed-of-light take turns
+sample by sample in interleaved sweeps (:mod:`codabench.sweep`) until every ratio is resolved or the budget is spent.
+Every timed call runs on inputs never seen before: before each sweep new canonical inputs are drawn from a seed made
+in this process at random (not the constants of the checks), and each cell's timed buffers are refilled in place with
+its own native form of them (``prepare``), untimed; so no cache keyed on the inputs' values, addresses or shapes can
+answer a timed call. Each timed call's outputs are checked (plain ``torch.Tensor``, the cell's device, no input's
+storage), and on :data:`RECHECKS` sweeps drawn at random, plus the last, its outputs are copied on the calling
+stream as the call returns and compared with PyTorch's results on that sweep's inputs. A group whose inputs do not fit
+in memory together is sampled in blocks instead (:meth:`Measurer.again`, one round of one cell per request), as is a
+group whose sweeps failed; its rows say so.
+
+The shared state of a group (the float64 reference, PyTorch's results on the verification inputs, the timing's
+upstream gradients, the fp8 cast time, the resident cells) is built lazily and dropped when the next group starts.
 Every failure of an implementation becomes a result with an error message; a broken CUDA context sets
 ``device_lost`` so that the worker process is replaced.
 """
@@ -18,6 +27,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import secrets
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -27,24 +37,28 @@ from typing import Any, Callable
 import torch
 
 from codabench.case import Case
-from codabench.ceilings import GemmTimer, measure_ceilings
+from codabench.ceilings import GemmTimer, gemm_call, measure_ceilings
 from codabench.clocks import ClockSampler, Sampled
 from codabench.config import RunConfig
 from codabench.correctness import CHECK_SEED, GroupReference, build_reference, check_impl, compared
 from codabench.eager import TorchEager
 from codabench.env import collect_env, provider_metadata
-from codabench.execute import forward_shapes, run_once, timed_call, uses_autograd
-from codabench.matrix import Cell
+from codabench.execute import (CellError, Timed, check_outputs, forward_shapes, run_once, timed_call, timed_result,
+                                uses_autograd)
+from codabench.matrix import SPEED_BASELINE, Cell
 from codabench.registry import Implementation, Registry, Tensors
-from codabench.timing import Timing, TimingConfig, measure, measure_graph, per_round
-from codabench import verify
+from codabench.sweep import Member
+from codabench.timing import CUDA_GRAPH, first_call, graph_sets, measure, per_round
+from codabench import sweep, verify
 from workloads import fp8
 from workloads.op import Gemm
 from workloads.ops import OPS
 
 TIMING_SEED = 0
 TIMING_GRAD_SEED = 7
-MAX_GRAPH_SETS = 8
+RECHECKS = 2
+"""Sweeps, drawn at random among the first ``min_sweeps``, whose timed outputs are compared with PyTorch's (the last
+sweep's are too)."""
 CAST_REPS = 5
 """Samples of an fp8 group's cast time (a cheap side figure, not a cell's timing)."""
 
@@ -60,7 +74,7 @@ def describe_exception(e: BaseException) -> str:
 
 @dataclass
 class RoundResult:
-    """One timing round of a cell."""
+    """The samples of one cell: a round of the blocks fallback, or its share of its group's sweeps."""
 
     samples_ms: list[float]
     kind: str
@@ -68,6 +82,10 @@ class RoundResult:
     note: str = ""
     first_call_s: float | None = None
     clocks: Sampled = field(default_factory=Sampled)
+    sweeps: list[int] | None = None
+    """Interleaved sampling: the sweep of each sample (None: a block round)."""
+    clock_mhz: list[float | None] | None = None
+    """Interleaved sampling: the SM clock at each sample."""
 
 
 @dataclass
@@ -75,15 +93,50 @@ class CellResult:
     """The worker's answer to a cell's first request."""
 
     updates: dict[str, Any]
-    """Row fields: errors and pass mark, check_s and setup_s; on failure status and message; else peak_mem_mib,
-    min_bytes, cast_ms and the implementation's strategy (:meth:`Implementation.describe`)."""
+    """Row fields: errors and pass mark, check_s, setup_s and first_call_s; on failure status and message; else
+    peak_mem_mib, min_bytes, cast_ms and the implementation's strategy (:meth:`Implementation.describe`)."""
     err_rows: list[dict[str, Any]] = field(default_factory=list)
-    round: RoundResult | None = None
-    """The first timing round; None when the cell did not get that far (an error row)."""
+    ready: bool = False
+    """The cell passed its checks and its timed call is resident for the group's sweeps (or, in a group sampled in
+    blocks, may be timed by :meth:`Measurer.again`)."""
+    blocks: str = ""
+    """Why the group must be sampled in blocks ("" if it need not)."""
+
+
+@dataclass
+class GroupSamples:
+    """The worker's answer to a group's sweeps: per cell (by implementation) its samples or its error, the speed-of-
+    light GEMMs' samples, and how the sampling went."""
+
+    cells: dict[str, RoundResult | str]
+    gemms: dict[Gemm, list[float] | None]
+    gemm_note: str
+    sampling: dict[str, Any]
+    """Row fields: ``grain``, ``n_sweeps``, ``stop``, ``settle_s``, ``settle_mhz``, ``settle_w``."""
+    half_width: dict[str, float]
 
 
 def _error(message: str) -> dict[str, Any]:
     return {"status": "error", "message": message}
+
+
+@dataclass
+class _Resident:
+    """A checked cell's timed call, held for its group's sweeps: its timing case (inputs A), native buffers and
+    upstream gradients; in CUDA-graph mode the captured graphs of its rotating input sets instead."""
+
+    cell: Cell
+    impl: Implementation
+    case: Case
+    native: Tensors
+    grads: Tensors | None
+    timed: Timed | None
+    first_call_s: float | None = None
+    graphs: list[tuple[Any, Any, Case]] = field(default_factory=list)
+    """CUDA-graph mode: (graph, what the captured call returned, the set's case) per input set."""
+    graph_flush: bool = False
+    """CUDA-graph mode: the input sets are too small to rotate out of L2 (:func:`graph_sets`): flush between replays."""
+    note: str = ""
 
 
 class _Group:
@@ -100,6 +153,10 @@ class _Group:
         """Per implementation: its errors in the correctness pass, by compared output."""
         self.cast_ms: float | None = None
         self.cast_note = ""
+        self.resident: dict[str, _Resident] = {}
+        """The checked cells' timed calls, by implementation, until the group's sweeps."""
+        self.blocks = ""
+        """Why the group is sampled in blocks ("" while its cells fit in memory together)."""
 
     def reference(self) -> GroupReference:
         if self._ref is None and self._ref_error is None:
@@ -113,16 +170,27 @@ class _Group:
         return self._ref
 
 
-@dataclass
-class _Timed:
-    """What a timing round leaves for the checks: the cell's case, its timed native inputs and call."""
+class _Fresh:
+    """New canonical inputs for each sweep, from a seed drawn in this process at random, shared by the group's cells
+    (each refills its timed buffers with its native form of them), and PyTorch's results on them when asked."""
 
-    case: Case
-    native: Tensors
-    grads: Tensors | None
-    """Upstream gradients of the timing pass (canonical; autograd modes)."""
-    timed: Any
-    """The :class:`codabench.execute.Timed` closure, None in CUDA-graph mode."""
+    def __init__(self, make: Callable[[int], Case], expected: Callable[[Case], verify.Expected]):
+        self._make, self._expected = make, expected
+        self._base = secrets.randbits(40)
+        self._sweep: int | None = None
+        self._case: Case | None = None
+        self._exp: verify.Expected | None = None
+
+    def case(self, sweep: int) -> Case:
+        if sweep != self._sweep:
+            self._sweep, self._case, self._exp = sweep, self._make(self._base + (sweep % (1 << 20))), None
+        return self._case
+
+    def expected(self, sweep: int) -> verify.Expected:
+        case = self.case(sweep)
+        if self._exp is None:
+            self._exp = self._expected(case)
+        return self._exp
 
 
 class Measurer:
@@ -157,17 +225,19 @@ class Measurer:
     def gemms(self, cell: Cell, fresh: bool) -> tuple[dict[Gemm, list[float] | None], str]:
         """Samples of each plain GEMM of the cell's speed-of-light (``fresh``: new samples for this round; else the
         run's first measurement of each), and the reason of the first failure ("" if none)."""
-        gemms = OPS[cell.op].gemms(self.cfg.model(cell.model), cell.mode)
         cfg = replace(per_round(self.cfg.timing), warmup=1, warmup_ms=0.0) if fresh else self.cfg.timing
         out = {g: (self.gemm_timer.samples(g, cell.dtype, cfg) if fresh else self.gemm_timer.cached(g, cell.dtype))
-               for g in dict.fromkeys(gemms)}
+               for g in self._gemms_of(cell)}
         return out, next(iter(self.gemm_timer.failures.values()), "")
+
+    def _gemms_of(self, cell: Cell) -> list[Gemm]:
+        return list(dict.fromkeys(OPS[cell.op].gemms(self.cfg.model(cell.model), cell.mode)))
 
     # ---- a cell ---------------------------------------------------------------------------------------
 
     def first(self, cell: Cell) -> CellResult:
-        """Correctness, the first timing round and the checks of one cell; ``check_s`` and ``setup_s`` of its row
-        are the seconds of its correctness pass and of all of this."""
+        """Correctness, the first call and the checks of one cell; ``check_s`` and ``setup_s`` of its row are the
+        seconds of its correctness pass and of all of this."""
         start = time.perf_counter()
         result = self._first(cell, start)
         result.updates["setup_s"] = time.perf_counter() - start  # error rows too: a cold start is paid either way
@@ -186,34 +256,233 @@ class Measurer:
             return self._failed(result)
         group.cell_errors[cell.impl] = {c.output: c.stats.rel_err for c in outcome.checks}
         try:
-            rnd, timed = self._time(cell, group, per_round(self.cfg.timing))
-            result.updates.update(self._checks(cell, group, impl, timed))
+            resident = self._resident(cell, group, impl)
+        except torch.cuda.OutOfMemoryError as e:
+            if not group.resident:
+                return self._failed(CellResult(_error(f"timing run: {describe_exception(e)}")))
+            # the group's other cells hold their inputs: let them go, sample the group in blocks, and try again
+            group.resident.clear()
+            group.blocks = (f"the inputs of the group's cells did not fit in GPU memory together "
+                            f"({describe_exception(e)[:120]}): sampled in blocks of rounds, not interleaved")
+            self._after_error()
+            try:
+                resident = self._resident(cell, group, impl)
+            except Exception as e2:
+                return self._failed(CellResult(_error(f"timing run: {describe_exception(e2)}")))
         except Exception as e:
-            result.updates.update(_error(f"timing run: {describe_exception(e)}"))
+            return self._failed(CellResult(_error(f"timing run: {describe_exception(e)}")))
+        result.updates["first_call_s"] = resident.first_call_s
+        try:
+            result.updates.update(self._checks(cell, group, impl, resident))
+        except Exception as e:
+            result.updates.update(_error(f"checks: {describe_exception(e)}"))
             return self._failed(result)
-        result.updates.update(cast_ms=group.cast_ms, strategy=_describe(impl, timed.native))
-        if group.cast_note:
-            rnd.note = "; ".join(n for n in (rnd.note, group.cast_note) if n)
-        if result.updates.get("status") != "error":
-            result.round = rnd
+        result.updates.update(cast_ms=group.cast_ms, strategy=_describe(impl, resident.native))
+        if result.updates.get("status") == "error":
+            return result
+        result.ready = True
+        if group.blocks:
+            result.blocks = group.blocks
+        else:
+            group.resident[cell.impl] = resident
         return result
 
+    def _resident(self, cell: Cell, group: _Group, impl: Implementation) -> _Resident:
+        """The cell's timed call on the TIMING_SEED inputs, its first call timed (``first_call_s``); in CUDA-graph
+        mode (fwd and direct modes) also its graphs."""
+        op, dev = OPS[cell.op], self.device
+        case = self._case(cell, TIMING_SEED)
+        self._measure_cast(group, case)
+        grads = self._timing_grads(group, case) if uses_autograd(op, cell.mode) else None
+        native = impl.prepare(case)
+        grads_native = impl.grad_outputs_to_native(grads, native) if grads is not None else None
+        timed = timed_call(op, impl, native, cell.mode, grads_native)
+        with timed.context:
+            took = first_call(timed.fn, timed.setup, dev)
+        resident = _Resident(cell, impl, case, native, grads, timed, took)
+        if self.cfg.cuda_graph and dev.type == "cuda":
+            if uses_autograd(op, cell.mode):
+                resident.note = "cuda-graph mode covers fwd and direct modes only: timed with events"
+            else:
+                try:
+                    resident.graphs, resident.graph_flush = self._graphs(impl, case, native)
+                    resident.note = (f"cuda graph, {len(resident.graphs)} rotating input sets" +
+                                     (", L2 flushed between replays (the sets are smaller than 3x L2)"
+                                      if resident.graph_flush else ""))
+                except Exception as e:
+                    resident.note = f"cuda-graph capture failed ({describe_exception(e)}): timed with events"
+        return resident
+
+    def _graphs(self, impl: Implementation, case: Case, native: Tensors) -> tuple[list[tuple[Any, Any, Case]], bool]:
+        """CUDA graphs of the cell's call on rotating input sets, together at least 3x L2 (:func:`graph_sets`), and
+        whether the replays need an L2 flush too."""
+        nbytes = sum(t.numel() * t.element_size() for t in native.values() if isinstance(t, torch.Tensor))
+        l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 64 * 2**20
+        k, flush = graph_sets(nbytes, l2)
+        sets = [(case, native)]
+        for i in range(1, k):
+            c = replace(case, inputs=case.op.inputs(case.model, case.dtype, self.device, TIMING_SEED + i))
+            sets.append((c, impl.prepare(c)))
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _, nat in sets:
+                for _ in range(2):
+                    impl.run(nat)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graphs = []
+        with torch.no_grad():
+            for c, nat in sets:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    out = impl.run(nat)
+                graphs.append((g, (out, nat), c))
+        torch.cuda.synchronize(self.device)
+        return graphs, flush
+
     def again(self, cell: Cell) -> RoundResult:
-        """A later timing round of a cell (compiled, tuned and the GPU busy: one warm-up call), then the timed
-        buffers checked once more; raises with the reason when the round fails."""
+        """A block round of a cell (the blocks fallback: the cell prepared anew, one warm-up call, its samples), then
+        the timed buffers checked once more; raises with the reason when the round fails."""
         group, impl = self._group_for(cell), self.registry.get(cell.op, cell.impl)
         later = replace(per_round(self.cfg.timing), warmup=1, warmup_ms=0.0)
+        op = OPS[cell.op]
         try:
-            rnd, timed = self._time(cell, group, later)
-            problem, _ = verify.check_same_buffers(OPS[cell.op], impl, timed.native, cell.mode, timed.grads,
-                                                   self._expected(cell, group, timed.case, TIMING_SEED),
+            case = self._case(cell, TIMING_SEED)
+            grads = self._timing_grads(group, case) if uses_autograd(op, cell.mode) else None
+            native = impl.prepare(case)
+            grads_native = impl.grad_outputs_to_native(grads, native) if grads is not None else None
+            timed = timed_call(op, impl, native, cell.mode, grads_native)
+            sampled = Sampled()
+            with timed.context:
+                timing = measure(timed.fn, timed.setup, self.device, later,
+                                 during=functools.partial(self.clocks.sampling, sampled))
+            problem, _ = verify.check_same_buffers(op, impl, native, cell.mode, grads,
+                                                   self._expected(cell, group, case, TIMING_SEED),
                                                    self._allowed(cell, group))
         except Exception:
             self._after_error()
             raise
         if problem:
             raise verify.CellError(f"does not count: {problem}")
-        return rnd
+        note = "; ".join(n for n in (timing.note, group.cast_note) if n)
+        return RoundResult(timing.samples_ms, timing.kind, note, timing.first_call_s, sampled)
+
+    # ---- a group's sweeps ------------------------------------------------------------------------------
+
+    def sample(self, cells: list[Cell]) -> GroupSamples:
+        """The interleaved sweeps of a group's checked cells and its speed-of-light GEMMs (module docstring): the
+        resident ones, and those a crashed worker took with it, prepared again; the residents are released
+        afterwards."""
+        group = self._group_for(cells[0])
+        lost: dict[str, str] = {}
+        for c in cells:  # a worker that replaced a crashed one has not seen the group's cells: make them resident
+            if c.impl not in group.resident:
+                try:
+                    group.resident[c.impl] = self._resident(c, group, self.registry.get(c.op, c.impl))
+                except Exception as e:
+                    lost[c.impl] = describe_exception(e)
+        residents = [group.resident[c.impl] for c in cells if c.impl in group.resident]
+        group.resident = {}
+        fresh = _Fresh(lambda seed: self._case(cells[0], seed),
+                       lambda case: self._expected_on(cells[0], group, case))
+        first_sweeps = self.cfg.timing.reps or self.cfg.timing.min_sweeps
+        rechecks = set(secrets.SystemRandom().sample(range(first_sweeps), min(RECHECKS, first_sweeps)))
+        members = [self._member(r, group, fresh, rechecks) for r in residents]
+        gemm_members = self._gemm_members(cells[0])
+        graph_mode = any(r.graphs for r in residents)
+        flush = None if not graph_mode or any(r.graph_flush or not r.graphs for r in residents) else False
+        done = sweep.sample(members + gemm_members, self.device, self.cfg.timing, self.clocks,
+                            baseline=SPEED_BASELINE, flush_l2=flush)
+        last = done.n_sweeps - 1
+        for r, m in zip(residents, members):
+            if m.error is None and last not in rechecks:
+                self._recheck_last(r, m, group, fresh, last)
+        if any(m.error for m in members):
+            self._after_error()
+        cells_out: dict[str, RoundResult | str] = dict(lost)
+        for r, m in zip(residents, members):
+            if m.error is not None:
+                cells_out[m.name] = m.error
+            else:
+                kind = CUDA_GRAPH if r.graphs else done.kind
+                note = "; ".join(n for n in (r.note, group.cast_note) if n)
+                cells_out[m.name] = RoundResult(m.samples_ms, kind, note, sweeps=m.sweeps, clock_mhz=m.clock_mhz)
+        gemms = {g: (m.samples_ms if m.error is None else None) for g, m in zip(self._gemms_of(cells[0]), gemm_members)}
+        note = next((m.error for m in gemm_members if m.error), "") or next(iter(self.gemm_timer.failures.values()), "")
+        sampling = dict(grain="sample", n_sweeps=done.n_sweeps, stop=done.stop, settle_s=done.settle_s,
+                        settle_mhz=done.settle_mhz, settle_w=done.settle_w)
+        return GroupSamples(cells_out, gemms, note, sampling, done.half_width)
+
+    def _member(self, r: _Resident, group: _Group, fresh: _Fresh, rechecks: set[int]) -> Member:
+        """A resident cell as a member of the sweeps: fresh inputs refilled before each call, its outputs checked
+        after it, and compared with PyTorch's on the recheck sweeps."""
+        op, mode, impl, dev = OPS[r.cell.op], r.cell.mode, r.impl, self.device
+        allowed = self._allowed(r.cell, group)
+        if r.graphs:
+            turn = iter(range(1 << 62))
+
+            def replay(_):
+                g, returned, _case = r.graphs[next(turn) % len(r.graphs)]
+                g.replay()
+                return returned
+
+            def after_graph(s: int, returned) -> None:
+                if s in rechecks:
+                    _, _, set_case = next(x for x in r.graphs if x[1] is returned)
+                    self._compare(r, returned, self._expected_on(r.cell, group, set_case), allowed, s)
+
+            return Member(r.cell.impl, replay, None, after_graph)
+        timed = r.timed
+
+        def setup(s: int):
+            verify.refill(r.native, impl.prepare(fresh.case(s)))
+            return timed.setup() if timed.setup is not None else None
+
+        def after(s: int, returned) -> None:
+            check_outputs(returned[0], returned[1], dev)
+            if s in rechecks:
+                self._compare(r, returned, fresh.expected(s), allowed, s)
+
+        return Member(r.cell.impl, timed.fn, setup, after, lambda: timed.context)
+
+    def _compare(self, r: _Resident, returned, expected: verify.Expected, allowed: dict[str, float], s: int) -> None:
+        """The outputs a timed call returned, copied on the calling stream as it returns, against PyTorch's."""
+        op, mode = OPS[r.cell.op], r.cell.mode
+        keys = r.timed.keys if r.timed is not None else []
+        result = compared(op, mode, timed_result(op, r.impl, mode, returned, keys))
+        snapshot = {k: v.clone() for k, v in result.items()}
+        bad = verify.mismatch(op, mode, snapshot, expected, allowed)
+        if bad:
+            raise CellError(f"does not count: the outputs of a timed call (sweep {s}), rechecked: {bad} (a result "
+                            "cached by the inputs' values, or work finished after the call returned?)")
+
+    def _recheck_last(self, r: _Resident, m: Member, group: _Group, fresh: _Fresh, last: int) -> None:
+        """One more call on the last sweep's buffers, compared with PyTorch's results on them."""
+        if r.graphs:
+            return
+        try:
+            timed = r.timed
+            with timed.context:
+                returned = timed.fn(timed.setup() if timed.setup is not None else None)
+            check_outputs(returned[0], returned[1], self.device)
+            self._compare(r, returned, fresh.expected(last), self._allowed(r.cell, group), last)
+        except Exception as e:
+            m.error = describe_exception(e)
+
+    def _gemm_members(self, cell: Cell) -> list[Member]:
+        out = []
+        for g in self._gemms_of(cell):
+            name = f"gemm {g.m}x{g.n}x{g.k}"
+            try:
+                call = gemm_call(g, cell.dtype, self.device, self.cfg.fp8_accum)
+            except Exception as e:
+                m = Member(name, lambda _: None, watch=False)
+                m.error = f"{type(e).__name__}: {e}".splitlines()[0]
+            else:
+                m = Member(name, call, context=torch.no_grad, watch=False)
+            out.append(m)
+        return out
 
     # ---- internals -----------------------------------------------------------------------------------
 
@@ -266,63 +535,29 @@ class Measurer:
         except Exception as e:
             group.cast_note = f"no cast time: {describe_exception(e)}"
 
-    def _time(self, cell: Cell, group: _Group, cfg: TimingConfig) -> tuple[RoundResult, _Timed]:
-        """One timing round on the TIMING_SEED inputs, the clock sampled during its kept samples."""
-        op, impl, dev = OPS[cell.op], self.registry.get(cell.op, cell.impl), self.device
-        case = self._case(cell, TIMING_SEED)
-        self._measure_cast(group, case)
-        grads = self._timing_grads(group, case) if uses_autograd(op, cell.mode) else None
-        native = impl.prepare(case)
-        grads_native = impl.grad_outputs_to_native(grads, native) if grads is not None else None
-        sampled = Sampled()
-        during = functools.partial(self.clocks.sampling, sampled)  # the clock, over the kept samples
-        note = ""
-        if self.cfg.cuda_graph and dev.type == "cuda":
-            if uses_autograd(op, cell.mode):
-                note = "cuda-graph mode covers fwd and direct modes only: timed with events"
-            else:
-                try:
-                    sets = self._graph_sets(impl, case, native)
-                    with torch.no_grad():
-                        timing = measure_graph(lambda nat: impl.run(nat), sets, dev, cfg, during=during)
-                    return _round(timing, sampled), _Timed(case, native, grads, None)
-                except Exception as e:
-                    note = f"cuda-graph capture failed ({describe_exception(e)}): timed with events"
-        timed = timed_call(op, impl, native, cell.mode, grads_native)
-        with timed.context:
-            timing = measure(timed.fn, timed.setup, dev, cfg, during=during)
-        timing.note = note
-        return _round(timing, sampled), _Timed(case, native, grads, timed)
-
-    def _graph_sets(self, impl: Implementation, case: Case, native: Tensors) -> list[Tensors]:
-        """Prepared input sets to rotate among, together at least 3x L2 (2 to MAX_GRAPH_SETS sets)."""
-        nbytes = sum(t.numel() * t.element_size() for t in case.inputs.values() if isinstance(t, torch.Tensor))
-        l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 64 * 2**20
-        k = min(MAX_GRAPH_SETS, max(2, math.ceil(3 * l2 / max(nbytes, 1))))
-        sets = [native]
-        for i in range(1, k):
-            sets.append(impl.prepare(replace(case, inputs=case.op.inputs(case.model, case.dtype, self.device,
-                                                                         TIMING_SEED + i))))
-        return sets
-
     def _expected(self, cell: Cell, group: _Group, timing_case: Case, seed: int) -> verify.Expected:
         """PyTorch's (torch-eager's) results on the timing inputs (seed TIMING_SEED) or a verification input set."""
         if seed not in group.expected:
             op = timing_case.op
             case = timing_case if seed == TIMING_SEED else verify.verification_inputs(op, timing_case, seed)
-            grads = self._timing_grads(group, timing_case) if uses_autograd(op, cell.mode) else None
-            eager = compared(op, cell.mode, run_once(op, TorchEager(op), case, grads))
-            group.expected[seed] = verify.Expected(case, eager)
+            group.expected[seed] = self._expected_on(cell, group, case)
         return group.expected[seed]
+
+    def _expected_on(self, cell: Cell, group: _Group, case: Case) -> verify.Expected:
+        """PyTorch's (torch-eager's) results on ``case``'s inputs, with the timing's upstream gradients."""
+        op = case.op
+        grads = self._timing_grads(group, case) if uses_autograd(op, cell.mode) else None
+        return verify.Expected(case, compared(op, cell.mode, run_once(op, TorchEager(op), case, grads)))
 
     def _allowed(self, cell: Cell, group: _Group) -> dict[str, float]:
         reference = group.reference()
         torch_err = {k: s.rel_err for k, s in reference.torch_stats.items()}
         return verify.allowed_error(torch_err, group.cell_errors.get(cell.impl, {}), reference.case.torch_dtype)
 
-    def _checks(self, cell: Cell, group: _Group, impl: Implementation, t: _Timed) -> dict[str, Any]:
-        """The checks of :mod:`codabench.verify` after the first round, the peak memory and the minimum bytes;
-        an error status when a check fails."""
+    def _checks(self, cell: Cell, group: _Group, impl: Implementation, t: _Resident) -> dict[str, Any]:
+        """The checks of :mod:`codabench.verify` after the first call, the peak memory and the minimum bytes; an
+        error status when a check fails. They leave the timed buffers holding other inputs: each sweep refills
+        them anyway."""
         op, mode, dev = OPS[cell.op], cell.mode, self.device
         allowed = self._allowed(cell, group)
         expected_a = self._expected(cell, group, t.case, TIMING_SEED)
@@ -334,7 +569,7 @@ class Measurer:
             return problem
 
         checks = [same_buffers]
-        if dev.type == "cuda" and t.timed is not None:
+        if dev.type == "cuda":
             checks.append(lambda: verify.check_event_time(t.timed, dev))
         checks += [
             lambda: verify.check_refilled(op, impl, t.native, mode, t.grads,
@@ -357,10 +592,6 @@ def _describe(impl: Implementation, native: Tensors) -> str:
         return str(impl.describe(native) or "")
     except Exception as e:
         return f"describe() failed: {describe_exception(e)}"
-
-
-def _round(timing: Timing, sampled: Sampled) -> RoundResult:
-    return RoundResult(timing.samples_ms, timing.kind, timing.note, timing.first_call_s, sampled)
 
 
 def _nbytes(t: torch.Tensor, fp8_operand: bool) -> int:

@@ -28,14 +28,20 @@ KEY = ["op", "model", "mode", "dtype", "impl"]
 RESULT_COLUMNS = [
     "op", "impl", "model", "mode", "dtype", "status", "message", "label", "strategy", "tokens", "check_tokens",
     "fp8_recipe",
-    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "first_call_s", "check_s", "setup_s", "tflops",
+    "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "grain", "n_sweeps", "stop", "settle_s",
+    "settle_mhz", "settle_w", "first_call_s", "check_s", "setup_s", "tflops",
     "speedup", "speedup_lo", "speedup_hi", "vs_best", "vs_best_lo", "vs_best_hi", "verdict", "sol_ms", "sol_ratio",
     "pct_ceiling", "floor_ms",
     "peak_mem_mib", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct",
     "sm_clock_min_mhz", "sm_clock_median_mhz", "sm_clock_mhz", "power_w", "temp_c", "finished_at"]
 """``strategy`` = how the implementation ran the cell, in its own words (:meth:`codabench.registry.Implementation.
 describe`; coda-triton: each fused kernel's ``fused`` or ``split`` path), "" when it says nothing. ``timing`` is
-``cuda-events``, ``cuda-graph`` or ``cpu-wall`` (cpu-wall is not a performance figure).
+``cuda-events``, ``cuda-graph`` or ``cpu-wall`` (cpu-wall is not a performance figure). ``grain`` = ``sample``
+(the group's cells and GEMMs took turns sample by sample, in interleaved sweeps) or ``round`` (the blocks fallback:
+the message says why); ``n_sweeps`` = the sweeps (rounds) taken; ``stop`` = why sampling stopped (``resolved``: every
+watched ratio within ``--precision``; ``budget``; ``max_sweeps``; ``cpu``; ``blocks``); ``settle_s``, ``settle_mhz``,
+``settle_w`` = the warm-up before the group's sweeps (until the clock and power settled) and the SM clock and power it
+reached.
 ``first_call_s`` = wall seconds of the first call at the timed shape, before any sample (torch.compile
 compiling, FlashInfer's JIT, Triton autotuning: each provider's warm-up cost in this process); ``check_s`` = wall
 seconds of the cell's correctness pass at the check shape (its first call there, compiling and tuning; the cell that

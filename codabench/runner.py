@@ -1,13 +1,17 @@
 """Runs a selection: the plan (:mod:`codabench.plan`) through the worker (:mod:`codabench.worker`) into the run
 directory (:mod:`codabench.writer`), one row per cell.
 
-The cells of a group (one op, model, mode and dtype, every implementation) run one after another; with
-``--rounds`` > 1 (the GPU default, benchmarking.md: "interleave providers or repeat rounds") its timed cells take
-turns over the rounds, each round followed by the plain GEMMs of the group's speed-of-light, so that clock drift
-falls on a cell, its baselines and its GEMMs alike. A cell's samples are pooled over the rounds (samples.jsonl keeps
-them per round) and the group's rows are written when its last round ends; with one round each row is written as
-its cell finishes. A request the worker cannot answer (a timeout, an exit, a signal, a replaced clock) is the cell's
-error row and the run goes on in a new worker. A time below the op's physical floor on this GPU is an error row.
+A group (one op, model, mode and dtype, every implementation) runs in two steps. First each cell alone: its
+correctness pass, first call and checks (:meth:`codabench.measure.Measurer.first`); a cell that fails gets its error
+row at once. Then the group's checked cells are timed together: interleaved sweeps, each cell and each plain GEMM of
+the group's speed-of-light sampled once per sweep in a random order, until every ratio is resolved or the group's
+budget is spent (:meth:`codabench.measure.Measurer.sample`, :mod:`codabench.sweep`); samples.jsonl keeps each
+sample's sweep and clock, so that :mod:`codabench.stats` pairs the cells sweep by sweep. Where the group's inputs do
+not fit in memory together, or its sweeps fail (a hang or a crash in one cell: the worker is replaced), the group
+falls back to blocks: ``--rounds`` rounds in which each cell takes a block of samples in turn, each round followed
+by the GEMMs; its rows say so (``grain`` = ``round``). The group's rows are written when its sampling ends. A request
+the worker cannot answer (a timeout, an exit, a signal, a replaced clock) is the cell's error row and the run goes on
+in a new worker. A time below the op's physical floor on this GPU is an error row.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from codabench.ceilings import floor_ms, sol_ms
 from codabench.config import RunConfig
 from codabench.env import command, gpu_state
 from codabench.matrix import PLUGIN_OP, Cell, groups
-from codabench.measure import CellResult, RoundResult
+from codabench.measure import CellResult, GroupSamples, RoundResult
 from codabench.progress import Progress
 from codabench.registry import Registry
 from codabench.results import KEY
@@ -45,6 +49,7 @@ class _Pending:
     row: dict[str, Any]
     err_rows: list[dict[str, Any]]
     rounds: list[RoundResult] = field(default_factory=list)
+    """The interleaved sweeps' samples (one entry), or the rounds of the blocks fallback."""
 
 
 class Runner:
@@ -101,44 +106,60 @@ class Runner:
 
     def _run_group(self, group: list[Cell], status: dict[tuple, str], worker, writer: RunWriter,
                    progress: Progress) -> None:
-        in_rounds: list[_Pending] = []
+        ready: list[_Pending] = []
+        blocks = ""
         for cell in group:
-            row = self._base_row(cell)
+            pending = _Pending(cell, self._base_row(cell), [])
             planned = status[cell.key]
             if planned != planning.RUN:
-                row.update(status=planning.status_of(planned), message=planned)
-                self._write(writer, progress, _Pending(cell, row, []), ran=False)
+                pending.row.update(status=planning.status_of(planned), message=planned)
+                self._write(writer, progress, pending, ran=False)
                 continue
-            pending = _Pending(cell, row, [])
             answer = worker.call("first", cell)
             self._check_device(worker)
             if isinstance(answer, Failure):
-                row.update(status="error", message=answer.message)
+                pending.row.update(status="error", message=answer.message)
             else:
                 assert isinstance(answer, CellResult)
-                row.update({k: v for k, v in answer.updates.items() if k != "min_bytes"})
-                row["_min_bytes"] = answer.updates.get("min_bytes")
+                pending.row.update({k: v for k, v in answer.updates.items() if k != "min_bytes"})
+                pending.row["_min_bytes"] = answer.updates.get("min_bytes")
                 pending.err_rows = answer.err_rows
-                if answer.round is not None:
-                    pending.rounds.append(answer.round)
-            if pending.rounds and self.cfg.timing.rounds > 1:
-                in_rounds.append(pending)
-                continue
-            if pending.rounds:
-                self._finish(pending, self._gemms(worker, cell, fresh=False))
+                if answer.ready:
+                    ready.append(pending)
+                    blocks = blocks or answer.blocks
+                    continue
             self._write(writer, progress, pending, ran=True)
-        if in_rounds:
-            self._more_rounds(in_rounds, worker, writer, progress)
+        if not ready:
+            return
+        if not blocks:
+            answer = worker.call("sample", [p.cell for p in ready])
+            self._check_device(worker)
+            if not isinstance(answer, Failure):
+                self._sweeps_done(ready, answer, writer, progress)
+                return
+            blocks = f"the group's interleaved sampling failed ({answer.message[:200]}): sampled in blocks of rounds"
+        self._blocks(ready, blocks, worker, writer, progress)
 
-    def _more_rounds(self, cells: list[_Pending], worker, writer: RunWriter, progress: Progress) -> None:
-        """Rounds 2.. of a group: its cells take turns, then its speed-of-light GEMMs (timed in every round, round 1
-        included). A cell that fails in a later round becomes an error row."""
+    def _sweeps_done(self, ready: list[_Pending], answer: GroupSamples, writer: RunWriter, progress: Progress) -> None:
+        for p in ready:
+            got = answer.cells.get(p.cell.impl, "no samples")
+            if isinstance(got, str):
+                p.row.update(status="error", message=f"timing run: {got}")
+            else:
+                p.rounds = [got]
+                p.row.update(answer.sampling)
+                self._finish(p, (answer.gemms, answer.gemm_note))
+            self._write(writer, progress, p, ran=True)
+
+    def _blocks(self, cells: list[_Pending], why: str, worker, writer: RunWriter, progress: Progress) -> None:
+        """The blocks fallback: ``--rounds`` rounds in which the cells take turns, each taking a block of samples,
+        then the group's speed-of-light GEMMs. A cell that fails in a round becomes an error row."""
         first = cells[0].cell
         pooled: dict = {}
-        note = self._pool(pooled, self._gemms(worker, first, fresh=True))
-        for r in range(1, self.cfg.timing.rounds):
+        note = ""
+        for r in range(max(self.cfg.timing.rounds, 1)):
             for p in cells:
-                if not p.rounds:
+                if r > 0 and not p.rounds:
                     continue
                 answer = worker.call("again", p.cell)
                 self._check_device(worker)
@@ -150,7 +171,8 @@ class Runner:
             note = self._pool(pooled, self._gemms(worker, first, fresh=True)) or note
         for p in cells:
             if p.rounds:
-                self._finish(p, (pooled, note))
+                p.row.update(grain="round", n_sweeps=len(p.rounds), stop="blocks")
+                self._finish(p, (pooled, note), why)
             self._write(writer, progress, p, ran=True)
 
     @staticmethod
@@ -173,15 +195,15 @@ class Runner:
 
     # ---- rows -----------------------------------------------------------------------------------------
 
-    def _finish(self, p: _Pending, gemms: tuple[dict, str]) -> None:
-        """A timed cell's row from its pooled rounds and its group's GEMM samples (with the note of a GEMM that
-        failed): summary statistics, speed-of-light, ceilings, the physical floor, clocks."""
+    def _finish(self, p: _Pending, gemms: tuple[dict, str], why_blocks: str = "") -> None:
+        """A timed cell's row from its samples (its sweeps, or its pooled rounds) and its group's GEMM samples (with
+        the note of a GEMM that failed): summary statistics, speed-of-light, ceilings, the physical floor, clocks."""
         samples, note = gemms
         cell, row, op = p.cell, p.row, OPS[p.cell.op]
         model = self.cfg.model(cell.model)
         timing = Timing([s for r in p.rounds for s in r.samples_ms], p.rounds[0].kind)
         median = timing.median
-        notes = list(dict.fromkeys(n for n in [r.note for r in p.rounds] if n))
+        notes = list(dict.fromkeys(n for n in [why_blocks] + [r.note for r in p.rounds] if n))
         sol = sol_ms(samples, op.gemms(model, cell.mode))
         if sol is None and note:
             notes.append("no speed-of-light: " + note)
@@ -191,10 +213,10 @@ class Runner:
         min_bytes = row.pop("_min_bytes", None)
         floor = floor_ms(flops, min_bytes, self.ceilings, cell.dtype) if min_bytes else None
         hard_floor = floor_ms(flops, min_bytes, self.ceilings, cell.dtype, slack=True) if min_bytes else None
-        clocks = [c for r in p.rounds for c in r.clocks.sm_mhz]
+        clocks = [c for r in p.rounds for c in (r.clock_mhz if r.sweeps is not None else r.clocks.sm_mhz)
+                  if c is not None]
         row.update(status="ok", message="; ".join(notes), median_ms=median, p20_ms=timing.p20, p80_ms=timing.p80,
                    cv=timing.cv, n_samples=len(timing.samples_ms), timing=timing.kind,
-                   first_call_s=p.rounds[0].first_call_s,
                    tflops=tflops, sol_ms=sol, sol_ratio=median / sol if sol else None,
                    pct_ceiling=100 * tflops / ceiling if isinstance(ceiling, float) and cell.dtype != "fp32" else None,
                    floor_ms=floor, sm_clock_min_mhz=min(clocks) if clocks else None,
@@ -204,8 +226,13 @@ class Runner:
                 f"faster than the hardware allows: {median:.4g} ms, below the floor of {hard_floor:.4g} ms "
                 f"({min_bytes / 1e6:.4g} MB at the copy bandwidth, {flops / 1e12:.4g} TFLOP at the GEMM ceiling, "
                 "both at datasheet peaks): the timed calls did not do the work"))
+        sweeps = p.rounds[0].sweeps if len(p.rounds) == 1 and p.rounds[0].sweeps is not None else None
         p.row["_samples"] = {"timing": timing.kind, "samples_ms": timing.samples_ms,
-                             "rounds": [r.samples_ms for r in p.rounds]}
+                             "rounds": [r.samples_ms for r in p.rounds],
+                             "grain": "sample" if sweeps is not None else "round",
+                             "sweeps": sweeps if sweeps is not None else
+                             [i for i, r in enumerate(p.rounds) for _ in r.samples_ms],
+                             "clock_mhz": p.rounds[0].clock_mhz if sweeps is not None else None}
 
     def _write(self, writer: RunWriter, progress: Progress, p: _Pending, ran: bool) -> None:
         row = p.row

@@ -1,10 +1,14 @@
-"""Timing loops (benchmarking.md): CUDA events, warm-up, cold L2, many samples, optional CUDA graphs.
+"""Timing loops (benchmarking.md): CUDA events, warm-up, cold L2, many samples; the timing settings of a run.
 
 One sample is ``state = setup(); [flush L2]; start.record(); fn(state); end.record()``: the setup
 (e.g. the forward pass that a backward-only measurement needs, or fresh autograd leaves) and the L2
 flush stay outside the event pair. All samples are kept; the summary is the median, p20/p80 and the
 coefficient of variation. On the CPU the loop measures wall time with ``time.perf_counter``; such a
 figure checks that the code runs, it is not a performance figure (``Timing.is_perf`` is False).
+
+The cells of a group are timed together, sample by sample, by :mod:`codabench.sweep` (which uses this module's
+clocks, events and L2 flush); :func:`measure` times one thing alone: the ceilings, an fp8 cast, a cell of a group
+sampled in blocks.
 """
 from __future__ import annotations
 
@@ -42,8 +46,19 @@ class TimingConfig:
     smoke suite spends its time on correctness, not on CPU wall times that mean nothing."""
     flush_l2: bool = True
     rounds: int = 1
-    """Rounds in which the cells of a group, and the plain GEMMs of its speed-of-light, take turns; each round
-    takes 1/rounds of the samples (:func:`per_round`) and a cell's samples are pooled over the rounds."""
+    """Blocks fallback only (a group whose inputs do not fit in memory together, or whose interleaved sampling
+    failed): rounds in which its cells take turns, each round taking 1/rounds of the samples (:func:`per_round`)."""
+    precision: float = 0.01
+    """Interleaved sweeps (:mod:`codabench.sweep`) stop once every watched ratio's 95% interval is within
+    +-precision."""
+    same_within: float = 0.02
+    """Equivalence margin of the ``same`` verdict: the whole interval inside [1/(1+m), 1+m]."""
+    budget_factor: float = 1.5
+    """A group's sampling budget: budget_factor x target_ms of wall time per member."""
+    min_sweeps: int = 20
+    max_sweeps: int = 4000
+    settle_max_ms: float = 2000.0
+    """Warm-up sweeps end when the clock and power settle, or after this long."""
 
 
 def per_round(cfg: TimingConfig) -> TimingConfig:
@@ -148,7 +163,7 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
     if device.type != "cuda":
         return _measure_cpu(fn, setup, cfg, during)
     flusher = l2_flusher(device) if cfg.flush_l2 else None
-    first = _first_call(fn, setup, device)
+    first = first_call(fn, setup, device)
     start_warm, calls = perf_counter(), 1
     while calls < max(cfg.warmup, 1) or ((perf_counter() - start_warm) * 1e3 < cfg.warmup_ms
                                          and calls < 1000):
@@ -162,9 +177,10 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
     return Timing(samples, CUDA_EVENTS, first_call_s=first)
 
 
-def _first_call(fn, setup, device: torch.device) -> float:
-    """Seconds of one synchronized call (the first: compilation, JIT builds and autotuning happen here)."""
-    state = setup()
+def first_call(fn, setup, device: torch.device) -> float:
+    """Seconds of one synchronized call (the first: compilation, JIT builds and autotuning happen here); ``setup``
+    (may be None) runs untimed before it."""
+    state = setup() if setup is not None else None
     t0 = perf_counter()
     fn(state)
     if device.type == "cuda":
@@ -188,7 +204,7 @@ def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n
 
 
 def _measure_cpu(fn, setup, cfg: TimingConfig, during: During) -> Timing:
-    first = _first_call(fn, setup, torch.device("cpu"))  # the warm-up call: compile, first-call allocations
+    first = first_call(fn, setup, torch.device("cpu"))  # the warm-up call: compile, first-call allocations
     samples = []
     with during():
         for _ in range(cfg.reps or cfg.cpu_reps):
@@ -199,39 +215,9 @@ def _measure_cpu(fn, setup, cfg: TimingConfig, during: During) -> Timing:
     return Timing(samples, CPU_WALL, first_call_s=first)
 
 
-def measure_graph(fn: Callable[[Any], Any], states: list[Any], device: torch.device,
-                  cfg: TimingConfig | None = None, during: During = nullcontext) -> Timing:
-    """CUDA-graph mode: one graph per input set in ``states``, replayed in rotation.
-
-    Rotating among input sets whose total size exceeds L2 keeps the data cold without a flush
-    (plain replay of one graph would keep it hot in L2 and flatter memory-bound kernels).
-    Each replay is timed with its own event pair.
-    """
-    cfg = cfg or TimingConfig()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        first = _first_call(fn, lambda: states[0], device)
-        for s in states:
-            for _ in range(max(cfg.warmup, 1)):
-                fn(s)
-    torch.cuda.current_stream(device).wait_stream(side)
-    synchronize(device)
-    graphs = []
-    for s in states:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(s)
-        graphs.append(g)
-    synchronize(device)
-    k = len(graphs)
-    est = _sample_events(lambda i: graphs[i % k].replay(), _counter(), None, device, 3)
-    n = _n_samples(cfg, statistics.median(est))
-    with during():
-        samples = _sample_events(lambda i: graphs[i % k].replay(), _counter(), None, device, n)
-    return Timing(samples, CUDA_GRAPH, note=f"cuda graph, {k} rotating input sets", first_call_s=first)
-
-
-def _counter() -> Callable[[], int]:
-    it = iter(range(1 << 62))
-    return lambda: next(it)
+def graph_sets(set_bytes: int, l2_bytes: int, cap: int = 64) -> tuple[int, bool]:
+    """CUDA-graph mode: how many input sets to rotate among so that together they are at least 3x L2 (every replay
+    then reads memory that the last replays evicted from L2), at least 2; and whether that took more than ``cap``
+    sets, in which case the replays are also preceded by an L2 flush (tiny inputs)."""
+    need = max(2, math.ceil(3 * l2_bytes / max(set_bytes, 1)))
+    return min(need, cap), need > cap

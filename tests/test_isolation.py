@@ -208,10 +208,12 @@ def test_a_worker_whose_parent_is_gone_ends_quietly(registry, tmp_path):
 
 
 def test_ctrl_c_writes_the_report(tmp_path):
-    """SIGINT in the middle of a hanging cell: exit 130, the finished rows kept, the report written."""
+    """SIGINT in the middle of a hanging cell: exit 130, the finished groups' rows kept (a group's rows are written
+    when its sampling ends), the report written."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    proc = subprocess.Popen([sys.executable, "run_bench.py", "--ops", "gemm_out", "--modes", "fwd", "--impls",
+    proc = subprocess.Popen([sys.executable, "run_bench.py", "--ops", "rmsnorm_linear,gemm_out", "--modes", "fwd",
+                             "--impls",
                              "torch-eager,test-hangs", "--plugin", str(PLUGINS / "crashers.py"), "--out", str(out),
                              "--no-entry-points", "--quiet"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -221,7 +223,7 @@ def test_ctrl_c_writes_the_report(tmp_path):
         path = out / "results.csv"
         return len(path.read_text().splitlines()) - 1 if path.exists() else 0
 
-    while rows_written() < 1:  # torch-eager's row
+    while rows_written() < 1:  # torch-eager's row of rmsnorm_linear
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.5)
     time.sleep(2)  # the next cell hangs in the worker

@@ -217,22 +217,26 @@ def test_the_code_tree_names_the_code_on_disk_even_under_a_stale_head(tmp_path):
     assert code_tree(tmp_path / "repo" / ".git" / "..") == on_disk and code_tree(tmp_path / "nogit") is None
 
 
-def test_rounds_interleave_a_groups_cells_and_gemms_and_pool_samples(registry, tmp_path, monkeypatch):
-    """--rounds: every round times each cell of the group in turn, then the group's speed-of-light GEMMs; a cell's
-    samples are pooled over the rounds (and kept per round); a cell that fails in a later round becomes an error
-    row."""
+def test_a_group_whose_sweeps_fail_falls_back_to_rounds_of_blocks(registry, tmp_path, monkeypatch):
+    """The blocks fallback: every round times each cell of the group in turn, then the group's speed-of-light GEMMs;
+    a cell's samples are pooled over the rounds (and kept per round); a cell that fails in a later round becomes an
+    error row; the rows say why the group was not interleaved."""
     load_plugin_file(PLUGINS / "good.py")
     register("gemm_out", "test-flaky", dtypes=("fp32",))(lambda x, w: {"out": torch.nn.functional.linear(x, w)})
     order = []
-    time_cell, gemm_samples = Measurer._time, GemmTimer.samples
+    again, gemm_samples = Measurer.again, GemmTimer.samples
 
-    def logged_time(self, cell, group, cfg):
+    def logged_again(self, cell):
         order.append(cell.impl)
         if cell.impl == "test-flaky" and order.count(cell.impl) == 2:
             raise RuntimeError("flaky device")
-        return time_cell(self, cell, group, cfg)
+        return again(self, cell)
 
-    monkeypatch.setattr(Measurer, "_time", logged_time)
+    def no_sweeps(self, cells):
+        raise RuntimeError("sweeps broke")
+
+    monkeypatch.setattr(Measurer, "again", logged_again)
+    monkeypatch.setattr(Measurer, "sample", no_sweeps)
     monkeypatch.setattr(GemmTimer, "samples", lambda self, g, dtype, cfg=None: (order.append("gemm"),
                                                                                 gemm_samples(self, g, dtype, cfg))[1])
     runner = make_runner(tmp_path, modes=("fwd",), impls=["torch-eager", "test-good", "test-flaky"],
@@ -242,10 +246,13 @@ def test_rounds_interleave_a_groups_cells_and_gemms_and_pool_samples(registry, t
     assert order == [*impls, "gemm", *impls, "gemm", *[i for i in impls if i != "test-flaky"], "gemm"]
     rows, _ = rows_by_impl(tmp_path)
     for impl in ("torch-eager", "test-good"):
-        assert rows[impl]["status"] == "ok" and rows[impl]["n_samples"] == 6 and rows[impl]["sol_ms"] > 0
+        row = rows[impl]
+        assert row["status"] == "ok" and row["n_samples"] == 6 and row["sol_ms"] > 0
+        assert row["grain"] == "round" and "sweeps broke" in row["message"] and "blocks" in row["message"]
     assert rows["test-good"]["sol_ratio"] == pytest.approx(rows["test-good"]["median_ms"] / rows["test-good"]["sol_ms"])
     bad = rows["test-flaky"]
     assert bad["status"] == "error" and "round 2" in bad["message"] and "flaky device" in bad["message"]
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert sorted(len(s["samples_ms"]) for s in samples) == [6, 6]
+    assert all(s["grain"] == "round" and s["sweeps"] == [0, 0, 1, 1, 2, 2] for s in samples)
     assert all([len(r) for r in s["rounds"]] == [2, 2, 2] and sum(s["rounds"], []) == s["samples_ms"] for s in samples)

@@ -53,7 +53,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     # the same inputs) and each cell takes 20 samples, so that a warm run fits in 10 minutes on one GPU.
     Suite("full", "llama-1b/7b/70b x fwd/bwd/fwd_bwd x bf16/fp8 x every implementation (GPU)",
           models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"), ops=PATTERN_OPS,
-          check_tokens=2048, reps=20),
+          check_tokens=2048),
     # Each CODA kernel alone against the plain cuBLAS GEMM of its shape (sol_ratio) and the unfused PyTorch math,
     # eager and compiled: 16 ops x 3 models x 3 implementations = 144 cells, all direct (one mode each). As in full,
     # the correctness pass runs at 2048 tokens (the float64 reference of the LM-head ops at M = 16384 and V = 32768
@@ -62,7 +62,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
     Suite("kernels", "each CODA kernel alone vs its plain GEMM and the unfused PyTorch math: llama-1b/7b/70b, bf16, "
           "coda-triton, torch-eager, torch-compile (GPU)",
           models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16",), ops=KERNEL_SUITE_OPS,
-          impls=("torch-eager", "torch-compile", "coda-triton"), check_tokens=2048, reps=20),
+          impls=("torch-eager", "torch-compile", "coda-triton"), check_tokens=2048),
     # The training step of issue 19: 4 layers (ModelShape.layers) of Llama-3.2-1B with its 128256-token vocabulary,
     # 2 x 8192 tokens, bf16; every implementation of train_step (hf-eager, hf-compile, hf-liger, hf-coda and the
     # op's own torch-eager / torch-compile). The float64 reference runs at 1024 tokens (the 1B model in float64, its

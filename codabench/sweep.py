@@ -1,0 +1,251 @@
+"""Paired, interleaved sampling of a group: every member timed once per sweep, in a random order, until resolved.
+
+A group (one op, model, mode and dtype) has members: the timed calls of its implementations and the plain GEMMs of
+its speed-of-light. A *sweep* times each member once, in an order drawn at random for every sweep, each sample with
+its own L2 flush. The samples of one sweep are taken back to back, so a change of the GPU's clock (an H100 at its
+power cap falls from ~1980 to ~1485 MHz within seconds) falls on both sides of every ratio taken from them
+(:mod:`codabench.stats` pairs the samples by sweep); the random order cancels what a fixed order would leave (a
+member always sampled after the hottest one).
+
+:func:`sample` runs three phases:
+
+1. **Settle**: warm-up sweeps, untimed, for at least ``warmup_ms`` and then until the NVML readings of the last
+   :data:`SETTLE_WINDOW_S` vary by no more than :data:`CLOCK_TOL` (SM clock) and :data:`POWER_TOL` (power), or
+   ``settle_max_ms`` has passed; what was reached is recorded (``settle_s``, ``settled``, the clock and power).
+2. **Sweeps**, in chunks: a chunk (about :data:`CHUNK_S` of GPU time) is enqueued, then synchronized once; each
+   sample is its own CUDA-event pair. After each chunk, from ``min_sweeps`` on, the watched ratios (each member
+   against the run's speed baseline and against the fastest other member) are computed by :func:`codabench.stats.
+   ratio`; sampling stops when every interval's half-width is within ``precision`` (``resolved``), when the group's
+   budget is spent (``budget``: ``budget_factor`` x ``target_ms`` per member, wall time) or at ``max_sweeps``.
+3. **Clocks**: the NVML sampler runs through phases 1-2 (every :data:`codabench.clocks.PERIOD_S`); each sample gets
+   the SM clock read nearest to the time the GPU ran it (the chunk's synchronized start plus the events' offset).
+
+A member whose call, set-up or checks raise is dropped from later sweeps with its error (its cell gets an error
+row); the other members go on. On the CPU the samples are wall times of ``cpu_reps`` sweeps (no performance
+figure, no stopping rule).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from codabench import stats
+from codabench.clocks import ClockSampler, Sampled
+from codabench.timing import CPU_WALL, CUDA_EVENTS, Event, TimingConfig, elapsed_ms, l2_flusher, record, synchronize
+
+SETTLE_WINDOW_S = 0.25
+CLOCK_TOL, POWER_TOL = 0.02, 0.05
+"""Settled: the last SETTLE_WINDOW_S of readings within 2% (SM clock) and 5% (power), as (max - min) / median."""
+CHUNK_S = 0.1
+"""GPU time of the sweeps enqueued between two synchronizations (and two evaluations of the stopping rule)."""
+MAX_CHUNK = 64
+WARMUP_SWEEP = -1
+"""The sweep id the set-up and checks of a warm-up sweep see."""
+
+
+@dataclass(eq=False)
+class Member:
+    """One timed thing of a group: ``state = setup(sweep)`` (untimed, before the flush), ``returned = call(state)``
+    (timed, inside ``context()``), ``after(sweep, returned)`` (untimed, once the end event is enqueued: checks of
+    the returned outputs; raises to fail the member)."""
+
+    name: str
+    call: Callable[[Any], Any]
+    setup: Callable[[int], Any] | None = None
+    after: Callable[[int, Any], None] | None = None
+    context: Callable[[], AbstractContextManager] = nullcontext
+    watch: bool = True
+    """Its ratios decide when sampling stops (the speed-of-light GEMMs do not)."""
+    error: str | None = None
+    samples_ms: list[float] = field(default_factory=list)
+    sweeps: list[int] = field(default_factory=list)
+    ran_s: list[float] = field(default_factory=list)
+    """perf_counter seconds at which the GPU started each sample (for its clock)."""
+    clock_mhz: list[float | None] = field(default_factory=list)
+
+    def timed(self, kind: str) -> stats.Timed:
+        return stats.Timed(self.samples_ms, self.sweeps, kind, self.name, grain="sample")
+
+
+@dataclass
+class Sweeps:
+    """What :func:`sample` measured: the members (their samples, sweeps, clocks and errors) and how it went."""
+
+    members: list[Member]
+    kind: str
+    n_sweeps: int
+    stop: str
+    """``resolved``, ``budget``, ``max_sweeps``, ``cpu`` (CPU wall times: no stopping rule) or ``failed`` (no member
+    left)."""
+    half_width: dict[str, float]
+    """Per watched member, the widest half-width of its watched ratios when sampling stopped."""
+    settle_s: float = 0.0
+    settled: bool | None = None
+    """None without NVML readings."""
+    settle_mhz: float | None = None
+    settle_w: float | None = None
+    clocks: Sampled = field(default_factory=Sampled)
+
+
+def _describe(e: BaseException) -> str:
+    from codabench.measure import describe_exception  # measure imports this module
+
+    return describe_exception(e)
+
+
+def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None) -> tuple[Any, Any] | float | None:
+    """Time member ``m`` once: CUDA events (start, end) on the GPU, wall milliseconds on the CPU; None on error."""
+    try:
+        state = m.setup(sweep) if m.setup is not None else None
+        if cpu:
+            with m.context():
+                t0 = perf_counter()
+                returned = m.call(state)
+                took = (perf_counter() - t0) * 1e3
+        else:
+            if flush is not None:
+                flush()
+            start, end = Event(enable_timing=True), Event(enable_timing=True)
+            with m.context():
+                record(start)
+                returned = m.call(state)
+                record(end)
+            took = (start, end)
+        if m.after is not None:
+            m.after(sweep, returned)
+        return took
+    except Exception as e:
+        m.error = _describe(e)
+        return None
+
+
+def _chunk(members: list[Member], sweeps: range, rng: np.random.Generator, device: torch.device,
+           flush: Callable[[], None] | None, keep: bool) -> None:
+    """Run ``sweeps`` (each member once per sweep, in a random order); with ``keep``, append the samples."""
+    cpu = device.type != "cuda"
+    taken: list[tuple[Member, int, Any]] = []
+    if not cpu:
+        base = Event(enable_timing=True)
+        record(base)
+        synchronize(device)
+        t0 = perf_counter()
+    for s in sweeps:
+        for i in rng.permutation(len(members)):
+            m = members[i]
+            if m.error is None:
+                took = _one(m, s if keep else WARMUP_SWEEP, cpu, flush)
+                if took is not None:
+                    taken.append((m, s, took))
+    if not cpu:
+        synchronize(device)
+    if not keep:
+        return
+    for m, s, took in taken:
+        if m.error is not None:
+            continue
+        m.sweeps.append(s)
+        if cpu:
+            m.samples_ms.append(took)
+            m.ran_s.append(perf_counter())
+        else:
+            m.samples_ms.append(elapsed_ms(*took))
+            m.ran_s.append(t0 + elapsed_ms(base, took[0]) / 1e3)
+
+
+def watched_pairs(members: list[Member], baseline: str | None) -> list[tuple[Member, Member]]:
+    """(reference, member) for every watched member: against the baseline (when it is another member) and against
+    the fastest other watched member by median so far."""
+    live = [m for m in members if m.error is None and m.watch and m.samples_ms]
+    medians = {m.name: float(np.median(m.samples_ms)) for m in live}
+    pairs = []
+    for m in live:
+        refs = [r for r in live if r is not m and r.name == baseline]
+        others = [r for r in live if r is not m]
+        if others:
+            refs.append(min(others, key=lambda r: medians[r.name]))
+        pairs += [(r, m) for r in dict.fromkeys(refs)]
+    return pairs
+
+
+def half_widths(members: list[Member], baseline: str | None, kind: str) -> dict[str, float]:
+    """Per watched member, the widest half-width of its watched ratios (inf where an interval is missing)."""
+    out: dict[str, float] = {}
+    for ref, m in watched_pairs(members, baseline):
+        r = stats.ratio(ref.timed(kind), m.timed(kind), paired=True)
+        out[m.name] = max(out.get(m.name, 0.0), r.half_width if r is not None else math.inf)
+    return out
+
+
+def sample(members: list[Member], device: torch.device, cfg: TimingConfig, clocks: ClockSampler,
+           baseline: str | None = None, flush_l2: bool | None = None) -> Sweeps:
+    """Settle, then sweep ``members`` until their watched ratios are resolved or the budget is spent (module
+    docstring). ``flush_l2``: flush before every sample (default ``cfg.flush_l2``; CUDA-graph members rotate input
+    sets larger than L2 instead)."""
+    rng = np.random.default_rng()
+    if device.type != "cuda":
+        _chunk(members, range(max(cfg.reps or cfg.cpu_reps, 1)), rng, device, None, keep=True)
+        n = max(cfg.reps or cfg.cpu_reps, 1)
+        return Sweeps(members, CPU_WALL, n, "cpu" if any(m.error is None for m in members) else "failed", {})
+    flush = l2_flusher(device).flush if (cfg.flush_l2 if flush_l2 is None else flush_l2) else None
+    sampled = Sampled()
+    with clocks.sampling(sampled):
+        settle_s, settled, sweep_s = _settle(members, device, cfg, flush, rng, sampled, clocks.available)
+        n, stop, widths = _sweep(members, device, cfg, flush, rng, sweep_s, baseline)
+    for m in members:
+        m.clock_mhz = sampled.at(m.ran_s)
+    out = Sweeps(members, CUDA_EVENTS, n, stop, widths, settle_s, settled if clocks.available else None,
+                 clocks=sampled)
+    if sampled.t_s:
+        at_end = [i for i, t in enumerate(sampled.t_s) if t <= sampled.t_s[0] + settle_s]
+        if at_end:
+            out.settle_mhz, out.settle_w = sampled.sm_mhz[at_end[-1]], sampled.power_w[at_end[-1]]
+    return out
+
+
+def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nvml: bool
+            ) -> tuple[float, bool, float]:
+    """Warm-up sweeps until settled (module docstring); returns (seconds, settled, wall seconds per sweep)."""
+    t0, sweeps, settled = perf_counter(), 0, False
+    while True:
+        _chunk(members, range(1), rng, device, flush, keep=False)
+        sweeps += 1
+        spent = perf_counter() - t0
+        if spent * 1e3 >= cfg.warmup_ms and sweeps >= max(cfg.warmup, 1):
+            settled = nvml and sampled.settled(SETTLE_WINDOW_S, CLOCK_TOL, POWER_TOL)
+            if settled or not nvml or spent * 1e3 >= cfg.settle_max_ms:
+                return spent, settled, spent / sweeps
+        if all(m.error is not None for m in members):
+            return spent, False, spent / sweeps
+
+
+def _sweep(members, device, cfg: TimingConfig, flush, rng, sweep_s: float, baseline: str | None
+           ) -> tuple[int, str, dict[str, float]]:
+    """Phase 2: chunks of sweeps until resolved, the budget spent or max_sweeps; (sweeps, stop, half-widths)."""
+    kind = CUDA_EVENTS
+    per_chunk = int(min(MAX_CHUNK, max(1, CHUNK_S // max(sweep_s, 1e-6))))
+    budget_s = cfg.budget_factor * cfg.target_ms / 1e3 * len(members)
+    t0, n, widths = perf_counter(), 0, {}
+    min_sweeps = cfg.reps or cfg.min_sweeps
+    max_sweeps = cfg.reps or cfg.max_sweeps
+    while True:
+        todo = min(per_chunk, max_sweeps - n) if n >= min_sweeps else min_sweeps - n
+        _chunk(members, range(n, n + todo), rng, device, flush, keep=True)
+        n += todo
+        if all(m.error is not None for m in members):
+            return n, "failed", {}
+        if n < min_sweeps:
+            continue
+        widths = half_widths(members, baseline, kind)
+        if cfg.reps is None and widths and all(w <= cfg.precision for w in widths.values()):
+            return n, "resolved", widths
+        if n >= max_sweeps:
+            return n, "resolved" if widths and all(w <= cfg.precision for w in widths.values()) else "max_sweeps", \
+                widths
+        if perf_counter() - t0 >= budget_s:
+            return n, "budget", widths

@@ -1,0 +1,184 @@
+"""The interleaved sweeps of a group (codabench/sweep.py) and the timed calls' checks (codabench/measure.py), on the
+CPU: every member once per sweep in a random order, pairing that cancels a drifting clock, the stopping rule, and
+the cheats that only the timed calls can catch."""
+import math
+from time import perf_counter
+
+import numpy as np
+import pytest
+import torch
+
+from codabench import stats, sweep
+from codabench.clocks import ClockSampler, Sampled
+from codabench.discovery import load_plugin_file
+from codabench.execute import CellError, check_outputs
+from codabench.results import load_run
+from codabench.sweep import Member
+from codabench.timing import CUDA_EVENTS, TimingConfig, graph_sets
+from harness_helpers import CPU, PLUGINS, isolated_registry, make_runner
+
+
+def busy(ms: float) -> None:
+    t0 = perf_counter()
+    while (perf_counter() - t0) * 1e3 < ms:
+        pass
+
+
+class Drift:
+    """A GPU clock falling as the run goes on: a call of ``base`` ms takes base x factor(), factor rising from 1 to
+    1980/1485 (the H100 at its power cap) over ``span_s`` seconds."""
+
+    def __init__(self, span_s: float):
+        self.t0, self.span_s = perf_counter(), span_s
+
+    def factor(self) -> float:
+        return 1 + (1980 / 1485 - 1) * min((perf_counter() - self.t0) / self.span_s, 1.0)
+
+
+def timed(m: Member) -> stats.Timed:
+    return stats.Timed(m.samples_ms, m.sweeps, CUDA_EVENTS, m.name)  # CPU wall times standing in for GPU samples
+
+
+def test_every_member_is_sampled_once_per_sweep_in_an_order_drawn_for_each_sweep():
+    order = []
+    members = [Member(n, lambda _, n=n: order.append(n)) for n in "abc"]
+    out = sweep.sample(members, CPU, TimingConfig(cpu_reps=40), ClockSampler(CPU))
+    assert out.n_sweeps == 40 and out.stop == "cpu"
+    assert all(m.sweeps == list(range(40)) and len(m.samples_ms) == 40 for m in members)
+    sweeps = [tuple(order[3 * i:3 * i + 3]) for i in range(40)]
+    assert all(sorted(s) == ["a", "b", "c"] for s in sweeps)
+    assert len(set(sweeps)) >= 3  # 6 orders possible: a fixed order would give 1
+
+
+def test_a_member_that_fails_is_dropped_with_its_error_and_the_others_go_on():
+    calls = {"n": 0}
+
+    def flaky(_):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("broke at call 5")
+
+    def bad_output(sweep_id, returned):
+        if sweep_id == 3:
+            raise CellError("checked and wrong")
+
+    members = [Member("good", lambda _: None), Member("flaky", flaky), Member("checked", lambda _: None,
+                                                                               after=bad_output)]
+    sweep.sample(members, CPU, TimingConfig(cpu_reps=10), ClockSampler(CPU))
+    good, flaky_m, checked = members
+    assert good.error is None and good.sweeps == list(range(10))
+    assert "broke at call 5" in flaky_m.error and calls["n"] == 5  # not called again once it failed
+    assert "checked and wrong" in checked.error and len(checked.sweeps) < 10
+
+
+def test_paired_sweeps_cancel_a_drifting_clock_that_separate_blocks_do_not():
+    """Two identical kernels under a clock that falls by 25% during the measurement: sampled interleaved, their
+    paired ratio stays at 1 (within 2%); sampled one block after the other, the second looks >= 8% slower."""
+    n, base = 120, 1.5
+    drift = Drift(span_s=2 * n * base * 1.17e-3)
+    twins = [Member(n_, lambda _: busy(base * drift.factor())) for n_ in ("a", "b")]
+    sweep.sample(twins, CPU, TimingConfig(cpu_reps=n), ClockSampler(CPU))
+    paired = stats.ratio(timed(twins[0]), timed(twins[1]), paired=True)
+    assert abs(paired.value - 1) < 0.02, paired
+
+    drift = Drift(span_s=2 * n * base * 1.17e-3)
+    blocks = [Member(n_, lambda _: busy(base * drift.factor())) for n_ in ("a", "b")]
+    for m in blocks:  # today's contiguous sampling: all of a, then all of b
+        sweep.sample([m], CPU, TimingConfig(cpu_reps=n), ClockSampler(CPU))
+    separate = stats.ratio(timed(blocks[0]), timed(blocks[1]), paired=True)
+    assert separate.value < 0.92, separate
+
+
+def test_sampling_stops_once_resolved_and_otherwise_at_its_budget():
+    cfg = TimingConfig(precision=0.03, min_sweeps=20, max_sweeps=400, target_ms=2000.0)
+    members = [Member("a", lambda _: busy(1.0)), Member("b", lambda _: busy(1.3))]
+    n, stop, widths = sweep._sweep(members, CPU, cfg, None, np.random.default_rng(0), 2.3e-3, baseline="a")
+    assert stop == "resolved" and 20 <= n < 400 and max(widths.values()) <= 0.03
+    r = stats.ratio(timed(members[0]), timed(members[1]), paired=True)
+    assert r.verdict() == "slower"  # b against a
+
+    cfg = TimingConfig(precision=1e-6, min_sweeps=20, max_sweeps=10_000, target_ms=40.0, budget_factor=1.0)
+    members = [Member("a", lambda _: busy(1.0)), Member("b", lambda _: busy(1.0))]
+    t0 = perf_counter()
+    n, stop, widths = sweep._sweep(members, CPU, cfg, None, np.random.default_rng(0), 2e-3, baseline="a")
+    assert stop == "budget" and n < 10_000 and perf_counter() - t0 < 2.0
+    assert all(0 < w < math.inf for w in widths.values())
+
+
+def test_the_watched_ratios_are_each_member_against_the_baseline_and_its_fastest_other():
+    ms = {"base": 3.0, "fast": 1.0, "mid": 2.0}
+    members = [Member(k, lambda _: None) for k in ms]
+    for m in members:
+        m.samples_ms, m.sweeps = [ms[m.name]] * 3, [0, 1, 2]
+    gemm = Member("gemm", lambda _: None, watch=False)
+    gemm.samples_ms, gemm.sweeps = [0.5] * 3, [0, 1, 2]
+    pairs = {(r.name, m.name) for r, m in sweep.watched_pairs(members + [gemm], baseline="base")}
+    assert pairs == {("fast", "base"), ("base", "fast"), ("mid", "fast"), ("fast", "mid"), ("base", "mid")}
+
+
+def test_a_samples_clock_is_the_nvml_reading_nearest_in_time():
+    s = Sampled(sm_mhz=[1980.0, 1700.0, 1500.0], power_w=[700.0] * 3, temp_c=[60.0] * 3, t_s=[0.0, 1.0, 2.0])
+    assert s.at([0.1, 0.9, 1.6, 5.0]) == [1980.0, 1700.0, 1500.0, 1500.0]
+    assert Sampled().at([1.0]) == [None]
+
+
+def test_settled_needs_a_full_window_of_steady_clock_and_power():
+    t = list(np.arange(0, 0.5, 0.01))
+    steady = Sampled(sm_mhz=[1500.0] * len(t), power_w=[690.0 + (i % 3) for i in range(len(t))], temp_c=[60.0] * len(t),
+                     t_s=t)
+    assert steady.settled(0.25, 0.02, 0.05)
+    falling = Sampled(sm_mhz=[1980.0 - 1000 * x for x in t], power_w=[690.0] * len(t), temp_c=[60.0] * len(t), t_s=t)
+    assert not falling.settled(0.25, 0.02, 0.05)
+    short = Sampled(sm_mhz=[1500.0] * 5, power_w=[690.0] * 5, temp_c=[60.0] * 5, t_s=[0, 0.01, 0.02, 0.03, 0.04])
+    assert not short.settled(0.25, 0.02, 0.05)
+
+
+def test_cuda_graph_input_sets_together_exceed_l2_or_flush():
+    l2 = 50 * 2**20
+    for set_bytes in (2**30, 200 * 2**20, 30 * 2**20, 4 * 2**20, 2**20):
+        k, flush = graph_sets(set_bytes, l2)
+        assert k >= 2 and (k * set_bytes >= 3 * l2 or flush), (set_bytes, k, flush)
+    assert graph_sets(2**10, l2) == (64, True)  # tiny inputs: the cap, and the replays flushed
+    assert graph_sets(2**30, l2) == (2, False)
+
+
+def test_outputs_must_be_plain_tensors_on_the_device_and_not_an_inputs_storage():
+    x, w = torch.randn(4, 3), torch.randn(5, 3)
+    native = {"x": x, "w": w}
+    check_outputs({"out": x @ w.T}, native, CPU)
+    with pytest.raises(CellError, match="not a plain torch.Tensor"):
+        check_outputs({"out": (x @ w.T).as_subclass(type("Lazy", (torch.Tensor,), {}))}, native, CPU)
+    with pytest.raises(CellError, match="shares its storage with the input 'x'"):
+        check_outputs({"out": x[:2]}, native, CPU)
+    with pytest.raises(CellError, match="expected a dict"):
+        check_outputs(x @ w.T, native, CPU)
+    with pytest.raises(CellError, match="is on meta"):
+        check_outputs({"out": torch.empty(4, 5, device="meta")}, native, CPU)
+
+
+def test_timed_calls_run_on_new_inputs_every_sweep_and_their_outputs_are_rechecked(tmp_path):
+    """Through the runner: the lazy tensor subclass fails at its first call; a cache keyed on the inputs' values
+    never hits in a timed call (every sweep refills the buffers with new values); a plugin honest only for the
+    checks' calls is caught by the rechecks of timed calls' outputs."""
+    with isolated_registry():
+        load_plugin_file(PLUGINS / "cheaters_timed.py")
+        impls = ["torch-eager", "cheat-lazy-tensor", "cheat-value-cache", "cheat-stale-after-checks"]
+        make_runner(tmp_path, modes=("fwd",), impls=impls, timing=TimingConfig(cpu_reps=6), isolate=False).run()
+        df, _, _ = load_run(tmp_path)
+        rows = {r["impl"]: r for _, r in df.iterrows()}
+        assert rows["cheat-lazy-tensor"]["status"] == "error"
+        assert "not a plain torch.Tensor" in rows["cheat-lazy-tensor"]["message"]
+        stale = rows["cheat-stale-after-checks"]
+        assert stale["status"] == "error" and "rechecked" in stale["message"], stale["message"]
+        honest = rows["cheat-value-cache"]
+        assert honest["status"] == "ok" and honest["n_samples"] == 6 and honest["grain"] == "sample"
+        cache = _module_of("cheaters_timed").VALUE_CACHE
+        # misses: the correctness, timing, refilled and new-buffer inputs, and each of the 6 sweeps' new inputs (the
+        # untimed same-buffers check and the last sweep's recheck call repeat inputs: those may hit)
+        assert cache["calls"] - cache["hits"] >= 4 + 6, cache
+
+
+def _module_of(stem: str):
+    import sys
+
+    return next(m for n, m in sys.modules.items() if str(getattr(m, "__file__", "")).endswith(f"{stem}.py"))
