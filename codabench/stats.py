@@ -102,9 +102,9 @@ def timing_settings(env: Mapping[str, Any]) -> tuple[float, float]:
 def median_rank(n: int) -> int:
     """The 0-based rank k such that [x_(k), x_(n-1-k)] of n sorted independent values covers their median with
     probability >= LEVEL (the binomial order-statistic interval); -1 where n is too small for any."""
-    j = np.arange(n + 1)
-    log_pmf = np.array([math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in j]) - n * math.log(2)
-    cdf = np.cumsum(np.exp(log_pmf))
+    j = np.arange(n)
+    log_comb = np.concatenate([[0.0], np.cumsum(np.log((n - j) / (j + 1)))])  # log C(n, i), i = 0..n
+    cdf = np.cumsum(np.exp(log_comb - n * math.log(2)))
     # the median lies below x_(k) when at most k of the n values fall below it: P(Bin(n, 1/2) <= k) = cdf[k]
     ok = np.flatnonzero(cdf <= (1 - LEVEL) / 2)
     return int(ok[-1]) if len(ok) else -1

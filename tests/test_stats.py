@@ -2,6 +2,7 @@
 false difference, real differences are found, equal cells read `same` only inside the margin, old runs still read,
 and the run's derived speed columns follow the rules."""
 import json
+import math
 from collections import Counter
 
 import numpy as np
@@ -102,6 +103,10 @@ def test_no_interval_for_cpu_wall_times_too_few_samples_or_too_few_common_sweeps
     assert ratio(a, b, paired=True) is None
     assert ratio(a, Timed(x, range(40 - MIN_PAIRS, 80 - MIN_PAIRS), "cuda-events", "b"), paired=True) is not None
     assert median_rank(5) == -1 and median_rank(10) == 1  # [x_(1), x_(8)] of 10: 97.9% coverage
+    for n in (11, 50, 151, 400):  # the largest k whose binomial tail P(Bin(n, 1/2) <= k) stays within 2.5%
+        k = median_rank(n)
+        tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+        assert tail <= 0.025 < tail + math.comb(n, k + 1) / 2 ** n, n
 
 
 def test_pairs_join_on_common_sweeps_whatever_the_order_of_the_entry():
@@ -211,7 +216,8 @@ def test_speed_figures_of_a_group_sampled_in_rounds():
     assert out.loc["torch-compile", ["speedup", "speedup_lo", "speedup_hi"]].tolist() == [1.0, 1.0, 1.0]
     assert out.loc["coda-triton", "speedup"] == pytest.approx(med["torch-compile"] / med["coda-triton"])
     # the fastest other is the fastest correct one: test-wrong never sets the bar
-    assert out.loc["coda-triton", "vs_best"] == pytest.approx(min(med["torch-compile"], med["liger"]) / med["coda-triton"])
+    assert out.loc["coda-triton", "vs_best"] == pytest.approx(min(med["torch-compile"], med["liger"])
+                                                              / med["coda-triton"])
     assert out.loc["torch-compile", "vs_best"] == pytest.approx(med["coda-triton"] / med["torch-compile"])
     assert out.loc["test-wrong", "vs_best"] == pytest.approx(med["coda-triton"] / med["test-wrong"])
     assert out["verdict"].to_dict() == {"torch-eager": "slower", "torch-compile": "slower", "coda-triton": "faster",
