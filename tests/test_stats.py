@@ -123,6 +123,8 @@ def test_pairs_join_on_common_sweeps_whatever_the_order_of_the_entry():
     assert r.verdict() == "faster" and r.value == pytest.approx(1.05, abs=0.002) and r.hi < 1.06
     with pytest.raises(ValueError, match="3 samples but 2 sweep ids"):
         Timed([1.0, 2.0, 3.0], [0, 1], "cuda-events", "bad")
+    with pytest.raises(ValueError, match="a sweep id repeats"):
+        Timed([1.0, 2.0, 3.0], [0, 1, 1], "cuda-events", "bad")
 
 
 def test_entries_of_old_and_new_runs():
@@ -280,3 +282,19 @@ def test_finalize_writes_the_intervals_and_verdicts_with_the_runs_margin(tmp_pat
         run = write_run(tmp_path / f"twins{margin}", twins, env=env, sweeps=True)
         finalize(run)
         assert set(load_run(run)[0]["verdict"]) == {verdict}, margin
+
+
+def test_a_malformed_samples_object_costs_its_cell_an_interval_not_the_report(tmp_path, capsys):
+    rng = np.random.default_rng(9)
+    twins = {("block", "llama-1b", "fwd", "bf16", impl): [[float(v)] for v in t.samples]
+             for impl, t in zip(("torch-compile", "liger", "coda-triton"), interleaved(rng, [2.0, 2.0, 2.4], 60))}
+    run = write_run(tmp_path / "run", twins, sweeps=True)  # coda-triton the slowest: never the bar of the others
+    lines = (run / tables.SAMPLES).read_text().splitlines()
+    bad = json.loads(lines[2])
+    bad["sweeps"] = bad["sweeps"][:-1]
+    (run / tables.SAMPLES).write_text("\n".join(lines[:2] + [json.dumps(bad)]) + "\n")
+    finalize(run)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "coda-triton: 60 samples but 59 sweep ids; that cell gets no interval" in err
+    verdicts = load_run(run)[0].set_index("impl")["verdict"].to_dict()
+    assert verdicts == {"torch-compile": "same", "liger": "same", "coda-triton": "n/a"}
