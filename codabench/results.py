@@ -48,15 +48,17 @@ seconds of the cell's correctness pass at the check shape (its first call there,
 first needs the group's float64 reference pays for it here); ``setup_s`` = wall seconds of the cell's first round
 (correctness pass, first call, samples, the checks that make them count), so a run's cold cost per implementation
 is its ``check_s`` and ``first_call_s`` summed;
-``speedup`` = torch-compile median / this median on the same cell; ``sol_ms`` = sum of the cell's
+``speedup`` = this cell's speed over torch-compile's on the same cell (the median of the per-sweep ratios where the
+group was sampled in sweeps, else torch-compile's median / this median); ``sol_ms`` = sum of the cell's
 plain cuBLAS GEMM times; ``sol_ratio`` = median_ms / sol_ms; ``pct_ceiling`` = tflops as % of the
 measured GEMM ceiling of the dtype; ``floor_ms`` = the op's physical floor on this GPU, the larger of its
 minimum bytes at the measured copy bandwidth and its FLOPs at the measured GEMM ceiling; ``peak_mem_mib`` = the
 peak memory one call allocates above its inputs. ``speedup_lo``/``speedup_hi`` = 95% confidence interval of the
-speedup; ``vs_best`` (with ``vs_best_lo``/``vs_best_hi``) = the fastest *other* implementation's median of the
-group over this one's; ``verdict`` = ``faster``, ``slower`` or ``tie`` against it (``n/a``: nothing to compare, CPU
-wall times or too few samples); all of them recomputed by :func:`codabench.stats.speed_figures` when a report is
-built. ``sm_clock_min_mhz``/``sm_clock_median_mhz`` = NVML SM clock sampled during the cell's kept
+speedup; ``vs_best`` (with ``vs_best_lo``/``vs_best_hi``) = this cell's speed over the fastest *other* implementation of the
+group (the same estimate); ``verdict`` = ``faster`` or ``slower`` (the interval lies above or below 1), ``same`` (it
+lies inside env.json's ``timing.same_within`` margin, default 2%) or ``unresolved`` against it (``n/a``: nothing to
+compare, CPU wall times or too few samples); all of them recomputed by :func:`codabench.stats.speed_figures` when a
+report is built. ``sm_clock_min_mhz``/``sm_clock_median_mhz`` = NVML SM clock sampled during the cell's kept
 samples; ``sm_clock_mhz``, ``power_w``, ``temp_c`` = the GPU's state when the row was written. ``rel_err``, ``max_abs_err`` and ``err_ratio`` are the worst over
 the compared outputs; ``correct`` is True when every compared output passes. fp8 cells only (empty
 otherwise): ``fp8_recipe`` (scaling and accumulation), ``cast_ms`` (median time of quantizing the

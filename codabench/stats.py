@@ -47,6 +47,7 @@ margin: the samples cannot tell). No interval, ``n/a``, for CPU wall times (not 
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -102,9 +103,9 @@ def timing_settings(env: Mapping[str, Any]) -> tuple[float, float]:
 def median_rank(n: int) -> int:
     """The 0-based rank k such that [x_(k), x_(n-1-k)] of n sorted independent values covers their median with
     probability >= LEVEL (the binomial order-statistic interval); -1 where n is too small for any."""
-    j = np.arange(n + 1)
-    log_pmf = np.array([math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in j]) - n * math.log(2)
-    cdf = np.cumsum(np.exp(log_pmf))
+    j = np.arange(n)
+    log_comb = np.concatenate([[0.0], np.cumsum(np.log((n - j) / (j + 1)))])  # log C(n, i), i = 0..n
+    cdf = np.cumsum(np.exp(log_comb - n * math.log(2)))
     # the median lies below x_(k) when at most k of the n values fall below it: P(Bin(n, 1/2) <= k) = cdf[k]
     ok = np.flatnonzero(cdf <= (1 - LEVEL) / 2)
     return int(ok[-1]) if len(ok) else -1
@@ -129,6 +130,8 @@ class Timed:
         order = np.argsort(np.asarray(sweeps, dtype=np.int64), kind="stable")  # time order
         self.samples = np.asarray(samples_ms, dtype=np.float64)[order]
         self.sweeps = np.asarray(sweeps, dtype=np.int64)[order]
+        if grain == SAMPLE and np.any(np.diff(self.sweeps) == 0):
+            raise ValueError(f"{key}: grain 'sample' takes one sample per sweep, but a sweep id repeats")
         self.timing, self.key, self.grain = timing, key, grain
         self.n = len(self.samples)
 
@@ -276,7 +279,8 @@ def _welch(ref: Timed, cell: Timed) -> float:
 def read_timed(run_dir: str | Path, env: Mapping[str, Any]) -> dict[tuple[str, ...], Timed]:
     """Every timed cell of a run directory (samples.jsonl), keyed (op, model, mode, dtype, impl). Objects that carry
     neither ``sweeps`` nor ``rounds`` (the oldest runs) are split into rounds by :func:`codabench.results.
-    sample_rounds`."""
+    sample_rounds`. A malformed object (sweep ids that do not match its samples) is left out with one line on
+    stderr: its cell gets no interval, the rest of the report is built."""
     run_dir = Path(run_dir)
     legacy = tables.sample_rounds(run_dir, dict(env))
     out = {}
@@ -284,7 +288,10 @@ def read_timed(run_dir: str | Path, env: Mapping[str, Any]) -> dict[tuple[str, .
         key = tuple(str(s[k]) for k in KEY)
         if s.get("sweeps") is None and s.get("rounds") is None:
             s = {**s, "rounds": legacy[key]}
-        out[key] = Timed.from_entry(s, "|".join(key))
+        try:
+            out[key] = Timed.from_entry(s, "|".join(key))
+        except ValueError as err:
+            print(f"codabench: {run_dir / tables.SAMPLES}: {err}; that cell gets no interval", file=sys.stderr)
     return out
 
 

@@ -22,9 +22,11 @@ def noisy_rounds(rng: np.random.Generator, median_ms: float, rounds: int = 3, pe
 
 
 def write_run(run_dir: Path, cells: dict[tuple[str, ...], list[list[float]]], timing: str = "cuda-events",
-              rows: dict[tuple[str, ...], dict[str, Any]] | None = None, env: dict[str, Any] | None = None) -> Path:
+              rows: dict[tuple[str, ...], dict[str, Any]] | None = None, env: dict[str, Any] | None = None,
+              sweeps: bool = False) -> Path:
     """A run directory holding ``cells`` (key (op, model, mode, dtype, impl) -> samples by round) as ok, correct
-    rows; ``rows`` overrides fields per cell."""
+    rows; ``rows`` overrides fields per cell. ``sweeps``: each round is one sweep of a sample each (grain "sample",
+    the sweep id its index), else the rounds are written as such (grain "round")."""
     run_dir.mkdir(parents=True)
     writer = tables.AppendWriter(run_dir / tables.RESULTS, tables.RESULT_COLUMNS)
     for key, rounds in cells.items():
@@ -33,7 +35,8 @@ def write_run(run_dir: Path, cells: dict[tuple[str, ...], list[list[float]]], ti
                "p20_ms": float(np.quantile(pooled, 0.2)), "p80_ms": float(np.quantile(pooled, 0.8)),
                "n_samples": len(pooled), "timing": timing, "correct": True, **(rows or {}).get(key, {})}
         writer.write([row])
+        grain = {"sweeps": [i for i, r in enumerate(rounds) for _ in r], "grain": "sample"} if sweeps else {}
         tables.append_jsonl(run_dir / tables.SAMPLES, {**dict(zip(tables.KEY, key)), "timing": timing,
-                                                        "samples_ms": pooled, "rounds": rounds})
+                                                        "samples_ms": pooled, "rounds": rounds, **grain})
     tables.write_json(run_dir / tables.ENV, {"device": "cuda" if timing != "cpu-wall" else "cpu", **(env or {})})
     return run_dir

@@ -97,7 +97,7 @@ def test_compare_two_runs(run_dir, tmp_path):
     assert len(timed) and np.allclose(timed["delta_pct"], 200.0)
     assert (m["verdict"] == "unknown").all()  # CPU wall times are no evidence of a change
     text = format_compare(m)
-    assert "+200.0%" in text and "0 faster, 0 slower, 0 same" in text
+    assert "+200.0%" in text and "0 faster, 0 slower, 0 same, 0 unresolved" in text
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (.ci/run installs it)")
@@ -162,8 +162,10 @@ def test_a_gpu_report_shows_intervals_verdicts_clocks_memory_and_the_roofline(gp
     html = (gpu_run / "report.html").read_text()
     headline = html[html.index('<table id="headline">'):html.index("</table>", html.index('<table id="headline">'))]
     assert "1.00× <span class='ci'>ref</span>" in headline  # torch-compile is the reference
-    verdicts = {v: headline.count(f"<span class='v v-{v}'>{v}</span>") for v in ("faster", "tie", "slower")}
-    assert verdicts == {"faster": 1, "tie": 2, "slower": 3}  # coda-triton ahead, then tied with liger
+    verdicts = {v: headline.count(f"<span class='v v-{v}'>{v}</span>")
+                for v in ("faster", "same", "slower", "unresolved")}
+    assert verdicts == {"faster": 1, "same": 2, "slower": 3, "unresolved": 0}  # coda-triton ahead, level with liger
+    assert "tie" not in html
     assert headline.count('class="pass best"') == 1
     df, _, _ = load_run(gpu_run)
     coda = df[df["impl"] == "coda-triton"].iloc[0]
@@ -176,6 +178,26 @@ def test_a_gpu_report_shows_intervals_verdicts_clocks_memory_and_the_roofline(gp
     plots = sorted(p.name for p in (gpu_run / "plots").glob("*.png"))
     assert plots == sorted(["clock_trace.png"] + [f"{m}_{d}.png" for d in ("bf16", "fp8") for m in (
         "median_ms", "pct_ceiling", "peak_mem_mib", "rel_err", "sol_ratio", "speedup")])
+
+
+def test_the_first_screen_counts_the_verdicts_and_the_resolving_power_before_any_explanation(gpu_run):
+    """coda-triton's verdicts by mode (faster in bf16, level with liger in fp8), the median half-width of the
+    vs-fastest intervals and the share of decided cells, all above the folded explanations."""
+    from codabench.report.html import resolving_power
+    from codabench.stats import Ratio
+
+    html = (gpu_run / "report.html").read_text()
+    glance = html.index("<h2>Verdicts at a glance</h2>")
+    assert glance < html.index("<details><summary><b>How to read this report</b>") < html.index('id="headline"')
+    table = html[html.index('<table id="glance">'):html.index("</table>", glance)]
+    assert "<b>coda-triton</b> against the fastest other" in html[glance:]
+    assert '<tr><td class="l">fwd_bwd</td><td>1</td><td>1</td><td>0</td><td>0</td><td>0</td></tr>' in table
+    df, _, _ = load_run(gpu_run)
+    ok = df[df["status"] == "ok"]
+    hw, decided = resolving_power(ok)
+    assert decided == 1.0 and hw == pytest.approx(pd.Series(
+        [Ratio(r["vs_best"], r["vs_best_lo"], r["vs_best_hi"]).half_width for _, r in ok.iterrows()]).median())
+    assert f"<b>&plusmn;{100 * hw:.1f}%</b> (target &plusmn;1%); <b>100%</b> of the cells" in html
 
 
 def test_the_wall_time_of_a_resumed_run_sums_its_sessions_and_a_merged_run_shows_its_shards():

@@ -2,9 +2,9 @@
 
 Sections: the verdicts at a glance (per mode, the verdict counts of the implementation in focus, coda-triton where
 present, and the run's resolving power: the median half-width of the vs-fastest-other intervals and the share of
-decided cells), run facts (wall time, clocks), how to read (folded), headline table (speedup vs torch-compile with its 95% interval,
-the verdict against the fastest other implementation, pass/fail, per op x model x mode x dtype, one column per
-implementation), the roofline view (% of the measured GEMM ceiling), failures, per-op tables with the per-output
+decided cells), run facts (wall time, clocks), how to read (folded), headline table (speedup vs torch-compile with
+its 95% interval, the verdict against the fastest other implementation, pass/fail, per op x model x mode x dtype, one
+column per implementation), the roofline view (% of the measured GEMM ceiling), failures, per-op tables with the per-output
 errors, plots, the GPU clock trace, environment. A CPU run (wall times of the Triton interpreter) says so at the top
 and shows no speed figures or verdicts. Every implementation keeps the colour of :mod:`codabench.report.palette`.
 """
