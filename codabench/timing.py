@@ -44,6 +44,10 @@ class TimingConfig:
     rounds: int = 1
     """Rounds in which the cells of a group, and the plain GEMMs of its speed-of-light, take turns; each round
     takes 1/rounds of the samples (:func:`per_round`) and a cell's samples are pooled over the rounds."""
+    precision: float = 0.01
+    """Relative precision wanted of a cell's median (``--precision``): 0.01 is 1%."""
+    same_within: float = 0.02
+    """Two medians closer than this relative difference count as the same (``--same-within``); above ``precision``."""
 
 
 def per_round(cfg: TimingConfig) -> TimingConfig:
