@@ -83,6 +83,16 @@ def test_the_suites_sampling_defaults_give_way_to_flags(tmp_path):
     assert (custom.check_tokens, custom.timing.reps, custom.timing.rounds) == (512, 7, 1)
 
 
+def test_precision_flags_reach_the_timing_config(tmp_path):
+    def timing(*flags):
+        args = run_parser().parse_args(list(flags))
+        suite = get_suite("smoke")
+        return run_config(args, suite, Selection.from_suite(suite), torch.device("cpu"), tmp_path).timing
+    assert (timing().precision, timing().same_within) == (0.01, 0.02)
+    custom = timing("--precision", "0.005", "--same-within", "0.03")
+    assert (custom.precision, custom.same_within) == (0.005, 0.03)
+
+
 def _usage_error(capsys, argv) -> str:
     """Run the command line on bad input: exit code 2 and exactly one line on stderr, no traceback."""
     try:
@@ -96,15 +106,15 @@ def _usage_error(capsys, argv) -> str:
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--tokens", "0"], "--tokens: expected a whole number >= 1, got '0'"),
-    (["--tokens", "-5"], "--tokens: expected a whole number >= 1, got '-5'"),
-    (["--vocab", "0"], "--vocab: expected a whole number >= 1"),
-    (["--check-tokens", "-1"], "--check-tokens: expected a whole number >= 1"),
-    (["--reps", "0"], "--reps: expected a whole number >= 1"),
-    (["--rounds", "0"], "--rounds: expected a whole number >= 1"),
-    (["--warmup", "-1"], "--warmup: expected a whole number >= 0"),
-    (["--cell-timeout", "0"], "--cell-timeout: expected a number of seconds > 0"),
-    (["--cell-timeout", "soon"], "--cell-timeout: expected a number of seconds > 0, got 'soon'"),
+    (["--tokens", "0"], "--tokens: expected a whole number from 1 to 1048576, got '0'"),
+    (["--tokens", "-5"], "--tokens: expected a whole number from 1 to 1048576, got '-5'"),
+    (["--vocab", "0"], "--vocab: expected a whole number from 1 to"),
+    (["--check-tokens", "-1"], "--check-tokens: expected a whole number from 1 to"),
+    (["--reps", "0"], "--reps: expected a whole number from 1 to 10000"),
+    (["--rounds", "0"], "--rounds: expected a whole number from 1 to 100"),
+    (["--warmup", "-1"], "--warmup: expected a whole number from 0 to 1000"),
+    (["--cell-timeout", "0"], "--cell-timeout: expected a number of seconds from 0.001 to 86400"),
+    (["--cell-timeout", "soon"], "--cell-timeout: expected a number of seconds from 0.001 to 86400, got 'soon'"),
     (["--shard", "3/2"], "argument --shard: 3/2: need 1 <= I <= N"),
     (["--shard", "x"], "argument --shard: expected I/N (e.g. 1/4), got 'x'"),
 ])

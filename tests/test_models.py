@@ -54,7 +54,8 @@ def test_bad_inline_specs_say_what_is_wrong(spec, says):
 def test_bad_hf_configs_say_what_is_wrong(tmp_path):
     for body, says in ((json.dumps({k: v for k, v in LLAMA3_8B.items() if k != "intermediate_size"}),
                         "the field intermediate_size is missing"),
-                       (json.dumps({**LLAMA3_8B, "num_attention_heads": "32"}), "num_attention_heads must be a whole number"),
+                       (json.dumps({**LLAMA3_8B, "num_attention_heads": "32"}),
+                        "num_attention_heads must be a whole number"),
                        (json.dumps({**LLAMA3_8B, "num_key_value_heads": 5}), "must be a multiple of kv_heads (5)"),
                        ("{not json", "not JSON")):
         (tmp_path / "config.json").write_text(body)
