@@ -120,7 +120,7 @@ class HFCompile(HFTrainStep):
 
 
 class HFCoda(HFTrainStep):
-    requires = ("pkg:transformers", "triton")
+    requires = ("pkg:transformers", "triton-dot")
     _precompile: torch.device | None = None
 
     def patch(self, model: nn.Module) -> nn.Module:

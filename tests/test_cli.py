@@ -195,3 +195,46 @@ def test_error_rows_give_exit_code_1_and_a_plugin_failure_is_printed(tmp_path, c
     df = pd.read_csv(tmp_path / "run" / "results.csv")
     assert set(df[df["status"] == "error"]["impl"]) == {"test-raises", str((PLUGINS / "broken.py").resolve())}
     assert set(df[df["status"] == "ok"]["impl"]) == {"torch-eager", "test-good"}
+
+
+def test_the_readme_plugin_example_runs_on_the_cpu_as_written(tmp_path, capsys):
+    """The first code block of the README's "Adding a plugin", saved under the name its first line gives, run with
+    the README's command (narrowed to it and eager PyTorch, into a temporary folder) through the harness."""
+    section = (ROOT / "README.md").read_text().split("## Adding a plugin", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    plugin = tmp_path / code.splitlines()[0].removeprefix("# ").strip()
+    assert plugin.name == "my_kernels.py"
+    plugin.write_text(code)
+    command = re.search(r"Then run `python run_bench\.py (.*?)`", section).group(1).split()
+    argv = [str(plugin) if a == plugin.name else a for a in command]
+    out = tmp_path / "run"
+    with isolated_registry():
+        code = main(argv + ["--impls", "torch-eager,my-gemm", "--out", str(out), "--quiet", "--no-entry-points"])
+    assert code == 0, capsys.readouterr().err
+    df = pd.read_csv(out / "results.csv")
+    row = df[df["impl"] == "my-gemm"]
+    assert len(row) == 1 and row["status"].item() == "ok" and bool(row["correct"].item()), row.to_dict("records")
+    assert (row["op"].item(), row["dtype"].item()) == ("gemm_out", "fp32" if not torch.cuda.is_available() else
+                                                                    "bf16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's limit: only without a GPU")
+def test_tl_dot_kernels_skip_bf16_in_the_interpreter_with_the_reason(tmp_path, capsys):
+    """Implementations that declare ``triton-dot`` (coda-triton, the example) get a skipped bf16 row on the CPU that
+    says why, instead of the interpreter's wrong bf16 products; their fp32 cells still run."""
+    reason = "skipped: the Triton interpreter has no bf16 math; run bf16 on a GPU"
+    with isolated_registry():
+        assert main(["--ops", "gemm_out,gemm_bias_gelu", "--dtypes", "fp32,bf16", "--impls",
+                     "torch-eager,coda-triton,coda-example", "--list", "--out", str(tmp_path / "l")]) == 0
+        listed = capsys.readouterr().out.splitlines()
+        for op, impl in (("gemm_out", "coda-triton"), ("gemm_bias_gelu", "coda-example")):
+            assert any(line.split()[:5] == [op, "tiny", "fwd", "bf16", impl] and line.endswith(reason)
+                       for line in listed), listed
+            assert any(line.split()[:5] == [op, "tiny", "fwd", "fp32", impl] and line.endswith("to run")
+                       for line in listed), listed
+        out = tmp_path / "run"
+        assert main(["--ops", "gemm_out", "--dtypes", "bf16", "--impls", "torch-eager,coda-triton", "--out", str(out),
+                     "--quiet", "--no-entry-points"]) == 0
+    df = pd.read_csv(out / "results.csv").set_index("impl")
+    assert df.loc["coda-triton", "status"] == "skipped" and df.loc["coda-triton", "message"] == reason
+    assert df.loc["torch-eager", "status"] == "ok"
