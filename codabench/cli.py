@@ -49,16 +49,30 @@ class UsageError(Exception):
     """Bad input on the command line: one line on stderr, exit code 2."""
 
 
+class _ParserExit(Exception):
+    """argparse is done (bad input, already printed, or ``--help``): :func:`main` returns ``code``."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one line for bad input (no usage block): ``prog: message (see --help)``, exit code 2. Flags are
-    taken only as spelled in full (an abbreviation such as ``--suit`` is an unknown argument)."""
+    taken only as spelled in full (an abbreviation such as ``--suit`` is an unknown argument). It returns to
+    :func:`main` instead of exiting the process."""
 
     def __init__(self, **kwargs):
         super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         print(f"{self.prog}: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        raise _ParserExit(EXIT_USAGE)
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message:
+            print(message, end="", file=sys.stderr)
+        raise _ParserExit(status)
 
 
 def _csv(text: str) -> list[str]:
@@ -201,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"codabench: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except _ParserExit as e:
+        return e.code
 
 
 def _defined_models(args: argparse.Namespace, notes: list[str]) -> dict[str, ModelShape]:

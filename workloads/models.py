@@ -191,8 +191,8 @@ def from_hf_config(path: str | Path, notes: list[str] | None = None) -> ModelSha
             continue
         v = config[key]
         want = int if INLINE_KEYS[field] is int else float
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
-                (want is int and not float(v).is_integer()):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                (isinstance(v, float) and not (math.isfinite(v) and (want is float or v.is_integer()))):
             raise ValueError(f"--model-config {file}: {key} must be a {'whole ' if want is int else ''}number, "
                              f"got {v!r}")
         values[field] = want(v)
@@ -259,10 +259,11 @@ def _shape(name: str, values: dict[str, int | float], where: str) -> ModelShape:
             raise ValueError(f"{where}: {key} is missing")
     values.setdefault("kv_heads", values["heads"])
     if "head_dim" not in values:
-        if values["hidden"] % values["heads"]:
+        heads = values["heads"]
+        if heads and values["hidden"] % heads:
             raise ValueError(f"{where}: head_dim is missing and hidden ({values['hidden']}) is not a multiple of "
-                             f"heads ({values['heads']})")
-        values["head_dim"] = values["hidden"] // values["heads"]
+                             f"heads ({heads})")
+        values["head_dim"] = values["hidden"] // heads if heads else 0  # no heads: check() names the heads field
     known = {f.name for f in fields(ModelShape)}
     try:
         return ModelShape(name, **{k: v for k, v in values.items() if k in known}).check()
