@@ -171,3 +171,15 @@ def test_a_refused_config_is_one_line_and_exit_2_on_the_command_line(tmp_path, c
     assert main(["--model-config", str(tmp_path), "--list"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model_type 'gemma2' is not a Llama-family block" in err[0], err
+
+
+def test_what_the_ops_leave_out_is_said_on_the_console(tmp_path, capsys):
+    (tmp_path / "Qwen2-7B").mkdir()
+    (tmp_path / "Qwen2-7B" / "config.json").write_text(json.dumps(QWEN2_7B))
+    with isolated_registry():
+        assert main(["--model-config", str(tmp_path / "Qwen2-7B"), "--ops", "rmsnorm_rope", "--list",
+                     "--no-entry-points"]) == 0
+    out, err = capsys.readouterr()
+    assert "rmsnorm_rope     Qwen2-7B" in out
+    assert f"codabench: --model-config {tmp_path / 'Qwen2-7B' / 'config.json'}: its q/k/v projections' bias is not " \
+           "modeled" in err
