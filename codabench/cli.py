@@ -49,12 +49,9 @@ class UsageError(Exception):
     """Bad input on the command line: one line on stderr, exit code 2."""
 
 
-class _ParserExit(Exception):
-    """argparse is done (bad input, already printed, or ``--help``): :func:`main` returns ``code``."""
-
-    def __init__(self, code: int):
-        super().__init__(code)
-        self.code = code
+class _ParserExit(SystemExit):
+    """argparse is done (bad input, already printed, or ``--help``): :func:`main` returns its ``code``; a parser
+    used on its own exits as argparse's does."""
 
 
 class _Parser(argparse.ArgumentParser):
