@@ -56,8 +56,8 @@ class _ParserExit(SystemExit):
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one line for bad input (no usage block): ``prog: message (see --help)``, exit code 2. Flags are
-    taken only as spelled in full (an abbreviation such as ``--suit`` is an unknown argument). It returns to
-    :func:`main` instead of exiting the process."""
+    taken only as spelled in full (an abbreviation such as ``--suit`` is an unknown argument). Its exits are
+    :class:`_ParserExit`, whose code :func:`main` returns."""
 
     def __init__(self, **kwargs):
         super().__init__(allow_abbrev=False, **kwargs)
@@ -171,7 +171,7 @@ def run_parser() -> argparse.ArgumentParser:
                    f"each round taking 1/ROUNDS of the samples (default: {GPU_ROUNDS} on the GPU, 1 on the CPU)")
     p.add_argument("--precision", type=PRECISION, default=TimingConfig.precision, metavar="FRACTION",
                    help="relative precision wanted of a median, "
-                   f"{PRECISION_RANGE[0]:g}-{PRECISION_RANGE[1]:g} (default {TimingConfig.precision:g}: 1%%)")
+                   f"{PRECISION_RANGE[0]:g}-{PRECISION_RANGE[1]:g} (default {TimingConfig.precision:g})")
     p.add_argument("--same-within", type=SAME_WITHIN, default=TimingConfig.same_within, metavar="FRACTION",
                    help="medians closer than this relative difference count as the same, "
                    f"{SAME_WITHIN_RANGE[0]:g}-{SAME_WITHIN_RANGE[1]:g}, above --precision "
