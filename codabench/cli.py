@@ -28,7 +28,7 @@ from codabench.runner import DeviceLost, Runner
 from codabench.worker import WorkerProcess
 from codabench.writer import RunExists
 from codabench.timing import TimingConfig
-from workloads.models import INLINE_KEYS, PRESETS, ModelShape, from_hf_config, parse_model_spec
+from workloads.models import INLINE_KEYS, LIMITS, PRESETS, ModelShape, from_hf_config, parse_model_spec
 from workloads.op import DTYPES, MODES
 from workloads.ops import OPS
 from workloads.suites import SUITES, Suite, get_suite
@@ -49,35 +49,72 @@ class UsageError(Exception):
     """Bad input on the command line: one line on stderr, exit code 2."""
 
 
+class _ParserExit(SystemExit):
+    """argparse is done (bad input, already printed, or ``--help``): :func:`main` returns its ``code``; a parser
+    used on its own exits as argparse's does."""
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with one line for bad input (no usage block): ``prog: message (see --help)``, exit code 2."""
+    """argparse with one line for bad input (no usage block): ``prog: message (see --help)``, exit code 2. Flags are
+    taken only as spelled in full (an abbreviation such as ``--suit`` is an unknown argument). Its exits are
+    :class:`_ParserExit`, whose code :func:`main` returns."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         print(f"{self.prog}: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
+        raise _ParserExit(EXIT_USAGE)
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message:
+            print(message, end="", file=sys.stderr)
+        raise _ParserExit(status)
 
 
 def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+    """An argparse type: comma-separated names, at least one, none twice (an empty list is an error, never "the
+    default")."""
+    names = [t.strip() for t in text.split(",")]
+    if not any(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"an empty name in {text!r}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice in {text!r}")
+    return names
 
 
-def _number(kind: type, minimum: float, what: str):
-    """An argparse type: ``kind`` (int or float) at least ``minimum``."""
+def _number(kind: type, minimum: float, maximum: float, what: str):
+    """An argparse type: ``kind`` (int or float) from ``minimum`` to ``maximum``."""
+    expected = "expected {} from {} to {}".format(what, *(f"{v:g}" if isinstance(v, float) else v
+                                                          for v in (minimum, maximum)))
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not value >= minimum:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+        if not minimum <= value <= maximum:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
         return value
 
     return parse
 
 
-POSITIVE_INT = _number(int, 1, "a whole number >= 1")
-COUNT = _number(int, 0, "a whole number >= 0")
-SECONDS = _number(float, 1e-3, "a number of seconds > 0")
+MAX_REPS, MAX_ROUNDS, MAX_WARMUP, MAX_CELL_TIMEOUT_S = 10_000, 100, 1000, 86_400.0
+"""The most samples per cell, rounds, warm-up calls and seconds of ``--cell-timeout`` a run takes: far above what a
+measurement needs (the full suite takes 20 samples in 3 rounds), low enough that a typo ends in one line, not in a
+run that would not finish. The model-size flags are bounded by :data:`workloads.models.LIMITS`."""
+PRECISION_RANGE, SAME_WITHIN_RANGE = (0.001, 0.2), (0.001, 0.5)
+"""The ranges of ``--precision`` and ``--same-within`` (relative)."""
+TOKENS, VOCAB, LAYERS = (_number(int, 1, LIMITS[k], "a whole number") for k in ("tokens", "vocab", "layers"))
+REPS = _number(int, 1, MAX_REPS, "a whole number")
+ROUNDS = _number(int, 1, MAX_ROUNDS, "a whole number")
+WARMUP = _number(int, 0, MAX_WARMUP, "a whole number")
+SECONDS = _number(float, 1e-3, MAX_CELL_TIMEOUT_S, "a number of seconds")
+PRECISION, SAME_WITHIN = (_number(float, *r, "a fraction") for r in (PRECISION_RANGE, SAME_WITHIN_RANGE))
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -105,12 +142,14 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", type=_csv, help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--dtypes", type=_csv, help=f"comma-separated: {', '.join(DTYPES)}")
     p.add_argument("--impls", type=_csv, help="comma-separated implementation names (default: all registered)")
-    p.add_argument("--tokens", type=POSITIVE_INT, help="M, tokens per step (default: the preset's, 16384 for llama-*)")
-    p.add_argument("--vocab", type=POSITIVE_INT, help="vocabulary size (default: the preset's, 32768 for llama-*)")
-    p.add_argument("--layers", type=POSITIVE_INT,
-                   help="decoder layers of the whole-model ops, e.g. train_step (default: the preset's, 4; tiny: 2)")
-    p.add_argument("--check-tokens", type=POSITIVE_INT,
-                   help="tokens of the correctness pass (default: the suite's, 2048 for full; else as timing)")
+    p.add_argument("--tokens", type=TOKENS, help=f"M, tokens per step, 1-{LIMITS['tokens']} (default: the preset's, "
+                   "16384 for llama-*)")
+    p.add_argument("--vocab", type=VOCAB, help=f"vocabulary size, 1-{LIMITS['vocab']} (default: the preset's, 32768 "
+                   "for llama-*)")
+    p.add_argument("--layers", type=LAYERS, help=f"decoder layers of the whole-model ops, e.g. train_step, "
+                   f"1-{LIMITS['layers']} (default: the preset's, 4; tiny: 2)")
+    p.add_argument("--check-tokens", type=TOKENS, help=f"tokens of the correctness pass, 1-{LIMITS['tokens']} "
+                   "(default: the suite's, 2048 for full; else as timing)")
     p.add_argument("--out", type=Path, help="run directory (default: reports/<suite>-<date>-<time>)")
     p.add_argument("--plugin", action="append", default=[], metavar="FILE",
                    help="python file registering implementations (repeatable)")
@@ -123,12 +162,20 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=_shard, metavar="I/N", help="run shard I of N (1-based; whole groups)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time fwd/direct cells as CUDA-graph replays over rotating input sets")
-    p.add_argument("--warmup", type=COUNT, default=TimingConfig.warmup, help="warm-up calls before sampling")
-    p.add_argument("--reps", type=POSITIVE_INT, help="samples per cell (default: the suite's, 20 for full; else adaptive, "
-                   "20-200 on the GPU; 1 on the CPU)")
-    p.add_argument("--rounds", type=POSITIVE_INT,
-                   help="timing rounds per group: its cells and its speed-of-light GEMMs take turns, each round "
-                   f"taking 1/ROUNDS of the samples (default: {GPU_ROUNDS} on the GPU, 1 on the CPU)")
+    p.add_argument("--warmup", type=WARMUP, default=TimingConfig.warmup,
+                   help=f"warm-up calls before sampling, 0-{MAX_WARMUP} (default {TimingConfig.warmup})")
+    p.add_argument("--reps", type=REPS, help=f"samples per cell, 1-{MAX_REPS} (default: the suite's, 20 for full; "
+                   "else adaptive, 20-200 on the GPU; 1 on the CPU)")
+    p.add_argument("--rounds", type=ROUNDS,
+                   help=f"timing rounds per group, 1-{MAX_ROUNDS}: its cells and its speed-of-light GEMMs take turns, "
+                   f"each round taking 1/ROUNDS of the samples (default: {GPU_ROUNDS} on the GPU, 1 on the CPU)")
+    p.add_argument("--precision", type=PRECISION, default=TimingConfig.precision, metavar="FRACTION",
+                   help="relative precision wanted of a median, "
+                   f"{PRECISION_RANGE[0]:g}-{PRECISION_RANGE[1]:g} (default {TimingConfig.precision:g})")
+    p.add_argument("--same-within", type=SAME_WITHIN, default=TimingConfig.same_within, metavar="FRACTION",
+                   help="medians closer than this relative difference count as the same, "
+                   f"{SAME_WITHIN_RANGE[0]:g}-{SAME_WITHIN_RANGE[1]:g}, above --precision "
+                   f"(default {TimingConfig.same_within:g})")
     p.add_argument("--no-l2-flush", action="store_true", help="keep L2 warm between samples (not the default)")
     p.add_argument("--fp8-accum", choices=("fast", "promoted"), default="fast",
                    help="fp8 tensor-core accumulation of every provider in fp8 cells: 'fast' (like "
@@ -136,7 +183,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--cell-timeout", type=SECONDS, default=DEFAULT_CELL_TIMEOUT_S, metavar="SECONDS",
                    help="a cell's request to the worker process (correctness, checks and a timing round, or a later "
                    "round) that takes longer is stopped: the cell gets an error row and the run goes on in a new "
-                   f"worker (default {DEFAULT_CELL_TIMEOUT_S:g}: room for cold compiles, JIT builds and autotuning)")
+                   f"worker; up to {MAX_CELL_TIMEOUT_S:g} (default {DEFAULT_CELL_TIMEOUT_S:g}: room for cold "
+                   "compiles, JIT builds and autotuning)")
     p.add_argument("--inline", action="store_true",
                    help="run the cells in this process instead of a worker process (for a debugger); a crash or a "
                    "hang of an implementation then ends the run")
@@ -164,12 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"codabench: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except _ParserExit as e:
+        return e.code
 
 
-def _defined_models(args: argparse.Namespace) -> dict[str, ModelShape]:
-    """The shapes of ``--model`` and ``--model-config``, by name."""
+def _defined_models(args: argparse.Namespace, notes: list[str]) -> dict[str, ModelShape]:
+    """The shapes of ``--model`` and ``--model-config``, by name; what the ops leave out of a config.json's model is
+    appended to ``notes``."""
     try:
-        shapes = [parse_model_spec(s) for s in args.model] + [from_hf_config(p) for p in args.model_config]
+        shapes = [parse_model_spec(s) for s in args.model] + [from_hf_config(p, notes) for p in args.model_config]
     except ValueError as e:
         raise UsageError(str(e)) from None
     out: dict[str, ModelShape] = {}
@@ -193,7 +244,11 @@ def _print_models() -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.models == LIST_MODELS:
         return _print_models()
-    defined = _defined_models(args)
+    if not args.same_within > args.precision:
+        raise UsageError(f"--same-within ({args.same_within:g}) must be larger than --precision ({args.precision:g}): "
+                         "a difference the medians are not precise enough to show cannot count as real")
+    notes: list[str] = []
+    defined = _defined_models(args, notes)
     ranks = distributed.from_env()
     if ranks is not None and args.shard:
         raise UsageError("--shard and torchrun both split the cells among processes: give one of them")
@@ -202,8 +257,6 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--plugin {missing[0]}: no such file")
     device = torch.device(select_device())
     suite = get_suite(args.suite or ("quick" if device.type == "cuda" else "smoke"))
-    if device.type == "cpu":
-        print(f"codabench: {INTERPRETER_NOTE}", file=sys.stderr)
     out = args.out or default_out(suite.name, args.resume, args.shard)
     if ranks is not None:  # torchrun: rank 0 names the run, each rank runs its shard on its GPU
         distributed.start(ranks)
@@ -223,6 +276,8 @@ def _run(args: argparse.Namespace) -> int:
         if worker is not None:
             worker.close()
         raise
+    for note in ([INTERPRETER_NOTE] if device.type == "cpu" else []) + notes:  # once the flags hold
+        print(f"codabench: {note}", file=sys.stderr)
     if args.list:
         return _list(runner, run_dir if args.resume else None)
     if runner.cells:
@@ -328,7 +383,8 @@ def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: t
                      entry_points=not args.no_entry_points,
                      timing=TimingConfig(warmup=args.warmup, reps=args.reps or suite.reps,
                                          flush_l2=not args.no_l2_flush,
-                                         rounds=args.rounds or (GPU_ROUNDS if device.type == "cuda" else 1)))
+                                         rounds=args.rounds or (GPU_ROUNDS if device.type == "cuda" else 1),
+                                         precision=args.precision, same_within=args.same_within))
 
 
 def _check_names(sel: Selection, registry, defined: dict[str, ModelShape]) -> None:

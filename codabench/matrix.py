@@ -54,14 +54,15 @@ class Selection:
 
     @classmethod
     def from_suite(cls, suite: Suite, ops=None, models=None, modes=None, dtypes=None, impls=None) -> "Selection":
-        """The suite narrowed by the given filters; explicit impls or modes lift ``suite.impl_modes``."""
+        """The suite narrowed by the given filters (None: the suite's; an empty filter selects nothing); explicit
+        impls or modes lift ``suite.impl_modes``."""
         def pick(given, default):
-            return tuple(given) if given else default
+            return tuple(given) if given is not None else default
 
         return cls(ops=pick(ops, suite.ops or tuple(OPS)), models=pick(models, suite.models),
                    modes=pick(modes, suite.modes), dtypes=pick(dtypes, suite.dtypes),
                    impls=pick(impls, suite.impls),
-                   impl_modes={} if impls or modes else dict(suite.impl_modes))
+                   impl_modes={} if impls is not None or modes is not None else dict(suite.impl_modes))
 
 
 def _impl_order(name: str) -> tuple[int, str]:

@@ -42,7 +42,9 @@ class Implementation:
     modes: tuple[str, ...] = ("fwd", "bwd", "fwd_bwd")
     dtypes: tuple[str, ...] = ("fp32", "fp16", "bf16")
     requires: tuple[str, ...] = ()
-    """Requirement tokens: ``cuda``, ``sm90``, ``triton`` (GPU or interpreter), ``cpu``, ``pkg:<module>``."""
+    """Requirement tokens: ``cuda``, ``sm90``, ``triton`` (GPU or interpreter), ``triton-dot`` (as ``triton``; its
+    kernels multiply tiles with ``tl.dot``, which the interpreter computes wrongly in bf16), ``cpu``,
+    ``pkg:<module>`` (:func:`requirement_missing`)."""
     description: str = ""
     label: str = "baseline"
     """How the report groups it: ``baseline``, ``fused`` (CODA) or ``expert fused``."""
@@ -63,7 +65,7 @@ class Implementation:
         if case.dtype not in self.dtypes:
             return f"n/a: {self.name} does not support {case.dtype}"
         for req in self.requires:
-            reason = requirement_missing(req, case.device)
+            reason = requirement_missing(req, case.device, case.dtype)
             if reason:
                 return reason
         return None
@@ -165,8 +167,13 @@ def register(op: str | Iterable[str], name: str, *, modes: Iterable[str] | None 
     return deco
 
 
-def requirement_missing(req: str, device: torch.device) -> str | None:
-    """A skip reason if requirement ``req`` is not met on ``device``, else None."""
+INTERPRETER_NO_BF16 = "skipped: the Triton interpreter has no bf16 math; run bf16 on a GPU"
+"""The row of a ``triton-dot`` implementation's bf16 cell on the CPU: the interpreter's bf16 ``tl.dot`` returns
+garbage (relative errors near 1e10), which would read as the kernel's failure."""
+
+
+def requirement_missing(req: str, device: torch.device, dtype: str | None = None) -> str | None:
+    """A skip reason if requirement ``req`` is not met on ``device`` for a cell of ``dtype``, else None."""
     on_gpu = device.type == "cuda"
     if req == "cuda":
         return None if on_gpu else "skipped: needs a CUDA GPU"
@@ -176,11 +183,13 @@ def requirement_missing(req: str, device: torch.device) -> str | None:
         if not on_gpu or torch.cuda.get_device_capability(device)[0] < 9:
             return "skipped: needs a Hopper (sm90+) GPU"
         return None
-    if req == "triton":
+    if req in ("triton", "triton-dot"):
         if importlib.util.find_spec("triton") is None:
             return "skipped: triton is not installed"
         if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
             return "skipped: triton on CPU needs TRITON_INTERPRET=1"
+        if req == "triton-dot" and not on_gpu and dtype == "bf16":
+            return INTERPRETER_NO_BF16
         return None
     if req.startswith("pkg:"):
         mod = req[4:]

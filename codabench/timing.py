@@ -49,10 +49,10 @@ class TimingConfig:
     """Blocks fallback only (a group whose inputs do not fit in memory together, or whose interleaved sampling
     failed): rounds in which its cells take turns, each round taking 1/rounds of the samples (:func:`per_round`)."""
     precision: float = 0.01
-    """Interleaved sweeps (:mod:`codabench.sweep`) stop once every watched ratio's 95% interval is within
-    +-precision."""
+    """``--precision``: interleaved sweeps (:mod:`codabench.sweep`) stop once every watched ratio's 95% interval is
+    within +-precision."""
     same_within: float = 0.02
-    """Equivalence margin of the ``same`` verdict: the whole interval inside [1/(1+m), 1+m]."""
+    """``--same-within``: the equivalence margin of the ``same`` verdict, the whole interval inside [1/(1+m), 1+m]."""
     budget_factor: float = 1.5
     """A group's sampling budget: budget_factor x target_ms of wall time per member."""
     min_sweeps: int = 20

@@ -120,7 +120,7 @@ class HFCompile(HFTrainStep):
 
 
 class HFCoda(HFTrainStep):
-    requires = ("pkg:transformers", "triton")
+    requires = ("pkg:transformers", "triton-dot")
     _precompile: torch.device | None = None
 
     def __init__(self) -> None:

@@ -83,28 +83,34 @@ def test_the_suites_sampling_defaults_give_way_to_flags(tmp_path):
     assert (custom.check_tokens, custom.timing.reps, custom.timing.rounds) == (512, 7, 1)
 
 
+def test_precision_flags_reach_the_timing_config(tmp_path):
+    def timing(*flags):
+        args = run_parser().parse_args(list(flags))
+        suite = get_suite("smoke")
+        return run_config(args, suite, Selection.from_suite(suite), torch.device("cpu"), tmp_path).timing
+    assert (timing().precision, timing().same_within) == (0.01, 0.02)
+    custom = timing("--precision", "0.005", "--same-within", "0.03")
+    assert (custom.precision, custom.same_within) == (0.005, 0.03)
+
+
 def _usage_error(capsys, argv) -> str:
     """Run the command line on bad input: exit code 2 and exactly one line on stderr, no traceback."""
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own refusals
-        code = e.code
+    code = main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    err = [line for line in err if "Triton interpreter" not in line]
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], (code, err)
     return err[0]
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--tokens", "0"], "--tokens: expected a whole number >= 1, got '0'"),
-    (["--tokens", "-5"], "--tokens: expected a whole number >= 1, got '-5'"),
-    (["--vocab", "0"], "--vocab: expected a whole number >= 1"),
-    (["--check-tokens", "-1"], "--check-tokens: expected a whole number >= 1"),
-    (["--reps", "0"], "--reps: expected a whole number >= 1"),
-    (["--rounds", "0"], "--rounds: expected a whole number >= 1"),
-    (["--warmup", "-1"], "--warmup: expected a whole number >= 0"),
-    (["--cell-timeout", "0"], "--cell-timeout: expected a number of seconds > 0"),
-    (["--cell-timeout", "soon"], "--cell-timeout: expected a number of seconds > 0, got 'soon'"),
+    (["--tokens", "0"], "--tokens: expected a whole number from 1 to 1048576, got '0'"),
+    (["--tokens", "-5"], "--tokens: expected a whole number from 1 to 1048576, got '-5'"),
+    (["--vocab", "0"], "--vocab: expected a whole number from 1 to"),
+    (["--check-tokens", "-1"], "--check-tokens: expected a whole number from 1 to"),
+    (["--reps", "0"], "--reps: expected a whole number from 1 to 10000"),
+    (["--rounds", "0"], "--rounds: expected a whole number from 1 to 100"),
+    (["--warmup", "-1"], "--warmup: expected a whole number from 0 to 1000"),
+    (["--cell-timeout", "0"], "--cell-timeout: expected a number of seconds from 0.001 to 86400"),
+    (["--cell-timeout", "soon"], "--cell-timeout: expected a number of seconds from 0.001 to 86400, got 'soon'"),
     (["--shard", "3/2"], "argument --shard: 3/2: need 1 <= I <= N"),
     (["--shard", "x"], "argument --shard: expected I/N (e.g. 1/4), got 'x'"),
 ])
@@ -185,3 +191,46 @@ def test_error_rows_give_exit_code_1_and_a_plugin_failure_is_printed(tmp_path, c
     df = pd.read_csv(tmp_path / "run" / "results.csv")
     assert set(df[df["status"] == "error"]["impl"]) == {"test-raises", str((PLUGINS / "broken.py").resolve())}
     assert set(df[df["status"] == "ok"]["impl"]) == {"torch-eager", "test-good"}
+
+
+def test_the_readme_plugin_example_runs_on_the_cpu_as_written(tmp_path, capsys):
+    """The first code block of the README's "Adding a plugin", saved under the name its first line gives, run with
+    the README's command (narrowed to it and eager PyTorch, into a temporary folder) through the harness."""
+    section = (ROOT / "README.md").read_text().split("## Adding a plugin", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    plugin = tmp_path / code.splitlines()[0].removeprefix("# ").strip()
+    assert plugin.name == "my_kernels.py"
+    plugin.write_text(code)
+    command = re.search(r"Then run `python run_bench\.py (.*?)`", section).group(1).split()
+    argv = [str(plugin) if a == plugin.name else a for a in command]
+    out = tmp_path / "run"
+    with isolated_registry():
+        code = main(argv + ["--impls", "torch-eager,my-gemm", "--out", str(out), "--quiet", "--no-entry-points"])
+    assert code == 0, capsys.readouterr().err
+    df = pd.read_csv(out / "results.csv")
+    row = df[df["impl"] == "my-gemm"]
+    assert len(row) == 1 and row["status"].item() == "ok" and bool(row["correct"].item()), row.to_dict("records")
+    assert (row["op"].item(), row["dtype"].item()) == ("gemm_out", "fp32" if not torch.cuda.is_available() else
+                                                                    "bf16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's limit: only without a GPU")
+def test_tl_dot_kernels_skip_bf16_in_the_interpreter_with_the_reason(tmp_path, capsys):
+    """Implementations that declare ``triton-dot`` (coda-triton, the example) get a skipped bf16 row on the CPU that
+    says why, instead of the interpreter's wrong bf16 products; their fp32 cells still run."""
+    reason = "skipped: the Triton interpreter has no bf16 math; run bf16 on a GPU"
+    with isolated_registry():
+        assert main(["--ops", "gemm_out,gemm_bias_gelu", "--dtypes", "fp32,bf16", "--impls",
+                     "torch-eager,coda-triton,coda-example", "--list", "--out", str(tmp_path / "l")]) == 0
+        listed = capsys.readouterr().out.splitlines()
+        for op, impl in (("gemm_out", "coda-triton"), ("gemm_bias_gelu", "coda-example")):
+            assert any(line.split()[:5] == [op, "tiny", "fwd", "bf16", impl] and line.endswith(reason)
+                       for line in listed), listed
+            assert any(line.split()[:5] == [op, "tiny", "fwd", "fp32", impl] and line.endswith("to run")
+                       for line in listed), listed
+        out = tmp_path / "run"
+        assert main(["--ops", "gemm_out", "--dtypes", "bf16", "--impls", "torch-eager,coda-triton", "--out", str(out),
+                     "--quiet", "--no-entry-points"]) == 0
+    df = pd.read_csv(out / "results.csv").set_index("impl")
+    assert df.loc["coda-triton", "status"] == "skipped" and df.loc["coda-triton", "message"] == reason
+    assert df.loc["torch-eager", "status"] == "ok"

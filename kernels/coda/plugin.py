@@ -216,7 +216,7 @@ class CodaTriton(Implementation):
     name = "coda-triton"
     label = "fused"
     dtypes = ("fp32", "fp16", "bf16", *fp8.FP8_DTYPES)
-    requires = ("triton",)
+    requires = ("triton-dot",)
 
     def __init__(self, op: str, forward: Callable[[Tensors], Tensors], modes: tuple[str, ...], description: str,
                  grads_in_forward: bool = False):

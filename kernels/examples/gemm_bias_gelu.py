@@ -32,7 +32,7 @@ def gemm_bias_gelu_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, strid
 
 
 @register("gemm_bias_gelu", "coda-example", modes=("fwd",), dtypes=("fp32", "fp16", "bf16"),
-          requires=("triton",), label="fused")
+          requires=("triton-dot",), label="fused")
 def gemm_bias_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> dict[str, torch.Tensor]:
     """GEMM + bias + GELU in one kernel (fused epilogue)."""
     gemm = FusedGemm(x, w.T)  # x (M, K) @ w^T, w (N, K): nn.Linear's layout
