@@ -35,7 +35,7 @@ from workloads.suites import SUITES, Suite, get_suite
 
 REPORTS = Path("reports")
 GPU_ROUNDS = 3
-"""Default timing rounds on the GPU (benchmarking.md: interleave providers or repeat rounds)."""
+"""Default rounds of the blocks fallback on the GPU (a group sampled in blocks: codabench/runner.py)."""
 SUBCOMMANDS = ("merge", "compare", "report")
 LIST_MODELS = ["?"]
 """``--models`` given without a value: list the presets."""
@@ -104,8 +104,8 @@ def _number(kind: type, minimum: float, maximum: float, what: str):
 
 
 MAX_REPS, MAX_ROUNDS, MAX_WARMUP, MAX_CELL_TIMEOUT_S = 10_000, 100, 1000, 86_400.0
-"""The most samples per cell, rounds, warm-up calls and seconds of ``--cell-timeout`` a run takes: far above what a
-measurement needs (the full suite takes 20 samples in 3 rounds), low enough that a typo ends in one line, not in a
+"""The most sweeps per group, rounds, warm-up calls and seconds of ``--cell-timeout`` a run takes: far above what a
+measurement needs (a group resolved to 1% takes tens to hundreds of sweeps), low enough that a typo ends in one line, not in a
 run that would not finish. The model-size flags are bounded by :data:`workloads.models.LIMITS`."""
 PRECISION_RANGE, SAME_WITHIN_RANGE = (0.001, 0.2), (0.001, 0.5)
 """The ranges of ``--precision`` and ``--same-within`` (relative)."""
@@ -164,16 +164,18 @@ def run_parser() -> argparse.ArgumentParser:
                    help="time fwd/direct cells as CUDA-graph replays over rotating input sets")
     p.add_argument("--warmup", type=WARMUP, default=TimingConfig.warmup,
                    help=f"warm-up calls before sampling, 0-{MAX_WARMUP} (default {TimingConfig.warmup})")
-    p.add_argument("--reps", type=REPS, help=f"samples per cell, 1-{MAX_REPS} (default: the suite's, 20 for full; "
-                   "else adaptive, 20-200 on the GPU; 1 on the CPU)")
+    p.add_argument("--reps", type=REPS, help=f"sweeps per group, 1-{MAX_REPS}: each cell of a group sampled exactly "
+                   f"REPS times, interleaved (default: adaptive on the GPU, {TimingConfig.min_sweeps} or more until "
+                   "--precision or the group's budget; 1 on the CPU)")
     p.add_argument("--rounds", type=ROUNDS,
-                   help=f"timing rounds per group, 1-{MAX_ROUNDS}: its cells and its speed-of-light GEMMs take turns, "
-                   f"each round taking 1/ROUNDS of the samples (default: {GPU_ROUNDS} on the GPU, 1 on the CPU)")
+                   help=f"rounds of the blocks fallback, 1-{MAX_ROUNDS} (a group whose inputs do not fit in memory "
+                   "together: its cells take a block of samples each in turn, then its speed-of-light GEMMs; default: "
+                   f"{GPU_ROUNDS} on the GPU, 1 on the CPU)")
     p.add_argument("--precision", type=PRECISION, default=TimingConfig.precision, metavar="FRACTION",
-                   help="relative precision wanted of a median, "
+                   help="a group's sweeps stop once every ratio's 95%% interval is within +-FRACTION, "
                    f"{PRECISION_RANGE[0]:g}-{PRECISION_RANGE[1]:g} (default {TimingConfig.precision:g})")
     p.add_argument("--same-within", type=SAME_WITHIN, default=TimingConfig.same_within, metavar="FRACTION",
-                   help="medians closer than this relative difference count as the same, "
+                   help="a ratio whose whole interval lies within +-FRACTION of 1 is called 'same', "
                    f"{SAME_WITHIN_RANGE[0]:g}-{SAME_WITHIN_RANGE[1]:g}, above --precision "
                    f"(default {TimingConfig.same_within:g})")
     p.add_argument("--no-l2-flush", action="store_true", help="keep L2 warm between samples (not the default)")

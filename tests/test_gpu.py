@@ -1,9 +1,12 @@
-"""GPU-only paths of the harness: CUDA-event timing, L2 flush, CUDA graphs, ceilings, NVML, poisoning.
+"""GPU-only paths of the harness: CUDA-event timing, interleaved sweeps, L2 flush, CUDA graphs, ceilings, NVML,
+poisoning.
 
 Run on a GPU node with ``python -m pytest -q tests/test_gpu.py``; without a GPU every test here is
 reported as skipped (the CPU paths are covered by the other test files).
 """
+import json
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ from codabench.env import gpu_info, gpu_state
 from codabench.discovery import load_plugin_file
 from codabench.report import finalize
 from codabench.results import load_run
-from codabench.timing import CUDA_EVENTS, CUDA_GRAPH, TimingConfig, l2_flusher, measure, measure_graph
+from codabench import stats
+from codabench.timing import CUDA_EVENTS, TimingConfig, l2_flusher, measure
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 from workloads.op import Gemm
 
@@ -44,10 +48,9 @@ def test_during_wraps_only_the_kept_samples_on_the_gpu():
         yield
         seen.append(len(calls) - start)
 
-    for timing in (measure(lambda _: calls.append(a.mul_(1.0)), None, GPU, FAST, during=during),
-                   measure_graph(lambda x: x.mul_(1.0), [a, a.clone()], GPU, FAST, during=during)):
-        assert len(timing.samples_ms) == 10
-    assert seen[0] == 10 and len(calls) > 10 and seen[1] == 0  # graph replays call no Python fn
+    timing = measure(lambda _: calls.append(a.mul_(1.0)), None, GPU, FAST, during=during)
+    assert len(timing.samples_ms) == 10
+    assert seen[0] == 10 and len(calls) > 10
 
 
 def test_l2_flusher_exceeds_l2():
@@ -55,11 +58,25 @@ def test_l2_flusher_exceeds_l2():
     assert l2_flusher(GPU).buf.numel() >= 2 * l2 > 0
 
 
-def test_graph_timing_rotates_input_sets():
-    sets = [torch.randn(4096, 4096, device=GPU) for _ in range(3)]
-    t = measure_graph(lambda x: x.mul_(1.0), sets, GPU, FAST)
-    assert t.kind == CUDA_GRAPH and len(t.samples_ms) == 10 and "3 rotating" in t.note
-    assert t.median > 0
+def test_interleaved_sweeps_settle_record_clocks_and_resolve_planted_work(tmp_path):
+    """A group of a GEMM and the same GEMM plus 5% planted GPU work (benchmarks/planted.py), at default settings:
+    sampled in sweeps after a settled warm-up, every sample with its clock, and the planted cell called slower."""
+    with isolated_registry():
+        load_plugin_file(Path(__file__).resolve().parents[1] / "benchmarks" / "planted.py")
+        make_runner(tmp_path, device=GPU, models=("llama-7b",), modes=("fwd",), dtypes=("bf16",),
+                    impls=["gemm-ref", "gemm-plant-5"]).run()
+    df, _, env = load_run(tmp_path)
+    rows = {r["impl"]: r for _, r in df.iterrows()}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["grain"] == "sample" and r["n_sweeps"] >= 20, r["message"]
+        assert r["stop"] in ("resolved", "budget") and r["settle_s"] > 0 and r["sm_clock_min_mhz"] > 0
+    entries = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert all(len(e["sweeps"]) == len(e["samples_ms"]) == len(e["clock_mhz"]) for e in entries)
+    assert entries[0]["sweeps"] == entries[1]["sweeps"]  # one sample each per sweep
+    timed = stats.read_timed(tmp_path, env)
+    ref, planted = (next(t for k, t in timed.items() if k[4] == name) for name in ("gemm-ref", "gemm-plant-5"))
+    r = stats.ratio(ref, planted, paired=True)
+    assert r.verdict() == "slower" and 1.03 < 1 / r.value < 1.07, r
 
 
 def test_ceilings_and_gemm_speed_of_light():
@@ -129,7 +146,7 @@ def test_bf16_and_fp8_run_with_cuda_graphs(tmp_path):
     assert set(ok["dtype"]) == {"bf16", "fp8", "fp8-row"} and (ok["correct"] == True).all()  # noqa: E712
     assert env["ceilings"]["bf16_tflops"] > 10 and env["ceilings"]["fp8_tflops"] > 10 and env["gpu"]["name"]
     fwd = ok[ok["mode"] == "fwd"]  # fp8 cells are fwd (or direct): every one is graph-captured
-    assert set(fwd["timing"]) == {"cuda-graph"}
+    assert set(fwd["timing"]) == {"cuda-graph"} and fwd["message"].str.contains("rotating input sets").all()
     bwd = ok[ok["mode"] != "fwd"]
     assert set(bwd["timing"]) == {"cuda-events"} and set(bwd["dtype"]) == {"bf16"}
     assert (bwd["message"].str.contains("cuda-graph mode covers fwd")).all()
