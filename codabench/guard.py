@@ -83,7 +83,7 @@ class Tampered(Exception):
     """Something the timing loops rely on was replaced; ``names`` lists what (the message is :func:`tamper_message`)."""
 
     def __init__(self, names: list[str]):
-        super().__init__(tamper_message(names))
+        Exception.__init__(self, tamper_message(names))  # no super(): its __class__ cell would be one more target
         self.names = names
 
 
