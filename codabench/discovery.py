@@ -83,8 +83,6 @@ Gate = Callable[[str], str | None]
 """Asked with a plugin's source before its import: a reason not to import it (its load error), or None."""
 Done = Callable[[str, float], None]
 """Told a plugin's source and the seconds its import took (failed or not)."""
-SLOW_IMPORT_S = 10.0
-"""A plugin import slower than this is reported: every worker start pays it again."""
 
 
 def _record_failure(source: str, exc: BaseException) -> None:

@@ -3,19 +3,20 @@
 The parent (:mod:`codabench.runner`) owns the plan, the result files, progress and the report; every call into an
 implementation happens in the worker, a child Python process (:data:`WORKER_MAIN`) (a socket pair carries pickled
 requests and answers; stdout and stderr stay the terminal's) that is kept alive across cells (compile, JIT and
-autotuning caches stay warm) and replaced when it dies. The worker leads a session of its own (a process group): after
-a request that timed out or crashed, and when the run ends, everything in that group is killed, children a plugin
-spawned included, so that none of them outlives its cell and slows the next one. Each request (a cell's first round, a later round, a
-group's GEMMs, the environment) has a deadline (``--cell-timeout``): a worker that misses it is killed and the
-request fails with "timed out after N s"; a worker that exits or is killed by a signal (``sys.exit``, ``os._exit``,
-a segfault, a lost CUDA context) fails its request with the exit code or the signal's name. The next request starts a
-fresh worker. The worker ignores SIGINT: Ctrl-C reaches the parent, which stops the worker and writes the report.
+autotuning caches stay warm) and replaced when it dies. The worker leads a session of its own (a process group):
+after a request that timed out or crashed, and when the run ends, everything in that group is killed, children a
+plugin spawned included, so that none of them outlives its cell and slows the next one. Each request (a cell's first
+round, a later round, a group's GEMMs, the environment) has a deadline (``--cell-timeout``): a worker that misses it
+is killed and the request fails with "timed out after N s"; a worker that exits or is killed by a signal
+(``sys.exit``, ``os._exit``, a segfault, a lost CUDA context) fails its request with the exit code or the signal's
+name. The next request starts a fresh worker. The worker ignores SIGINT: Ctrl-C reaches the parent, which stops the
+worker and writes the report.
 
 Starting, the worker reports each plugin import to the parent (:func:`codabench.discovery.discover`'s ``gate`` and
 ``done``). An import that takes longer than the cell timeout, or that ends the worker process, is vetoed: the worker
 is stopped and started again without that plugin, which gets a load error, in this worker and every later one, and in
 the parent's registry (:meth:`WorkerProcess.import_verdict` lets the parent's own discovery skip it too, so a hanging
-import never hangs the command line). An import slower than :data:`codabench.discovery.SLOW_IMPORT_S` is printed and
+import never hangs the command line). An import slower than :data:`SLOW_IMPORT_S` is printed and
 recorded in env.json (``slow_plugin_imports``). Each plugin is checked for tampering right after its import
 (:mod:`codabench.discovery`): the blame falls on that plugin's load error, in every worker, and never on a cell.
 
@@ -37,7 +38,7 @@ from typing import Any
 from codabench import guard
 from codabench.config import RunConfig
 from codabench.measure import Measurer, describe_exception
-from codabench.discovery import SLOW_IMPORT_S, discover
+from codabench.discovery import discover
 from codabench.registry import REGISTRY, Registry
 
 DEVICE_LOST_EXIT = 75
@@ -48,6 +49,8 @@ WORKER_MAIN = ("import sys; from codabench.bootstrap import select_device; selec
                "serve(Connection(int(sys.argv[1])))")
 """The worker process's program: the device selection (interpreter, quiet loggers) before anything else is imported,
 then :func:`serve` on the inherited socket."""
+SLOW_IMPORT_S = 10.0
+"""A plugin import slower than this is reported: every worker start pays it again."""
 START_TIMEOUT_S = 300.0
 """Deadline of a worker's start (imports of torch, Triton and every plugin, CUDA initialisation), when it exceeds
 the cell timeout."""
@@ -250,7 +253,9 @@ class WorkerProcess:
                       file=sys.stderr)
         elif kind == "ready":
             self._ready, self._importing = True, None
-            self.registry.load_errors.extend(e for e in value if tuple(e) not in self.registry.load_errors)
+            for error in value:  # the parent's own imports found the same ones, as a rule: each is listed once
+                if tuple(error) not in self.registry.load_errors:
+                    self.registry.load_errors.append(tuple(error))
 
     def _died_starting(self) -> Failure | None:
         if self._importing is None:
@@ -312,7 +317,9 @@ class WorkerProcess:
 
 
 class InlineWorker:
-    """The worker's requests run in this process (``--inline``): no isolation, no timeout."""
+    """The worker's requests run in this process (``--inline``): no isolation, no timeout. The guard records the
+    harness's modules again as they are when it starts (:func:`codabench.guard.snapshot` ``refresh``): a debugger's
+    or test's patches of the harness are not taken for a cell's tampering."""
 
     def __init__(self, cfg: RunConfig, registry: Registry):
         guard.snapshot(refresh=True)
