@@ -335,7 +335,9 @@ def _summary(out: Path, code: int) -> int:
 
 def _runner(args: argparse.Namespace, cfg: RunConfig, worker: WorkerProcess | None) -> Runner:
     """The plan of the run, after the checks that need the registry (names, an empty selection, the device, --out)."""
-    registry = discover(args.plugin, entry_points=not args.no_entry_points)
+    # with a worker, each plugin is imported here only once the worker imported it in time (a hang is vetoed there)
+    registry = discover(args.plugin, entry_points=not args.no_entry_points,
+                        gate=worker.import_verdict if worker is not None else None)
     _check_names(cfg.selection, registry, cfg.models)
     runner = Runner(cfg, registry, worker)
     if args.list:  # the listing names the plugins that failed to load

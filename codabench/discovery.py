@@ -10,8 +10,14 @@
 
 A module that fails to import, exits while being imported, or registers an op that does not exist is recorded in
 ``REGISTRY.load_errors`` with the file and line at fault (printed on the console and reported as an error row,
-never dropped). The harness's references to its clocks and torch functions are recorded before the first plugin
-import (:mod:`codabench.guard`).
+never dropped). The harness's references to its clocks, torch functions and own modules are recorded before the
+first plugin import (:mod:`codabench.guard`) and checked after each one: a plugin that replaced any of them while
+being imported gets a load error naming what it replaced, and the originals are restored before the next import, so
+the blame never falls on a later plugin or cell.
+
+Each import can be watched from outside (the cell worker reports them to its parent, :mod:`codabench.worker`): a
+``gate`` asked before it may veto it (a reason, recorded as the plugin's load error: its import hung or crashed a
+worker before), and ``done`` hears how many seconds it took.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import sys
 import traceback
 from importlib.metadata import EntryPoint
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 try:
     import tomllib
@@ -73,15 +79,42 @@ def describe_load_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}{where}"
 
 
+Gate = Callable[[str], str | None]
+"""Asked with a plugin's source before its import: a reason not to import it (its load error), or None."""
+Done = Callable[[str, float], None]
+"""Told a plugin's source and the seconds its import took (failed or not)."""
+
+
 def _record_failure(source: str, exc: BaseException) -> None:
     REGISTRY.load_errors.append((source, describe_load_error(exc)))
 
 
-def _load(ep: EntryPoint, source: str) -> None:
+def import_tamper_message(names: list[str]) -> str:
+    """The load error of a plugin that replaced ``names`` while being imported."""
+    return f"tampered with {guard.listing(names)} while being imported (the harness restored the originals)"
+
+
+def _import(source: str, load: Callable[[], None], gate: Gate | None, done: Done | None) -> None:
+    """Run ``load`` (one plugin's import) unless ``gate`` vetoes it; a failure, an exit or tampering becomes the
+    plugin's load error (and the tampering is undone)."""
+    reason = gate(source) if gate is not None else None
+    if reason is not None:
+        REGISTRY.load_errors.append((source, reason))
+        return
+    clock = guard.private_clocks().perf_counter
+    before = set(guard.tampered())  # already changed (by a test or debugger that runs discovery): not this plugin
+    t0 = clock()
     try:
-        ep.load()
+        load()
     except (Exception, SystemExit) as e:  # a broken plugin (or one that exits) becomes an error row, not a crash
         _record_failure(source, e)
+    seconds = clock() - t0
+    bad = [name for name in guard.tampered() if name not in before]
+    if bad:
+        guard.restore(bad)
+        REGISTRY.load_errors.append((source, import_tamper_message(bad)))
+    if done is not None:
+        done(source, seconds)
 
 
 def plugin_module_name(path: Path) -> str:
@@ -90,14 +123,17 @@ def plugin_module_name(path: Path) -> str:
     return f"codabench_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
 
-def load_plugin_file(path: str | os.PathLike) -> None:
+def load_plugin_file(path: str | os.PathLike, gate: Gate | None = None, done: Done | None = None) -> None:
+    """Import a plugin file (once: a file already imported is left alone); ``gate``, ``done``: see the module."""
+    guard.snapshot()
     path = Path(path).resolve()
     if str(path) not in REGISTRY.plugin_files:
         REGISTRY.plugin_files.append(str(path))
     mod_name = plugin_module_name(path)
     if mod_name in sys.modules:
         return
-    try:
+
+    def load() -> None:
         if not path.is_file():
             raise FileNotFoundError(f"no such plugin file: {path}")
         spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -105,14 +141,19 @@ def load_plugin_file(path: str | os.PathLike) -> None:
             raise ImportError(f"cannot load {path} as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:
-        sys.modules.pop(mod_name, None)
-        _record_failure(str(path), e)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(mod_name, None)
+            raise
+
+    _import(str(path), load, gate, done)
 
 
-def discover(plugin_files: Iterable[str] = (), entry_points: bool = True) -> Registry:
-    """Register every implementation in the order above (``entry_points``: also other packages' plugins)."""
+def discover(plugin_files: Iterable[str] = (), entry_points: bool = True, gate: Gate | None = None,
+             done: Done | None = None) -> Registry:
+    """Register every implementation in the order above (``entry_points``: also other packages' plugins; ``gate``,
+    ``done``: see the module)."""
     guard.snapshot()
     eager.register(REGISTRY)
     try:
@@ -121,10 +162,10 @@ def discover(plugin_files: Iterable[str] = (), entry_points: bool = True) -> Reg
         builtin = []
         _record_failure("built-in implementations", e)
     for ep in builtin:
-        _load(ep, ep.value)
+        _import(ep.value, ep.load, gate, done)
     if entry_points:
         for ep in other_entry_points():
-            _load(ep, f"entry point {ep.name}")
+            _import(f"entry point {ep.name}", ep.load, gate, done)
     for f in plugin_files:
-        load_plugin_file(f)
+        load_plugin_file(f, gate, done)
     return REGISTRY

@@ -3,11 +3,22 @@
 The parent (:mod:`codabench.runner`) owns the plan, the result files, progress and the report; every call into an
 implementation happens in the worker, a child Python process (:data:`WORKER_MAIN`) (a socket pair carries pickled
 requests and answers; stdout and stderr stay the terminal's) that is kept alive across cells (compile, JIT and
-autotuning caches stay warm) and replaced when it dies. Each request (a cell's first round, a later round, a
-group's GEMMs, the environment) has a deadline (``--cell-timeout``): a worker that misses it is killed and the
-request fails with "timed out after N s"; a worker that exits or is killed by a signal (``sys.exit``, ``os._exit``,
-a segfault, a lost CUDA context) fails its request with the exit code or the signal's name. The next request starts a
-fresh worker. The worker ignores SIGINT: Ctrl-C reaches the parent, which stops the worker and writes the report.
+autotuning caches stay warm) and replaced when it dies. The worker leads a session of its own (a process group):
+after a request that timed out or crashed, and when the run ends, everything in that group is killed, children a
+plugin spawned included, so that none of them outlives its cell and slows the next one. Each request (a cell's first
+round, a later round, a group's GEMMs, the environment) has a deadline (``--cell-timeout``): a worker that misses it
+is killed and the request fails with "timed out after N s"; a worker that exits or is killed by a signal
+(``sys.exit``, ``os._exit``, a segfault, a lost CUDA context) fails its request with the exit code or the signal's
+name. The next request starts a fresh worker. The worker ignores SIGINT: Ctrl-C reaches the parent, which stops the
+worker and writes the report.
+
+Starting, the worker reports each plugin import to the parent (:func:`codabench.discovery.discover`'s ``gate`` and
+``done``). An import that takes longer than the cell timeout, or that ends the worker process, is vetoed: the worker
+is stopped and started again without that plugin, which gets a load error, in this worker and every later one, and in
+the parent's registry (:meth:`WorkerProcess.import_verdict` lets the parent's own discovery skip it too, so a hanging
+import never hangs the command line). An import slower than :data:`SLOW_IMPORT_S` is printed and
+recorded in env.json (``slow_plugin_imports``). Each plugin is checked for tampering right after its import
+(:mod:`codabench.discovery`): the blame falls on that plugin's load error, in every worker, and never on a cell.
 
 :class:`InlineWorker` runs the same requests in the parent process (``--inline``): for debuggers, and for tests
 that patch the harness; there a crash or a hang ends the run.
@@ -28,7 +39,7 @@ from codabench import guard
 from codabench.config import RunConfig
 from codabench.measure import Measurer, describe_exception
 from codabench.discovery import discover
-from codabench.registry import Registry
+from codabench.registry import REGISTRY, Registry
 
 DEVICE_LOST_EXIT = 75
 """Exit code of a worker whose CUDA context broke (the request that broke it has its answer)."""
@@ -38,6 +49,8 @@ WORKER_MAIN = ("import sys; from codabench.bootstrap import select_device; selec
                "serve(Connection(int(sys.argv[1])))")
 """The worker process's program: the device selection (interpreter, quiet loggers) before anything else is imported,
 then :func:`serve` on the inherited socket."""
+SLOW_IMPORT_S = 10.0
+"""A plugin import slower than this is reported: every worker start pays it again."""
 START_TIMEOUT_S = 300.0
 """Deadline of a worker's start (imports of torch, Triton and every plugin, CUDA initialisation), when it exceeds
 the cell timeout."""
@@ -77,19 +90,31 @@ def dispatch(measurer: Measurer, method: str, args: tuple) -> Any:
 
 
 def serve(conn: Connection) -> None:
-    """The worker process's main loop: receive the run's config, load the implementations, then answer requests
-    until told to stop, or until the parent is gone (its end of the connection closed: the worker ends quietly)."""
+    """The worker process's main loop: receive the run's config and the plugins not to import (source: the reason),
+    load the implementations (reporting each import), then answer requests until told to stop, or until the parent is
+    gone (its end of the connection closed: the worker ends quietly)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         cfg: RunConfig = conn.recv()
+        vetoed: dict[str, str] = conn.recv()
     except (EOFError, OSError):
         return
     guard.snapshot()
-    registry = discover(cfg.plugin_files, entry_points=cfg.entry_points)
+
+    def gate(source: str) -> str | None:
+        if source not in vetoed:
+            conn.send(("importing", source))
+        return vetoed.get(source)
+
+    try:
+        registry = discover(cfg.plugin_files, entry_points=cfg.entry_points, gate=gate,
+                            done=lambda source, seconds: conn.send(("imported", (source, seconds))))
+    except OSError:  # the parent is gone
+        return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: a plugin's import may have set its own handler
     measurer = Measurer(cfg, registry)
     try:
-        conn.send(("ready", None))
+        conn.send(("ready", registry.load_errors))
         while True:
             method, args = conn.recv()
             if method == "stop":
@@ -103,16 +128,27 @@ def serve(conn: Connection) -> None:
 
 
 class WorkerProcess:
-    """The parent's handle on the worker process: requests with a deadline; a dead worker is replaced lazily."""
+    """The parent's handle on the worker process: requests with a deadline; a dead worker is replaced lazily.
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    ``registry``: the parent's, which gets the worker's load errors (those of vetoed imports among them)."""
+
+    def __init__(self, cfg: RunConfig, registry: Registry = REGISTRY):
+        self.cfg, self.registry = cfg, registry
         self.timeout_s = cfg.cell_timeout_s
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._ready = False
         """True once the running worker said it is ready."""
         self.starts = 0
+        self.vetoed: dict[str, str] = {}
+        """Plugins no worker imports any more (source: the load error): their import hung or ended the worker."""
+        self.verdicts: dict[str, str | None] = {}
+        """Each plugin import a worker finished (None) or that was vetoed (the reason)."""
+        self.slow_imports: dict[str, float] = {}
+        """Seconds of each plugin import slower than SLOW_IMPORT_S."""
+        self._importing: tuple[str, float] | None = None
+        """The plugin the starting worker is importing, and since when (time.monotonic())."""
+        self._start_deadline = 0.0
 
     def call(self, method: str, *args: Any) -> Any:
         """The worker's answer to ``method(*args)``, or a :class:`Failure` (timeout, exit, signal, harness error)."""
@@ -124,7 +160,18 @@ class WorkerProcess:
             self._conn.send((method, args))
         except OSError:
             return self._dead()
-        return self._receive(self.timeout_s)
+        answer = self._receive(self.timeout_s)
+        if method == "env" and isinstance(answer, dict) and self.slow_imports:
+            answer["slow_plugin_imports"] = {s: round(t, 1) for s, t in self.slow_imports.items()}
+        return answer
+
+    def import_verdict(self, source: str) -> str | None:
+        """Wait until the starting worker has imported plugin ``source`` (None) or vetoed it (the reason: the
+        caller must not import it either). None also where no worker is starting or it imports no such plugin."""
+        while source not in self.verdicts and self._proc is not None and not self._ready:
+            if self._starting() is not None:  # the worker failed to start: the next request tries again
+                break
+        return self.verdicts.get(source)
 
     def spawn(self) -> None:
         """Start a worker process without waiting for it: it imports torch, Triton and the plugins while the caller
@@ -133,13 +180,16 @@ class WorkerProcess:
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
         self._proc = subprocess.Popen([sys.executable, "-c", WORKER_MAIN, str(theirs.fileno())],
-                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                                      pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                      start_new_session=True)
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._ready = False
+        self._ready, self._importing = False, None
+        self._start_deadline = time.monotonic() + max(self.timeout_s, START_TIMEOUT_S)
         self.starts += 1
         try:
             self._conn.send(self.cfg)
+            self._conn.send(dict(self.vetoed))
         except OSError:  # the worker died at once: waiting for it (:meth:`_start`) finds out why
             pass
 
@@ -159,9 +209,65 @@ class WorkerProcess:
         """Wait for the spawned worker (spawn one if there is none, or it died) to be ready."""
         if self._proc is None or self._proc.poll() is not None:
             self.spawn()
-        answer = self._receive(max(self.timeout_s, START_TIMEOUT_S))
-        self._ready = not isinstance(answer, Failure)
-        return Failure(f"starting the worker: {answer.message}") if isinstance(answer, Failure) else None
+        while not self._ready:
+            failure = self._starting()
+            if failure is not None:
+                return Failure(f"starting the worker: {failure.message}")
+        return None
+
+    def _starting(self) -> Failure | None:
+        """One step of a worker's start: handle its next report, or veto the plugin whose import hangs or ended the
+        worker (and start another without it); a Failure where the start itself timed out or the worker died."""
+        try:
+            if self._conn.poll(POLL_S):
+                try:
+                    kind, value = self._conn.recv()
+                except (EOFError, OSError):
+                    return self._died_starting()
+                self._report(kind, value)
+                return None
+            if self._proc.poll() is not None:
+                return self._died_starting()
+            now = time.monotonic()
+            if self._importing is not None and now - self._importing[1] > self.timeout_s:
+                self._veto(self._importing[0], f"importing it took more than {self.timeout_s:g} s (the worker was "
+                                               "stopped and started again without this plugin)")
+            elif now > self._start_deadline:
+                self._kill()
+                return Failure(f"timed out after {max(self.timeout_s, START_TIMEOUT_S):g} s")
+            return None
+        except BaseException:  # Ctrl-C while waiting: stop the starting worker, not orphan it
+            self._kill()
+            raise
+
+    def _report(self, kind: str, value: Any) -> None:
+        if kind == "importing":
+            self._importing = (value, time.monotonic())
+        elif kind == "imported":
+            source, seconds = value
+            self._importing = None
+            self.verdicts[source] = None
+            if seconds > SLOW_IMPORT_S and source not in self.slow_imports:
+                self.slow_imports[source] = seconds
+                print(f"codabench: plugin {source} took {seconds:.1f} s to import (every worker start pays it)",
+                      file=sys.stderr)
+        elif kind == "ready":
+            self._ready, self._importing = True, None
+            for error in value:  # the parent's own imports found the same ones, as a rule: each is listed once
+                if tuple(error) not in self.registry.load_errors:
+                    self.registry.load_errors.append(tuple(error))
+
+    def _died_starting(self) -> Failure | None:
+        if self._importing is None:
+            return self._dead()
+        source = self._importing[0]
+        self._veto(source, f"importing it ended the worker process: {self._dead().message}")
+        return None
+
+    def _veto(self, source: str, reason: str) -> None:
+        """Stop the worker; start another that does not import ``source``."""
+        self.vetoed[source] = self.verdicts[source] = reason
+        self.spawn()
 
     @property
     def alive(self) -> bool:
@@ -196,9 +302,12 @@ class WorkerProcess:
         return Failure(exit_message(code))
 
     def _kill(self) -> None:
+        """Kill the worker's process group (the worker and whatever its plugins spawned) and close the connection."""
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)  # its own session: the group's id is its pid
+            except (ProcessLookupError, PermissionError):  # the worker and all its children are gone
+                pass
             self._proc.wait()
             self._proc = None
         self._ready = False
@@ -208,10 +317,12 @@ class WorkerProcess:
 
 
 class InlineWorker:
-    """The worker's requests run in this process (``--inline``): no isolation, no timeout."""
+    """The worker's requests run in this process (``--inline``): no isolation, no timeout. The guard records the
+    harness's modules again as they are when it starts (:func:`codabench.guard.snapshot` ``refresh``): a debugger's
+    or test's patches of the harness are not taken for a cell's tampering."""
 
     def __init__(self, cfg: RunConfig, registry: Registry):
-        guard.snapshot()
+        guard.snapshot(refresh=True)
         self.measurer = Measurer(cfg, registry)
 
     alive = True

@@ -1,5 +1,6 @@
 """Cells in a worker process: hangs, exits and crashes cost one row; cheats are caught before a time counts."""
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -15,17 +16,19 @@ import torch
 import torch.nn.functional as F
 
 from codabench import guard
+from codabench import worker as worker_module
 from codabench.case import Case
 from codabench.ceilings import floor_ms
-from codabench.matrix import Cell
+from codabench.config import RunConfig
+from codabench.matrix import Cell, Selection
 from codabench.measure import RoundResult
-from codabench.discovery import load_plugin_file
+from codabench.discovery import load_plugin_file, plugin_module_name
 from codabench.results import load_run
 from codabench import plan as planning
 from codabench.runner import Runner, _Pending
 from codabench.worker import WORKER_MAIN, WorkerProcess
 from codabench.writer import RunExists
-from harness_helpers import PLUGINS, isolated_registry, make_runner
+from harness_helpers import CPU, PLUGINS, isolated_registry, make_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,6 +124,75 @@ def test_the_guard_notices_and_restores_replaced_functions():
         assert time.perf_counter is clock and F.rms_norm is norm and guard.tampered() == []
     finally:
         time.perf_counter, F.rms_norm = clock, norm
+
+
+def _config(out: Path, impls: list[str], plugins: list[Path], cell_timeout_s: float) -> RunConfig:
+    sel = Selection(ops=("gemm_out",), models=("tiny",), modes=("fwd",), dtypes=("fp32",), impls=tuple(impls))
+    return RunConfig(out_dir=out, selection=sel, device=CPU, show_progress=False, cell_timeout_s=cell_timeout_s,
+                     plugin_files=tuple(str(p.resolve()) for p in plugins), entry_points=False)
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, killed and waiting to be reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _spawned_all_gone(pids: Path, names: set[str]) -> None:
+    """The busy children that spawners.py wrote to ``pids`` (one per name) are all gone (within 10 s: reaping)."""
+    spawned = {f.name: int(f.read_text()) for f in pids.iterdir()}
+    assert spawned.keys() == names
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in spawned.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [name for name, pid in spawned.items() if _alive(pid)]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups, /proc")
+def test_plugin_imports_are_blamed_bounded_and_reported_in_every_worker(registry, tmp_path, monkeypatch, capsys):
+    """As the command line runs: the worker starts first and this process imports each plugin only once the worker
+    did. A plugin that replaces time.perf_counter at import gets the blame (a load error) in every worker, so the
+    honest cell that is the first of a new worker (after a crash) passes; an import that hangs is vetoed (an error
+    row, the run goes on, this process never imports it); a slow one is reported (stderr, env.json). The busy
+    children of the crashed cell and of the honest one die with their worker's process group."""
+    monkeypatch.setattr(worker_module, "SLOW_IMPORT_S", 1.0)  # slow_import.py sleeps 1.5 s
+    monkeypatch.setenv("CODABENCH_TEST_PIDS", str(tmp_path / "pids"))
+    (tmp_path / "pids").mkdir()
+    plugins = [PLUGINS / f for f in ("hangs_at_import.py", "patches_at_import.py", "slow_import.py", "spawners.py")]
+    impls = ["torch-eager", "test-import-patcher", "test-slow-import", "test-spawn-crashes", "test-spawn-returns"]
+    cfg = _config(tmp_path / "run", impls, plugins, cell_timeout_s=6)
+    worker = WorkerProcess(cfg)
+    worker.spawn()
+    for p in plugins:
+        load_plugin_file(p, gate=worker.import_verdict)
+    assert plugin_module_name(plugins[0].resolve()) not in sys.modules
+    Runner(cfg, registry, worker).run()
+    got = rows(tmp_path / "run")
+    hang, patcher = (str(p.resolve()) for p in plugins[:2])
+    assert got[hang]["status"] == "error" and "importing it took more than 6 s" in got[hang]["message"]
+    assert got[patcher]["status"] == "error" and (
+        "tampered with time.perf_counter while being imported" in got[patcher]["message"])
+    assert "exited with code 7" in got["test-spawn-crashes"]["message"]
+    for impl in ("torch-eager", "test-import-patcher", "test-slow-import", "test-spawn-returns"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+    assert worker.starts == 3  # the first, the one without the hanging plugin, the one after the crash
+    assert sorted(source for source, _ in registry.load_errors) == sorted([hang, patcher])  # each once
+    slow = str(plugins[2].resolve())
+    assert json.loads((tmp_path / "run" / "env.json").read_text())["slow_plugin_imports"].keys() == {slow}
+    assert f"plugin {slow} took" in capsys.readouterr().err
+    _spawned_all_gone(tmp_path / "pids", {"test-spawn-crashes", "test-spawn-returns"})
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups, /proc")
+def test_a_cell_that_times_out_takes_what_its_plugin_spawned_with_it(registry, tmp_path, monkeypatch):
+    monkeypatch.setenv("CODABENCH_TEST_PIDS", str(tmp_path / "pids"))
+    (tmp_path / "pids").mkdir()
+    load_plugin_file(PLUGINS / "spawners.py")
+    make_runner(tmp_path / "run", modes=("fwd",), impls=["test-spawn-hangs"], cell_timeout_s=6).run()
+    assert "timed out after 6 s" in rows(tmp_path / "run")["test-spawn-hangs"]["message"]
+    _spawned_all_gone(tmp_path / "pids", {"test-spawn-hangs"})
 
 
 def test_a_time_below_the_physical_floor_is_an_error(registry, tmp_path):

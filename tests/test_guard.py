@@ -1,0 +1,217 @@
+"""The guard: what it watches (the harness's own modules too), what it restores, its cost, and the private clocks."""
+import builtins
+import sys
+import threading
+import time
+
+import pandas as pd
+import pytest
+
+import codabench.metrics
+import codabench.registry
+import codabench.timing
+from codabench import guard
+from codabench.discovery import load_plugin_file
+from codabench.results import load_run
+from harness_helpers import PLUGINS, isolated_registry, make_runner
+
+
+@pytest.fixture(autouse=True)
+def recorded():
+    """A snapshot taken, and nothing left replaced by a test that fails half-way."""
+    guard.snapshot()
+    assert guard.tampered() == []
+    yield
+    guard.restore()
+
+
+class OneRead:
+    """The tester's cheat: a clock that returns a tenth of the time elapsed since it was put in, only when read from
+    the timing loop, and (``persistent`` False) puts the original back after that one read, so that nothing is
+    left for a check after the region to see."""
+
+    def __init__(self, owner, name: str, loop_name: str, persistent: bool):
+        self.owner, self.name, self.loop_name, self.persistent = owner, name, loop_name, persistent
+        self.original = getattr(owner, name)
+        self.t0 = self.original()
+        setattr(owner, name, self)
+
+    def __call__(self):
+        now = self.original()
+        if sys._getframe(1).f_code.co_name != self.loop_name:
+            return now
+        if not self.persistent:
+            setattr(self.owner, self.name, self.original)
+        return self.t0 + (now - self.t0) / 10
+
+
+def plugin_call(loop_name: str, persistent: bool):
+    """A timed call that sleeps 20 ms and, on its first call, puts OneRead clocks in place of the harness's bound
+    clock and ``time.perf_counter``, and rebinds ``guard.private_clocks``."""
+    done = []
+
+    def call():
+        if not done:
+            done.append(True)
+            OneRead(codabench.timing, "perf_counter", loop_name, persistent)
+            OneRead(time, "perf_counter", loop_name, persistent)
+            guard.private_clocks = lambda: pytest.fail("the loop looked its clocks up again")
+        time.sleep(0.02)
+    return call
+
+
+def naive_loop(fn, n: int) -> float:
+    """A timing loop that reads the module's clock at every use (as codabench.timing did)."""
+    t0 = codabench.timing.perf_counter()
+    for _ in range(n):
+        fn()
+    return codabench.timing.perf_counter() - t0
+
+
+def private_loop(fn, n: int) -> tuple[float, guard.Tampered | None]:
+    """A timing loop as the guard's docstring prescribes: the private clocks bound to locals, verified around the
+    region. Returns the time and what the verification after the region caught."""
+    perf_counter, Event, record, elapsed_ms, synchronize, verify = guard.private_clocks()
+    verify()
+    t0 = perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = perf_counter()
+    try:
+        verify()
+    except guard.Tampered as caught:
+        return t1 - t0, caught
+    return t1 - t0, None
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_loop_on_private_clocks_is_not_fooled_and_verify_catches_the_rebinding(persistent):
+    private_clocks = guard.private_clocks
+    try:
+        fooled = naive_loop(plugin_call("naive_loop", persistent), 5)
+        assert fooled < 0.05, fooled  # the cheat works on a loop that reads module attributes: 0.1 s looks like 0.01
+        if not persistent:  # it undid itself: a check after the region sees nothing
+            assert "codabench.timing.perf_counter" not in guard.tampered()
+        guard.restore()
+        honest, caught = private_loop(plugin_call("private_loop", persistent), 5)
+        assert honest >= 0.1, honest  # five sleeps of 20 ms, whatever the plugin rebound during the loop
+        names = {"codabench.timing.perf_counter", "time.perf_counter", "codabench.guard.private_clocks"}
+        assert caught is not None and set(caught.names) == names, caught
+        assert str(caught).startswith("tampered with ")
+        assert set(guard.restore()) == names
+        assert codabench.timing.perf_counter is time.perf_counter is guard._RECORD.clocks.perf_counter
+    finally:
+        guard.private_clocks = private_clocks
+    again, caught = private_loop(lambda: time.sleep(0.01), 2)
+    assert again >= 0.02 and caught is None
+
+
+def _fake_profile(frame, event, arg):
+    return None
+
+
+def _swap_code():
+    codabench.metrics.rel_err.__code__ = _fake_profile.__code__
+
+
+def _with_closure():
+    """A function of the harness that has a closure (the guard watches over a hundred functions), and its first cell's
+    label."""
+    f = next(f for f in guard._RECORD.functions if f.cells)
+    return f, f"{f.label} (closure variable {f.code.co_freevars[0]})"
+
+
+def _swap_cell():
+    _with_closure()[0].cells[0].cell_contents = object()
+
+
+def _swap_module():
+    sys.modules["codabench.timing"] = type(sys)("codabench.timing")
+
+
+def _shadow_builtin():
+    codabench.timing.sorted = lambda *a, **k: []
+
+
+def _mutate_kwdefaults():
+    codabench.registry.register.__kwdefaults__["modes"] = ("fwd",)
+
+
+TAMPERING = {
+    "a harness global": (lambda: setattr(codabench.timing, "perf_counter", lambda: 0.0),
+                         "codabench.timing.perf_counter"),
+    "a harness class attribute": (lambda: setattr(codabench.timing.Timing, "median", property(lambda self: 0.0)),
+                                  "codabench.timing.Timing.median"),
+    "a harness function's code": (_swap_code, "codabench.metrics.rel_err.__code__"),
+    "a harness function's defaults": (lambda: setattr(codabench.timing.measure, "__defaults__", (None, None)),
+                                      "codabench.timing.measure.__defaults__"),
+    "a harness function's keyword defaults": (_mutate_kwdefaults, "codabench.registry.register.__kwdefaults__"),
+    "a closure cell": (_swap_cell, lambda: _with_closure()[1]),  # found once the fixture took the snapshot
+    "sys.settrace": (lambda: sys.settrace(_fake_profile), "sys.settrace (a hook is set)"),
+    "sys.setprofile": (lambda: sys.setprofile(_fake_profile), "sys.setprofile (a hook is set)"),
+    "threading.settrace": (lambda: threading.settrace(_fake_profile), "threading.settrace (a hook is set)"),
+    "a builtin": (lambda: setattr(builtins, "sorted", lambda *a, **k: []), "builtins.sorted"),
+    "a builtin shadowed in a harness module": (_shadow_builtin, "codabench.timing.sorted (shadows the builtin)"),
+    "a harness module in sys.modules": (_swap_module, "sys.modules['codabench.timing']"),
+    "a torch function": (lambda: setattr(codabench.timing.torch.cuda, "synchronize", lambda *a: None),
+                         "torch.cuda.synchronize"),
+}
+
+
+@pytest.mark.parametrize("kind", list(TAMPERING))
+def test_the_guard_sees_and_restores(kind):
+    tamper, label = TAMPERING[kind]
+    label = label() if callable(label) else label
+    timing_module, rel_err_code = sys.modules["codabench.timing"], codabench.metrics.rel_err.__code__
+    tamper()
+    try:
+        assert label in guard.tampered(), guard.tampered()
+        with pytest.raises(guard.Tampered):
+            guard.verify_clocks()
+        assert label in guard.restore()
+    finally:
+        sys.settrace(None), sys.setprofile(None)  # a failed assertion must not leave the hook on pytest
+    assert guard.tampered() == []
+    assert sys.modules["codabench.timing"] is timing_module and codabench.metrics.rel_err.__code__ is rel_err_code
+    assert sys.gettrace() is None and sys.getprofile() is None and threading.gettrace() is None
+    assert codabench.registry.register.__kwdefaults__["modes"] is None and not hasattr(codabench.timing, "sorted")
+
+
+def test_restore_can_leave_what_it_is_not_asked_to():
+    clock = codabench.timing.perf_counter
+    codabench.timing.perf_counter = lambda: 0.0
+    builtins.sorted, original = (lambda *a, **k: []), builtins.sorted
+    assert guard.restore(["builtins.sorted"]) == ["builtins.sorted"]
+    assert builtins.sorted is original and guard.tampered() == ["codabench.timing.perf_counter"]
+    guard.restore()
+    assert codabench.timing.perf_counter is clock
+
+
+def test_a_check_costs_about_a_millisecond():
+    """The guard is checked around every timed region and after every request: a few ms at most."""
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        guard.verify_clocks()
+        times.append(time.perf_counter() - t0)
+    assert min(times) < 0.005, times
+    assert len(guard._RECORD.harness) > 500 and len(guard._RECORD.functions) > 100  # it does watch the harness
+
+
+def test_cheats_on_the_harness_itself_are_error_rows(tmp_path):
+    """Plugins that tamper with the harness during their calls (inline: in this process): each cell is an error row
+    naming what was replaced, and the honest cell after them keeps its time."""
+    with isolated_registry():
+        load_plugin_file(PLUGINS / "harness_cheats.py")
+        load_plugin_file(PLUGINS / "good.py")
+        impls = ["cheat-builtin", "cheat-code-swap", "cheat-harness-clock", "cheat-profile-hook", "test-good"]
+        make_runner(tmp_path, modes=("fwd",), impls=impls, isolate=False).run()
+    df, _, _ = load_run(tmp_path)
+    got = {r["impl"]: r for _, r in df.iterrows()}
+    expect = {"cheat-builtin": "builtins.sorted", "cheat-code-swap": "codabench.metrics.rel_err.__code__",
+              "cheat-harness-clock": "codabench.timing.perf_counter", "cheat-profile-hook": "sys.setprofile"}
+    for impl, text in expect.items():
+        assert got[impl]["status"] == "error" and text in got[impl]["message"], (impl, got[impl]["message"])
+        assert pd.isna(got[impl]["median_ms"]), impl
+    assert got["test-good"]["status"] == "ok" and got["test-good"]["correct"] is True
+    assert sys.getprofile() is None and guard.tampered() == []
