@@ -20,8 +20,11 @@ member always sampled after the hottest one).
 3. **Clocks**: the NVML sampler runs through phases 1-2 (every :data:`codabench.clocks.PERIOD_S`); each sample gets
    the SM clock read nearest to the time the GPU ran it (the chunk's synchronized start plus the events' offset).
 
-A member whose call, set-up or checks raise is dropped from later sweeps with its error (its cell gets an error
-row); the other members go on. On the CPU the samples are wall times of ``cpu_reps`` sweeps (no performance
+The clocks and events are local variables taken from :func:`codabench.guard.private_clocks`, verified before and
+after every chunk: a replaced clock or torch function ends the sampling with :class:`codabench.guard.Tampered` (the
+worker then restores the originals and the group is timed again in blocks, one cell per request, so that the cell
+that did it is the one blamed). A member whose call, set-up or checks raise is dropped from later sweeps with its
+error (its cell gets an error row); the other members go on. On the CPU the samples are wall times of ``cpu_reps`` sweeps (no performance
 figure, no stopping rule).
 """
 from __future__ import annotations
@@ -29,15 +32,14 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from time import perf_counter
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from codabench import stats
+from codabench import guard, stats
 from codabench.clocks import ClockSampler, Sampled
-from codabench.timing import CPU_WALL, CUDA_EVENTS, Event, TimingConfig, elapsed_ms, l2_flusher, record, synchronize
+from codabench.timing import CPU_WALL, CUDA_EVENTS, TimingConfig, l2_flusher
 
 SETTLE_WINDOW_S = 0.25
 CLOCK_TOL, POWER_TOL = 0.02, 0.05
@@ -46,7 +48,7 @@ CHUNK_S = 0.1
 """GPU time of the sweeps enqueued between two synchronizations (and two evaluations of the stopping rule)."""
 MAX_CHUNK = 64
 WARMUP_SWEEP = -1
-"""The sweep id the set-up and checks of a warm-up sweep see."""
+"""The sweep id of the first warm-up sweep (the next ones count down): set-up and checks see negative ids."""
 
 
 @dataclass(eq=False)
@@ -99,8 +101,10 @@ def _describe(e: BaseException) -> str:
     return describe_exception(e)
 
 
-def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None) -> tuple[Any, Any] | float | None:
+def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clocks: guard.Clocks
+         ) -> tuple[Any, Any] | float | None:
     """Time member ``m`` once: CUDA events (start, end) on the GPU, wall milliseconds on the CPU; None on error."""
+    perf_counter, Event, record = clocks.perf_counter, clocks.Event, clocks.record
     try:
         state = m.setup(sweep) if m.setup is not None else None
         if cpu:
@@ -126,8 +130,11 @@ def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None) -> 
 
 
 def _chunk(members: list[Member], sweeps: range, rng: np.random.Generator, device: torch.device,
-           flush: Callable[[], None] | None, keep: bool) -> None:
-    """Run ``sweeps`` (each member once per sweep, in a random order); with ``keep``, append the samples."""
+           flush: Callable[[], None] | None, keep: bool, clocks: guard.Clocks) -> None:
+    """Run ``sweeps`` (each member once per sweep, in a random order); with ``keep``, append the samples. Raises
+    :class:`codabench.guard.Tampered` when a clock or a guarded function was replaced meanwhile."""
+    perf_counter, Event, record, elapsed_ms, synchronize, verify = clocks
+    verify()
     cpu = device.type != "cuda"
     taken: list[tuple[Member, int, Any]] = []
     if not cpu:
@@ -139,11 +146,12 @@ def _chunk(members: list[Member], sweeps: range, rng: np.random.Generator, devic
         for i in rng.permutation(len(members)):
             m = members[i]
             if m.error is None:
-                took = _one(m, s if keep else WARMUP_SWEEP, cpu, flush)
+                took = _one(m, s, cpu, flush, clocks)
                 if took is not None:
                     taken.append((m, s, took))
     if not cpu:
         synchronize(device)
+    verify()
     if not keep:
         return
     for m, s, took in taken:
@@ -182,24 +190,24 @@ def half_widths(members: list[Member], baseline: str | None, kind: str) -> dict[
     return out
 
 
-def sample(members: list[Member], device: torch.device, cfg: TimingConfig, clocks: ClockSampler,
+def sample(members: list[Member], device: torch.device, cfg: TimingConfig, nvml: ClockSampler,
            baseline: str | None = None, flush_l2: bool | None = None) -> Sweeps:
     """Settle, then sweep ``members`` until their watched ratios are resolved or the budget is spent (module
     docstring). ``flush_l2``: flush before every sample (default ``cfg.flush_l2``; CUDA-graph members rotate input
     sets larger than L2 instead)."""
-    rng = np.random.default_rng()
+    rng, clocks = np.random.default_rng(), guard.private_clocks()  # bound once, before any member runs
     if device.type != "cuda":
-        _chunk(members, range(max(cfg.reps or cfg.cpu_reps, 1)), rng, device, None, keep=True)
+        _chunk(members, range(max(cfg.reps or cfg.cpu_reps, 1)), rng, device, None, True, clocks)
         n = max(cfg.reps or cfg.cpu_reps, 1)
         return Sweeps(members, CPU_WALL, n, "cpu" if any(m.error is None for m in members) else "failed", {})
     flush = l2_flusher(device).flush if (cfg.flush_l2 if flush_l2 is None else flush_l2) else None
     sampled = Sampled()
-    with clocks.sampling(sampled):
-        settle_s, settled, sweep_s = _settle(members, device, cfg, flush, rng, sampled, clocks.available)
-        n, stop, widths = _sweep(members, device, cfg, flush, rng, sweep_s, baseline)
+    with nvml.sampling(sampled):
+        settle_s, settled, sweep_s = _settle(members, device, cfg, flush, rng, sampled, nvml.available, clocks)
+        n, stop, widths = _sweep(members, device, cfg, flush, rng, sweep_s, baseline, clocks)
     for m in members:
         m.clock_mhz = sampled.at(m.ran_s)
-    out = Sweeps(members, CUDA_EVENTS, n, stop, widths, settle_s, settled if clocks.available else None,
+    out = Sweeps(members, CUDA_EVENTS, n, stop, widths, settle_s, settled if nvml.available else None,
                  clocks=sampled)
     if sampled.t_s:
         at_end = [i for i, t in enumerate(sampled.t_s) if t <= sampled.t_s[0] + settle_s]
@@ -208,12 +216,13 @@ def sample(members: list[Member], device: torch.device, cfg: TimingConfig, clock
     return out
 
 
-def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nvml: bool
+def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nvml: bool, clocks: guard.Clocks
             ) -> tuple[float, bool, float]:
     """Warm-up sweeps until settled (module docstring); returns (seconds, settled, wall seconds per sweep)."""
+    perf_counter = clocks.perf_counter
     t0, sweeps, settled = perf_counter(), 0, False
     while True:
-        _chunk(members, range(1), rng, device, flush, keep=False)
+        _chunk(members, range(WARMUP_SWEEP - sweeps, WARMUP_SWEEP - sweeps + 1), rng, device, flush, False, clocks)
         sweeps += 1
         spent = perf_counter() - t0
         if spent * 1e3 >= cfg.warmup_ms and sweeps >= max(cfg.warmup, 1):
@@ -224,10 +233,10 @@ def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nv
             return spent, False, spent / sweeps
 
 
-def _sweep(members, device, cfg: TimingConfig, flush, rng, sweep_s: float, baseline: str | None
-           ) -> tuple[int, str, dict[str, float]]:
+def _sweep(members, device, cfg: TimingConfig, flush, rng, sweep_s: float, baseline: str | None,
+           clocks: guard.Clocks) -> tuple[int, str, dict[str, float]]:
     """Phase 2: chunks of sweeps until resolved, the budget spent or max_sweeps; (sweeps, stop, half-widths)."""
-    kind = CUDA_EVENTS
+    kind, perf_counter = CUDA_EVENTS, clocks.perf_counter
     per_chunk = int(min(MAX_CHUNK, max(1, CHUNK_S // max(sweep_s, 1e-6))))
     budget_s = cfg.budget_factor * cfg.target_ms / 1e3 * len(members)
     t0, n, widths = perf_counter(), 0, {}
@@ -235,7 +244,7 @@ def _sweep(members, device, cfg: TimingConfig, flush, rng, sweep_s: float, basel
     max_sweeps = cfg.reps or cfg.max_sweeps
     while True:
         todo = min(per_chunk, max_sweeps - n) if n >= min_sweeps else min_sweeps - n
-        _chunk(members, range(n, n + todo), rng, device, flush, keep=True)
+        _chunk(members, range(n, n + todo), rng, device, flush, True, clocks)
         n += todo
         if all(m.error is not None for m in members):
             return n, "failed", {}

@@ -6,8 +6,12 @@ flush stay outside the event pair. All samples are kept; the summary is the medi
 coefficient of variation. On the CPU the loop measures wall time with ``time.perf_counter``; such a
 figure checks that the code runs, it is not a performance figure (``Timing.is_perf`` is False).
 
+Every loop reads its clocks and events as local variables from :func:`codabench.guard.private_clocks` (the
+originals, recorded before any plugin loaded) and verifies them before and after its timed region: a plugin that
+rebinds a clock, even only while the loop runs, reaches neither the loop nor the verdict.
+
 The cells of a group are timed together, sample by sample, by :mod:`codabench.sweep` (which uses this module's
-clocks, events and L2 flush); :func:`measure` times one thing alone: the ceilings, an fp8 cast, a cell of a group
+L2 flush and the same private clocks); :func:`measure` times one thing alone: the ceilings, an fp8 cast, a cell of a group
 sampled in blocks.
 """
 from __future__ import annotations
@@ -20,12 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-# The clocks, bound when the harness is imported, before any plugin (codabench.guard): a plugin that replaces
-# time.perf_counter or the CUDA event methods does not reach these.
-from time import perf_counter  # noqa: E402
-
-Event, record, elapsed_ms = torch.cuda.Event, torch.cuda.Event.record, torch.cuda.Event.elapsed_time
-synchronize = torch.cuda.synchronize
+from codabench import guard
 
 CUDA_EVENTS, CUDA_GRAPH, CPU_WALL = "cuda-events", "cuda-graph", "cpu-wall"
 
@@ -158,10 +157,13 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
             cfg: TimingConfig | None = None, during: During = nullcontext) -> Timing:
     """Time ``fn(setup())`` per sample; ``setup`` (may be None) runs untimed before each sample; ``during()`` is
     entered around the kept samples."""
+    clocks = guard.private_clocks()  # the loops' clocks as locals: out of a plugin's reach (codabench.guard)
+    perf_counter, _, _, _, synchronize, verify = clocks
+    verify()
     cfg = cfg or TimingConfig()
     setup = setup or (lambda: None)
     if device.type != "cuda":
-        return _measure_cpu(fn, setup, cfg, during)
+        return _measure_cpu(fn, setup, cfg, during, clocks)
     flusher = l2_flusher(device) if cfg.flush_l2 else None
     first = first_call(fn, setup, device)
     start_warm, calls = perf_counter(), 1
@@ -170,16 +172,18 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
         fn(setup())
         synchronize(device)
         calls += 1
-    est = _sample_events(fn, setup, flusher, device, 3)
+    est = _sample_events(fn, setup, flusher, device, 3, clocks)
     n = _n_samples(cfg, statistics.median(est))
     with during():
-        samples = _sample_events(fn, setup, flusher, device, n)
+        samples = _sample_events(fn, setup, flusher, device, n, clocks)
+    verify()
     return Timing(samples, CUDA_EVENTS, first_call_s=first)
 
 
 def first_call(fn, setup, device: torch.device) -> float:
     """Seconds of one synchronized call (the first: compilation, JIT builds and autotuning happen here); ``setup``
     (may be None) runs untimed before it."""
+    perf_counter, _, _, _, synchronize, _ = guard.private_clocks()
     state = setup() if setup is not None else None
     t0 = perf_counter()
     fn(state)
@@ -188,7 +192,9 @@ def first_call(fn, setup, device: torch.device) -> float:
     return perf_counter() - t0
 
 
-def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n: int) -> list[float]:
+def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n: int, clocks: guard.Clocks
+                   ) -> list[float]:
+    _, Event, record, elapsed_ms, synchronize, _ = clocks
     starts = [Event(enable_timing=True) for _ in range(n)]
     ends = [Event(enable_timing=True) for _ in range(n)]
     for i in range(n):
@@ -203,7 +209,8 @@ def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n
     return [elapsed_ms(s, e) for s, e in zip(starts, ends)]
 
 
-def _measure_cpu(fn, setup, cfg: TimingConfig, during: During) -> Timing:
+def _measure_cpu(fn, setup, cfg: TimingConfig, during: During, clocks: guard.Clocks) -> Timing:
+    perf_counter, verify = clocks.perf_counter, clocks.verify
     first = first_call(fn, setup, torch.device("cpu"))  # the warm-up call: compile, first-call allocations
     samples = []
     with during():
@@ -212,6 +219,7 @@ def _measure_cpu(fn, setup, cfg: TimingConfig, during: During) -> Timing:
             t0 = perf_counter()
             fn(state)
             samples.append((perf_counter() - t0) * 1e3)
+    verify()
     return Timing(samples, CPU_WALL, first_call_s=first)
 
 

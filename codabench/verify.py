@@ -33,7 +33,7 @@ from codabench.correctness import compared
 from codabench.execute import CellError, Timed, run_native
 from codabench.metrics import FLOOR, rel_err
 from codabench.registry import Implementation, Tensors
-from codabench.timing import Event, elapsed_ms, perf_counter, record, synchronize
+from codabench import guard
 from workloads.op import Op
 
 VERIFY_FACTOR = 4.0
@@ -110,6 +110,7 @@ def check_same_buffers(op: Op, impl: Implementation, native: Tensors, mode: str,
                        expected: Expected, allowed: dict[str, float]) -> tuple[str | None, float | None]:
     """Check 1: one more call on the timed buffers; also the peak memory of that call (GPU, MiB, above what was
     allocated before it: its inputs), else None."""
+    synchronize = guard.private_clocks().synchronize
     cuda = expected.case.device.type == "cuda"
     if cuda:
         synchronize(expected.case.device)
@@ -125,6 +126,7 @@ def check_refilled(op: Op, impl: Implementation, native: Tensors, mode: str, gra
                    expected: Expected, allowed: dict[str, float]) -> str | None:
     """Check 2: the timed buffers refilled in place with the native form of ``expected.case``'s inputs; on the GPU the
     outputs as they stand on the calling stream when the call returns."""
+    synchronize = guard.private_clocks().synchronize
     refill(native, impl.prepare(expected.case))
     device = expected.case.device
     if device.type == "cuda":
@@ -153,6 +155,7 @@ def check_new_buffers(op: Op, impl: Implementation, mode: str, grads: Tensors | 
 
 def check_event_time(timed: Timed, device: torch.device) -> str | None:
     """GPU: CUDA-event time of the timed closure on the calling stream vs its device-synchronized wall time."""
+    perf_counter, Event, record, elapsed_ms, synchronize, verify = guard.private_clocks()
     events, walls = [], []
     for _ in range(STREAM_CALLS):
         state = timed.setup() if timed.setup else None
@@ -166,6 +169,7 @@ def check_event_time(timed: Timed, device: torch.device) -> str | None:
         synchronize(device)
         walls.append((perf_counter() - t0) * 1e3)
         events.append(elapsed_ms(start, end))
+    verify()
     ev, wall = statistics.median(events), statistics.median(walls)
     if wall - ev > STREAM_SLACK_MS + 0.25 * wall:
         return (f"the calling stream's events saw {ev:.3g} ms of a call that takes {wall:.3g} ms with the device "

@@ -6,13 +6,16 @@ import time
 
 import pandas as pd
 import pytest
+import torch
 
 import codabench.metrics
 import codabench.registry
 import codabench.timing
-from codabench import guard
+from codabench import guard, sweep
+from codabench.clocks import ClockSampler
 from codabench.discovery import load_plugin_file
 from codabench.results import load_run
+from codabench.timing import TimingConfig
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 
 
@@ -46,14 +49,13 @@ class OneRead:
 
 
 def plugin_call(loop_name: str, persistent: bool):
-    """A timed call that sleeps 20 ms and, on its first call, puts OneRead clocks in place of the harness's bound
-    clock and ``time.perf_counter``, and rebinds ``guard.private_clocks``."""
+    """A timed call that sleeps 20 ms and, on its first call, puts a OneRead clock in place of ``time.perf_counter``
+    and rebinds ``guard.private_clocks``."""
     done = []
 
     def call():
         if not done:
             done.append(True)
-            OneRead(codabench.timing, "perf_counter", loop_name, persistent)
             OneRead(time, "perf_counter", loop_name, persistent)
             guard.private_clocks = lambda: pytest.fail("the loop looked its clocks up again")
         time.sleep(0.02)
@@ -61,11 +63,11 @@ def plugin_call(loop_name: str, persistent: bool):
 
 
 def naive_loop(fn, n: int) -> float:
-    """A timing loop that reads the module's clock at every use (as codabench.timing did)."""
-    t0 = codabench.timing.perf_counter()
+    """A timing loop that reads a module's clock at every use (as codabench.timing did)."""
+    t0 = time.perf_counter()
     for _ in range(n):
         fn()
-    return codabench.timing.perf_counter() - t0
+    return time.perf_counter() - t0
 
 
 def private_loop(fn, n: int) -> tuple[float, guard.Tampered | None]:
@@ -91,19 +93,51 @@ def test_a_loop_on_private_clocks_is_not_fooled_and_verify_catches_the_rebinding
         fooled = naive_loop(plugin_call("naive_loop", persistent), 5)
         assert fooled < 0.05, fooled  # the cheat works on a loop that reads module attributes: 0.1 s looks like 0.01
         if not persistent:  # it undid itself: a check after the region sees nothing
-            assert "codabench.timing.perf_counter" not in guard.tampered()
+            assert "time.perf_counter" not in guard.tampered()
         guard.restore()
         honest, caught = private_loop(plugin_call("private_loop", persistent), 5)
         assert honest >= 0.1, honest  # five sleeps of 20 ms, whatever the plugin rebound during the loop
-        names = {"codabench.timing.perf_counter", "time.perf_counter", "codabench.guard.private_clocks"}
+        names = {"time.perf_counter", "codabench.guard.private_clocks"}  # never read by this loop: still in place
         assert caught is not None and set(caught.names) == names, caught
         assert str(caught).startswith("tampered with ")
         assert set(guard.restore()) == names
-        assert codabench.timing.perf_counter is time.perf_counter is guard._RECORD.clocks.perf_counter
+        assert time.perf_counter is guard._RECORD.clocks.perf_counter
     finally:
         guard.private_clocks = private_clocks
     again, caught = private_loop(lambda: time.sleep(0.01), 2)
     assert again >= 0.02 and caught is None
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("loop", ["measure", "sweeps"])
+def test_the_harness_timing_loops_are_not_fooled(loop, persistent):
+    """codabench.timing.measure and codabench.sweep.sample on the CPU, the timed call putting a clock that runs at a
+    tenth of the speed in place of time.perf_counter on its first call: the samples stay honest (20 ms sleeps).
+    Undone by the last call (nothing left for a check to see), it changed nothing; left in place, the region ends
+    with Tampered."""
+    cpu, calls = torch.device("cpu"), []
+    last = 5 if loop == "measure" else 4  # measure's first call, then its 4 samples; the sweeps' 4 samples
+
+    def call(_):
+        calls.append(None)
+        if len(calls) == 1:
+            calls.append(OneRead(time, "perf_counter", "never", persistent=True))
+        elif len(calls) == last + 1 and not persistent:
+            time.perf_counter = calls[1].original
+        time.sleep(0.02)
+
+    members = [sweep.Member("cheat", call)]
+    cfg = TimingConfig(cpu_reps=4)
+    run = (lambda: codabench.timing.measure(call, None, cpu, cfg).samples_ms) if loop == "measure" else \
+        (lambda: (sweep.sample(members, cpu, cfg, ClockSampler(cpu)), members[0].samples_ms)[1])
+    if persistent:
+        with pytest.raises(guard.Tampered) as caught:
+            run()
+        assert caught.value.names == ["time.perf_counter"]
+    else:
+        samples = run()
+        assert len(samples) == 4 and min(samples) >= 19.0, samples  # 2 ms had the slowed clock reached the loop
+        assert guard.tampered() == []
 
 
 def _fake_profile(frame, event, arg):
@@ -138,8 +172,8 @@ def _mutate_kwdefaults():
 
 
 TAMPERING = {
-    "a harness global": (lambda: setattr(codabench.timing, "perf_counter", lambda: 0.0),
-                         "codabench.timing.perf_counter"),
+    "a harness global": (lambda: setattr(codabench.timing, "first_call", lambda *a: 0.0),
+                         "codabench.timing.first_call"),
     "a harness class attribute": (lambda: setattr(codabench.timing.Timing, "median", property(lambda self: 0.0)),
                                   "codabench.timing.Timing.median"),
     "a harness function's code": (_swap_code, "codabench.metrics.rel_err.__code__"),
@@ -178,13 +212,13 @@ def test_the_guard_sees_and_restores(kind):
 
 
 def test_restore_can_leave_what_it_is_not_asked_to():
-    clock = codabench.timing.perf_counter
-    codabench.timing.perf_counter = lambda: 0.0
+    clock = codabench.timing.first_call
+    codabench.timing.first_call = lambda *a: 0.0
     builtins.sorted, original = (lambda *a, **k: []), builtins.sorted
     assert guard.restore(["builtins.sorted"]) == ["builtins.sorted"]
-    assert builtins.sorted is original and guard.tampered() == ["codabench.timing.perf_counter"]
+    assert builtins.sorted is original and guard.tampered() == ["codabench.timing.first_call"]
     guard.restore()
-    assert codabench.timing.perf_counter is clock
+    assert codabench.timing.first_call is clock
 
 
 def test_a_check_costs_about_a_millisecond():
@@ -209,7 +243,7 @@ def test_cheats_on_the_harness_itself_are_error_rows(tmp_path):
     df, _, _ = load_run(tmp_path)
     got = {r["impl"]: r for _, r in df.iterrows()}
     expect = {"cheat-builtin": "builtins.sorted", "cheat-code-swap": "codabench.metrics.rel_err.__code__",
-              "cheat-harness-clock": "codabench.timing.perf_counter", "cheat-profile-hook": "sys.setprofile"}
+              "cheat-harness-clock": "codabench.guard.private_clocks", "cheat-profile-hook": "sys.setprofile"}
     for impl, text in expect.items():
         assert got[impl]["status"] == "error" and text in got[impl]["message"], (impl, got[impl]["message"])
         assert pd.isna(got[impl]["median_ms"]), impl

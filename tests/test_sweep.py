@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from codabench import stats, sweep
+from codabench import guard, stats, sweep
 from codabench.clocks import ClockSampler, Sampled
 from codabench.discovery import load_plugin_file
 from codabench.execute import CellError, check_outputs
@@ -92,7 +92,7 @@ def test_paired_sweeps_cancel_a_drifting_clock_that_separate_blocks_do_not():
 def test_sampling_stops_once_resolved_and_otherwise_at_its_budget():
     cfg = TimingConfig(precision=0.03, min_sweeps=20, max_sweeps=400, target_ms=2000.0)
     members = [Member("a", lambda _: busy(1.0)), Member("b", lambda _: busy(1.3))]
-    n, stop, widths = sweep._sweep(members, CPU, cfg, None, np.random.default_rng(0), 2.3e-3, baseline="a")
+    n, stop, widths = sweep._sweep(members, CPU, cfg, None, np.random.default_rng(0), 2.3e-3, "a", guard.private_clocks())
     assert stop == "resolved" and 20 <= n < 400 and max(widths.values()) <= 0.03
     r = stats.ratio(timed(members[0]), timed(members[1]), paired=True)
     assert r.verdict() == "slower"  # b against a
@@ -100,7 +100,7 @@ def test_sampling_stops_once_resolved_and_otherwise_at_its_budget():
     cfg = TimingConfig(precision=1e-6, min_sweeps=20, max_sweeps=10_000, target_ms=40.0, budget_factor=1.0)
     members = [Member("a", lambda _: busy(1.0)), Member("b", lambda _: busy(1.0))]
     t0 = perf_counter()
-    n, stop, widths = sweep._sweep(members, CPU, cfg, None, np.random.default_rng(0), 2e-3, baseline="a")
+    n, stop, widths = sweep._sweep(members, CPU, cfg, None, np.random.default_rng(0), 2e-3, "a", guard.private_clocks())
     assert stop == "budget" and n < 10_000 and perf_counter() - t0 < 2.0
     assert all(0 < w < math.inf for w in widths.values())
 

@@ -6,6 +6,7 @@ import sys
 import torch.nn.functional as F
 
 import codabench.metrics
+import codabench.guard
 import codabench.timing
 from codabench.registry import register
 
@@ -22,9 +23,16 @@ class _ShrunkClock:
 
 @register("gemm_out", "cheat-harness-clock", dtypes=("fp32",))
 def harness_clock(x, w):
-    """Rebinds the clock the timing module bound at its import (the tester's 4.4x)."""
-    if not isinstance(codabench.timing.perf_counter, _ShrunkClock):
-        codabench.timing.perf_counter = _ShrunkClock(codabench.timing.perf_counter)
+    """Rebinds where the timing loops take their clocks (the tester's 4.4x was the timing module's bound clock)."""
+    if not getattr(codabench.guard.private_clocks, "shrunk", False):
+        real = codabench.guard.private_clocks
+
+        def shrunk():
+            clocks = real()
+            return clocks._replace(perf_counter=_ShrunkClock(clocks.perf_counter))
+
+        shrunk.shrunk = True
+        codabench.guard.private_clocks = shrunk
     return {"out": F.linear(x, w)}
 
 
