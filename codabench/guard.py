@@ -8,8 +8,8 @@ function of the harness given another ``__code__``, a trace or profile hook that
 
 - every callable attribute of the modules and classes in :data:`GUARDED`, and the names in :data:`HOOK_FUNCTIONS`;
 - every module under ``codabench.`` and ``workloads.`` loaded at that time (:func:`harness_module`): the identity of
-  each of its globals (and a global added later under a builtin's name, which would shadow it), each attribute of
-  the classes it defines, and for each function or method it defines its ``__code__``, ``__defaults__``,
+  each of its globals (and a global added later under a builtin's name, which would shadow it), each method,
+  property and other callable of the classes it defines (not their data: class-level caches change as they should), and for each function or method it defines its ``__code__``, ``__defaults__``,
   ``__kwdefaults__`` and closure cell contents;
 - the ``sys.modules`` entry of each of those modules, every name of ``builtins``, and the trace and profile hooks
   (``sys.gettrace()``, ``sys.getprofile()``, ``threading.gettrace()``, ``threading.getprofile()``).
@@ -179,6 +179,8 @@ def _record_harness(record: _Record) -> None:
                 continue  # imported from elsewhere: its identity is watched here, its insides where it is defined
             if isinstance(value, type):
                 for attr, member in list(vars(value).items()):
+                    if not (callable(member) or isinstance(member, (property, staticmethod, classmethod))):
+                        continue  # class-level data is state (a cache such as TorchCompile._key), not behaviour
                     label = f"{modname}.{value.__qualname__}.{attr}"
                     record.harness.append(_Attr(label, value, vars(value), attr, member))
                     if isinstance(member, property):

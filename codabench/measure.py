@@ -280,6 +280,7 @@ class Measurer:
         result.updates.update(cast_ms=group.cast_ms, strategy=_describe(impl, resident.native))
         if result.updates.get("status") == "error":
             return result
+        self._capture(resident)
         result.ready = True
         if group.blocks:
             result.blocks = group.blocks
@@ -288,8 +289,7 @@ class Measurer:
         return result
 
     def _resident(self, cell: Cell, group: _Group, impl: Implementation) -> _Resident:
-        """The cell's timed call on the TIMING_SEED inputs, its first call timed (``first_call_s``); in CUDA-graph
-        mode (fwd and direct modes) also its graphs."""
+        """The cell's timed call on the TIMING_SEED inputs, its first call timed (``first_call_s``)."""
         op, dev = OPS[cell.op], self.device
         case = self._case(cell, TIMING_SEED)
         self._measure_cast(group, case)
@@ -299,28 +299,31 @@ class Measurer:
         timed = timed_call(op, impl, native, cell.mode, grads_native)
         with timed.context:
             took = first_call(timed.fn, timed.setup, dev)
-        resident = _Resident(cell, impl, case, native, grads, timed, took)
-        if self.cfg.cuda_graph and dev.type == "cuda":
-            if uses_autograd(op, cell.mode):
-                resident.note = "cuda-graph mode covers fwd and direct modes only: timed with events"
-            else:
-                try:
-                    resident.graphs, resident.graph_flush = self._graphs(impl, case, native)
-                    resident.note = (f"cuda graph, {len(resident.graphs)} rotating input sets" +
-                                     (", L2 flushed between replays (the sets are smaller than 3x L2)"
-                                      if resident.graph_flush else ""))
-                except Exception as e:
-                    resident.note = f"cuda-graph capture failed ({describe_exception(e)}): timed with events"
-        return resident
+        return _Resident(cell, impl, case, native, grads, timed, took)
+
+    def _capture(self, r: _Resident) -> None:
+        """CUDA-graph mode (fwd and direct modes): the cell's graphs, captured once its checks are done (they refill
+        the timed buffers with other inputs); a note says how it is timed."""
+        if not self.cfg.cuda_graph or self.device.type != "cuda":
+            return
+        if uses_autograd(OPS[r.cell.op], r.cell.mode):
+            r.note = "cuda-graph mode covers fwd and direct modes only: timed with events"
+            return
+        try:
+            r.graphs, r.graph_flush = self._graphs(r.impl, r.case, r.native)
+            r.note = (f"cuda graph, {len(r.graphs)} rotating input sets" +
+                      (", L2 flushed between replays (the sets are smaller than 3x L2)" if r.graph_flush else ""))
+        except Exception as e:
+            r.note = f"cuda-graph capture failed ({describe_exception(e)}): timed with events"
 
     def _graphs(self, impl: Implementation, case: Case, native: Tensors) -> tuple[list[tuple[Any, Any, Case]], bool]:
-        """CUDA graphs of the cell's call on rotating input sets, together at least 3x L2 (:func:`graph_sets`), and
-        whether the replays need an L2 flush too."""
+        """CUDA graphs of the cell's call on rotating input sets, each prepared anew, together at least 3x L2
+        (:func:`graph_sets`), and whether the replays need an L2 flush too."""
         nbytes = sum(t.numel() * t.element_size() for t in native.values() if isinstance(t, torch.Tensor))
         l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 64 * 2**20
         k, flush = graph_sets(nbytes, l2)
-        sets = [(case, native)]
-        for i in range(1, k):
+        sets = []
+        for i in range(k):
             c = replace(case, inputs=case.op.inputs(case.model, case.dtype, self.device, TIMING_SEED + i))
             sets.append((c, impl.prepare(c)))
         side = torch.cuda.Stream(self.device)
@@ -380,6 +383,7 @@ class Measurer:
             if c.impl not in group.resident:
                 try:
                     group.resident[c.impl] = self._resident(c, group, self.registry.get(c.op, c.impl))
+                    self._capture(group.resident[c.impl])
                 except Exception as e:
                     lost[c.impl] = describe_exception(e)
         residents = [group.resident[c.impl] for c in cells if c.impl in group.resident]

@@ -143,7 +143,8 @@ def test_bf16_and_fp8_run_with_cuda_graphs(tmp_path):
         finalize(tmp_path)
     df, err, env = load_run(tmp_path)
     ok = df[df["status"] == "ok"]
-    assert set(ok["dtype"]) == {"bf16", "fp8", "fp8-row"} and (ok["correct"] == True).all()  # noqa: E712
+    bad = df[~df["status"].isin(["ok", "n/a"])][["op", "impl", "mode", "dtype", "message"]].to_string()
+    assert set(ok["dtype"]) == {"bf16", "fp8", "fp8-row"} and (ok["correct"] == True).all(), bad  # noqa: E712
     assert env["ceilings"]["bf16_tflops"] > 10 and env["ceilings"]["fp8_tflops"] > 10 and env["gpu"]["name"]
     fwd = ok[ok["mode"] == "fwd"]  # fp8 cells are fwd (or direct): every one is graph-captured
     assert set(fwd["timing"]) == {"cuda-graph"} and fwd["message"].str.contains("rotating input sets").all()
@@ -153,7 +154,7 @@ def test_bf16_and_fp8_run_with_cuda_graphs(tmp_path):
     assert ok["sol_ms"].notna().all() and ok["pct_ceiling"].notna().all() and ok["sm_clock_mhz"].notna().all()
     # fp8: torch-eager and torch-compile are _scaled_mm compositions; the cast is timed on its own
     fp8 = ok[ok["dtype"] != "bf16"]
-    assert set(fp8["impl"]) == {"torch-eager", "torch-compile", "test-fp8-standin"}
+    assert set(fp8["impl"]) == {"torch-eager", "torch-compile", "test-fp8-standin"}, bad
     assert (fp8["cast_ms"] > 0).all() and (fp8["rel_err_vs_bf16"] > fp8["rel_err"]).all()
     assert fp8[fp8["impl"] == "torch-eager"]["err_ratio"].between(0.95, 1.05).all()  # it is PyTorch's error
     assert fp8["fp8_recipe"].str.endswith("fast accum").all() and env["fp8_accum"] == "fast"

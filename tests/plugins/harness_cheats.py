@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 import codabench.metrics
 import codabench.guard
-import codabench.timing
 from codabench.registry import register
 
 
