@@ -57,7 +57,7 @@ def test_small_run_end_to_end_then_report_and_compare(tmp_path, capsys, monkeypa
     assert (out / "report.html").exists()
     assert main(["report", str(out)]) == 0
     assert main(["compare", str(out), str(out), "--csv", str(tmp_path / "cmp.csv")]) == 0
-    assert "3 cells, 3 timed in both; B vs A: 0 faster, 0 slower, 0 same, 3 unknown" in capsys.readouterr().out
+    assert "3 cells, 3 timed in both; B vs A: 0 faster, 0 slower, 0 same, 0 unresolved, 3 unknown" in capsys.readouterr().out
     assert main(["merge", str(tmp_path / "m"), str(out)]) == 0
     assert len(pd.read_csv(tmp_path / "m" / "results.csv")) == 3
 
