@@ -253,17 +253,17 @@ def _run(args: argparse.Namespace) -> int:
 def _execute(runner: Runner, suite: str) -> int:
     """Run the cells and write the report; the exit code."""
     out = runner.cfg.out_dir
-    print(f"codabench: {suite} suite, {len(runner.cells)} cells -> {out}", file=sys.stderr)
-    code = EXIT_OK
-    # Ctrl-C must raise KeyboardInterrupt here even if a plugin's import changed SIGINT's handler (seen on a GPU
-    # machine: the run died of the signal, without its report)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         lock = RunLock(out)  # held over the run and its report: a second writer is refused before any cell runs
     except RunFolderError as e:
         if runner.worker is not None:
             runner.worker.close()
         raise UsageError(str(e)) from None
+    print(f"codabench: {suite} suite, {len(runner.cells)} cells -> {out}", file=sys.stderr)
+    code = EXIT_OK
+    # Ctrl-C must raise KeyboardInterrupt here even if a plugin's import changed SIGINT's handler (seen on a GPU
+    # machine: the run died of the signal, without its report)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with lock:
         try:
             runner.run()
