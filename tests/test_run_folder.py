@@ -356,3 +356,14 @@ def test_the_writer_refuses_what_the_command_line_refuses(tmp_path):
     with pytest.raises(RunFolderError, match="holds files but no"):
         RunWriter(foreign, True, "smoke")
     assert os.listdir(foreign) == ["x"]
+
+
+def test_an_earlier_column_list_is_rewritten_whole_before_rows_are_appended(tmp_path):
+    path = tmp_path / "results.csv"
+    old = [c for c in tables.RESULT_COLUMNS if c not in ("check_s", "setup_s")]  # a run from before those columns
+    path.write_text(",".join(old) + "\n" + ",".join("gemm_out" if c == "op" else "" for c in old) + "\ngemm_d")
+    writer = tables.AppendWriter(path, tables.RESULT_COLUMNS)
+    writer.write([{"op": "gemm_down", "check_s": 2.5}])
+    df = pd.read_csv(path)
+    assert list(df.columns) == tables.RESULT_COLUMNS and list(df["op"]) == ["gemm_out", "gemm_down"]
+    assert df["check_s"].isna().tolist() == [True, False]
