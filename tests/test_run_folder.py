@@ -187,8 +187,8 @@ def test_unsafe_out_paths_are_refused_with_one_line(registry, tmp_path, capsys, 
     monkeypatch.chdir(elsewhere)  # not the repository's root
     assert one_line(capsys, RUN + ["--out", ""]) == \
         "run_bench.py: argument --out: expected a run directory, got '' (see --help)"
-    for out, what in ((".", "the current directory"), ("/", "the file system's root"), (str(home), "the home directory"),
-                      (str(ROOT), "the repository's root")):
+    for out, what in ((".", "the current directory"), ("/", "the file system's root"),
+                      (str(home), "the home directory"), (str(ROOT), "the repository's root")):
         assert one_line(capsys, RUN + ["--out", out]) == \
             f"codabench: --out {out}: is {what}; name a run directory of its own (e.g. reports/NAME)"
     (tmp_path / "a-file").write_text("x")
