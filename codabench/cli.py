@@ -19,14 +19,15 @@ from codabench.bootstrap import INTERPRETER_NOTE, select_device
 from codabench import distributed
 from codabench.matrix import Selection, build_cells, parse_shard
 from codabench.discovery import discover
+from codabench.env import REPO_ROOT
 from codabench.report import finalize
-from codabench.results import KEY, load_run
+from codabench.results import KEY, MARKER, RunFolderError, check_run, load_run, write_atomic
 from codabench.report.compare import compare, format_compare
 from codabench.report.merge import merge
 from codabench.config import DEFAULT_CELL_TIMEOUT_S, RunConfig
 from codabench.runner import DeviceLost, Runner
 from codabench.worker import WorkerProcess
-from codabench.writer import RunExists
+from codabench.writer import RunLock, check_run_dir
 from codabench.timing import TimingConfig
 from workloads.models import INLINE_KEYS, LIMITS, PRESETS, ModelShape, from_hf_config, parse_model_spec
 from workloads.op import DTYPES, MODES
@@ -117,6 +118,12 @@ SECONDS = _number(float, 1e-3, MAX_CELL_TIMEOUT_S, "a number of seconds")
 PRECISION, SAME_WITHIN = (_number(float, *r, "a fraction") for r in (PRECISION_RANGE, SAME_WITHIN_RANGE))
 
 
+def _out_dir(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a run directory, got ''")
+    return Path(text)
+
+
 def _shard(text: str) -> tuple[int, int]:
     try:
         return parse_shard(text)
@@ -150,7 +157,7 @@ def run_parser() -> argparse.ArgumentParser:
                    f"1-{LIMITS['layers']} (default: the preset's, 4; tiny: 2)")
     p.add_argument("--check-tokens", type=TOKENS, help=f"tokens of the correctness pass, 1-{LIMITS['tokens']} "
                    "(default: the suite's, 2048 for full; else as timing)")
-    p.add_argument("--out", type=Path, help="run directory (default: reports/<suite>-<date>-<time>)")
+    p.add_argument("--out", type=_out_dir, help="run directory (default: reports/<suite>-<date>-<time>)")
     p.add_argument("--plugin", action="append", default=[], metavar="FILE",
                    help="python file registering implementations (repeatable)")
     p.add_argument("--no-entry-points", action="store_true",
@@ -303,23 +310,35 @@ def _run(args: argparse.Namespace) -> int:
 def _execute(runner: Runner, suite: str) -> int:
     """Run the cells and write the report; the exit code."""
     out = runner.cfg.out_dir
+    try:
+        lock = RunLock(out)  # held over the run and its report: a second writer is refused before any cell runs
+    except RunFolderError as e:
+        if runner.worker is not None:
+            runner.worker.close()
+        raise UsageError(str(e)) from None
     print(f"codabench: {suite} suite, {len(runner.cells)} cells -> {out}", file=sys.stderr)
     code = EXIT_OK
     # Ctrl-C must raise KeyboardInterrupt here even if a plugin's import changed SIGINT's handler (seen on a GPU
     # machine: the run died of the signal, without its report)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        runner.run()
-    except RunExists as e:
-        raise UsageError(str(e)) from None
-    except DeviceLost as e:
-        print(f"codabench: {e}", file=sys.stderr)
-        code = EXIT_DEVICE_LOST
-    except KeyboardInterrupt:
-        print("codabench: interrupted; finished cells are saved, rerun with --resume to go on", file=sys.stderr)
-        code = EXIT_INTERRUPTED
-    finalize(out)
-    return _summary(out, code)
+    with lock:
+        try:
+            runner.run()
+        except RunFolderError as e:
+            raise UsageError(str(e)) from None
+        except DeviceLost as e:
+            print(f"codabench: {e}", file=sys.stderr)
+            code = EXIT_DEVICE_LOST
+        except KeyboardInterrupt:
+            print("codabench: interrupted; finished cells are saved, rerun with --resume to go on", file=sys.stderr)
+            code = EXIT_INTERRUPTED
+        try:
+            finalize(out)
+            return _summary(out, code)
+        except KeyboardInterrupt:
+            print(f"codabench: interrupted again while the report was written; the measured rows are saved in {out} "
+                  f"(python -m codabench report {out} writes the report)", file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 def _summary(out: Path, code: int) -> int:
@@ -351,7 +370,7 @@ def _runner(args: argparse.Namespace, cfg: RunConfig, worker: WorkerProcess | No
     if suite.needs_gpu and cfg.device.type != "cuda" and not ((args.models or cfg.models) and args.dtypes):
         raise UsageError(f"suite {suite.name!r} needs a CUDA GPU (use --suite smoke, or give --models and --dtypes to "
                          "run a custom slice on the CPU)")
-    _check_out(cfg.out_dir, args.resume)
+    _check_out(cfg.out_dir, args.resume, cfg.suite)
     return runner
 
 
@@ -360,10 +379,23 @@ def _selection_text(sel: Selection) -> str:
                                                        ("dtypes", sel.dtypes), ("impls", sel.impls or ("all",))))
 
 
-def _check_out(out: Path, resume: bool) -> None:
-    """The run directory must be a directory this process can create and write into."""
+def _check_out(out: Path, resume: bool, suite: str) -> None:
+    """The run directory must not be a folder of other things (the current directory, the repository, the home
+    directory, /), must take the run (:func:`codabench.writer.check_run_dir`: new, empty, or this suite's run for
+    --resume) and be a directory this process can create and write into."""
+    where = out.resolve()
+    for place, what in ((Path.cwd(), "the current directory"), (REPO_ROOT, "the repository's root"),
+                        (Path.home(), "the home directory"), (Path(where.anchor), "the file system's root")):
+        if where == place.resolve():
+            raise UsageError(f"--out {out}: is {what}; name a run directory of its own (e.g. reports/NAME)")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, not a directory")
+    try:
+        notes = check_run_dir(out, resume, suite)
+    except RunFolderError as e:
+        raise UsageError(f"--out {e}") from None
+    for note in notes:
+        print(f"codabench: note: {note}", file=sys.stderr)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".codabench-write-probe"
@@ -402,10 +434,11 @@ def _check_names(sel: Selection, registry, defined: dict[str, ModelShape]) -> No
 
 def default_out(suite: str, resume: bool = False, shard: tuple[int, int] | None = None) -> Path:
     """The run directory of a run without ``--out``: ``reports/<suite>-<date>-<time>[-shardIofN]``; with ``--resume``
-    the newest such directory that holds results."""
+    the newest such directory that holds results and its marker."""
     tail = f"-shard{shard[0]}of{shard[1]}" if shard else ""
     if resume:
-        runs = sorted(p for p in REPORTS.glob(f"{suite}-*{tail}") if (p / "results.csv").exists())
+        runs = sorted(p for p in REPORTS.glob(f"{suite}-*{tail}")
+                      if (p / "results.csv").exists() and (p / MARKER).exists())
         if runs:
             return runs[-1]
     return REPORTS / f"{suite}-{datetime.datetime.now():%Y%m%d-%H%M%S}{tail}"
@@ -428,19 +461,30 @@ def _list(runner: Runner, resume_dir: Path | None) -> int:
 
 
 def run_dir_arg(text: str) -> Path:
-    """A run directory given to report/compare/merge: it must hold a results.csv with at least one row."""
+    """A run directory given to report/compare/merge: it must read as a run (:func:`codabench.results.check_run`)
+    with at least one row; what it tolerates (a cut-off last line) is printed as a note."""
     path = Path(text)
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: no such directory")
-    csv = path / "results.csv"
-    if not csv.is_file():
-        raise argparse.ArgumentTypeError(f"{text}: not a run directory (no results.csv)")
-    if len(csv.read_text().strip().splitlines()) < 2:
-        raise argparse.ArgumentTypeError(f"{text}: results.csv has no rows")
+    try:
+        notes = check_run(path)
+    except RunFolderError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    for note in notes:
+        print(f"codabench: note: {note}", file=sys.stderr)
     return path
 
 
 def _subcommand(name: str, argv: list[str]) -> int:
+    """merge, compare or report; a run directory in use by a run, or Ctrl-C, ends it with one line."""
+    try:
+        return _run_subcommand(name, argv)
+    except RunFolderError as e:
+        raise UsageError(str(e)) from None
+    except KeyboardInterrupt:
+        print(f"codabench {name}: interrupted; the files it wrote are whole (old or new)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run_subcommand(name: str, argv: list[str]) -> int:
     p = _Parser(prog=f"codabench {name}")
     if name == "merge":
         p.add_argument("out", type=Path, help="new run directory for the merged report (must not exist)")
@@ -457,7 +501,7 @@ def _subcommand(name: str, argv: list[str]) -> int:
         m = compare(a.run_a, a.run_b)
         print(format_compare(m))
         if a.csv:
-            m.to_csv(a.csv, index=False)
+            write_atomic(a.csv, m.to_csv(index=False))
     else:
         p.add_argument("run_dir", type=run_dir_arg)
         a = p.parse_args(argv)

@@ -3,14 +3,21 @@
 ``results.csv`` (one row per cell) and ``errors.csv`` (one row per cell x compared output) are
 appended to as each cell finishes, each row flushed and fsynced, so a killed run keeps what it
 measured. ``samples.jsonl`` keeps every timing sample. :func:`read_csv` tolerates a last line cut
-off by a kill.
+off by a kill. Every other file is written whole or not at all (:func:`write_atomic`).
+
+``codabench-run.json`` (:data:`MARKER`) marks a folder as a run of this layout (:data:`SCHEMA`); it is written
+before anything else of the run. :func:`check_run` says whether a folder can be read as a run: its marker, or for
+a run from before the marker (a legacy run) ``env.json`` beside ``results.csv``; CSVs with codabench's columns and
+whole rows; ``samples.jsonl`` of JSON lines.
 """
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import math
 import os
+import tempfile
 from io import StringIO
 from pathlib import Path
 from typing import Any, Iterable
@@ -23,6 +30,9 @@ from workloads.op import MODES
 from workloads.ops import OPS
 
 RESULTS, ERRORS, SAMPLES, ENV = "results.csv", "errors.csv", "samples.jsonl", "env.json"
+MARKER, LOCK = "codabench-run.json", ".lock"
+SCHEMA = 1
+"""The layout of a run folder that this code reads and writes, as its marker states it."""
 KEY = ["op", "model", "mode", "dtype", "impl"]
 
 RESULT_COLUMNS = [
@@ -69,16 +79,30 @@ ERROR_COLUMNS = ["op", "impl", "model", "mode", "dtype", "output", "rel_err", "m
                  "torch_rel_err", "ratio", "rel_err_vs_bf16", "passed"]
 
 
+_WORDS = {"op", "impl", "model", "mode", "dtype", "status", "message", "label", "strategy", "fp8_recipe", "timing",
+          "verdict", "correct", "finished_at", "output", "passed"}
+"""The columns of results.csv and errors.csv whose values are words; every other column holds a number or nothing."""
+_REQUIRED = {RESULTS: KEY + ["status"], ERRORS: KEY + ["output"]}
+
+
+class RunFolderError(Exception):
+    """A folder that cannot be read or written as a run (foreign files, garbage, another schema); one line."""
+
+
 class AppendWriter:
-    """Appends rows to a CSV (header written once), durable after each row."""
+    """Appends rows to a CSV (header written once), durable after each row. A file of an earlier column list (a
+    subset of ``columns``) is first rewritten whole under the new header, its rows kept."""
 
     def __init__(self, path: Path, columns: list[str]):
         self.path, self.columns = path, columns
         if path.exists() and path.stat().st_size:
             _drop_partial_last_line(path)
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                if reader.fieldnames != columns:
+                    write_atomic(path, _csv_text(list(reader), columns))
         else:
-            with open(path, "w", newline="") as f:
-                csv.writer(f).writerow(columns)
+            write_atomic(path, _csv_text([], columns))
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
         with open(self.path, "a", newline="") as f:
@@ -87,6 +111,20 @@ class AppendWriter:
                 w.writerow({k: _cell(row.get(k)) for k in self.columns})
             f.flush()
             os.fsync(f.fileno())
+
+
+def _csv_text(rows: Iterable[dict[str, Any]], columns: list[str]) -> str:
+    buf = StringIO()
+    w = csv.DictWriter(buf, columns, extrasaction="raise")
+    w.writeheader()
+    for row in rows:
+        w.writerow({k: _cell(row.get(k)) for k in columns})
+    return buf.getvalue()
+
+
+def write_csv(path: Path, rows: Iterable[dict[str, Any]], columns: list[str]) -> None:
+    """A whole CSV, written atomically."""
+    write_atomic(path, _csv_text(rows, columns))
 
 
 def _cell(v: Any) -> Any:
@@ -98,9 +136,11 @@ def _cell(v: Any) -> Any:
 
 
 def _drop_partial_last_line(path: Path) -> None:
-    data = path.read_bytes()
+    """Cut a last line without its newline (a write cut off by a kill) off in place; the whole lines stay."""
+    with open(path, "rb") as f:
+        data = f.read()
     if data and not data.endswith(b"\n"):
-        path.write_bytes(data[: data.rfind(b"\n") + 1])
+        os.truncate(path, data.rfind(b"\n") + 1)
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -110,6 +150,140 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """``path`` holds the old content or ``data``, never part of it: ``data`` goes to a temporary file in the same
+    folder, is fsynced and renamed over ``path`` (an exception or Ctrl-C in between removes the temporary file)."""
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_marker(run_dir: Path, suite: str, code_tree: str | None, git_sha: str | None) -> None:
+    """The marker that makes ``run_dir`` a run of this layout: schema, suite, the code that writes it, when."""
+    write_json(run_dir / MARKER, {
+        "schema": SCHEMA, "suite": suite, "code_tree": code_tree, "git_sha": git_sha,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+
+
+def read_marker(run_dir: Path) -> dict[str, Any] | None:
+    """The marker of ``run_dir``; None without one. A marker that is not one, or of another schema: RunFolderError."""
+    path = run_dir / MARKER
+    if not path.exists():
+        return None
+    marker = _json_object(path)
+    if not isinstance(marker.get("schema"), int):
+        raise RunFolderError(f"{path}: not a codabench run marker (no schema number)")
+    if marker["schema"] != SCHEMA:
+        raise RunFolderError(f"{path}: a run of schema {marker['schema']}; this codabench reads schema {SCHEMA}")
+    return marker
+
+
+def read_env(run_dir: Path) -> dict[str, Any]:
+    """env.json of ``run_dir`` ({} without one); a file that is not a JSON object: RunFolderError."""
+    path = run_dir / ENV
+    return _json_object(path) if path.exists() else {}
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        obj = None
+    if not isinstance(obj, dict):
+        raise RunFolderError(f"{path}: not a JSON object")
+    return obj
+
+
+def check_run(run_dir: Path, need_rows: bool = True) -> list[str]:
+    """Whether ``run_dir`` reads as a run: its marker, or without one a legacy run (env.json beside results.csv);
+    results.csv (and errors.csv) with codabench's columns, whole rows and numbers where numbers belong; samples.jsonl
+    of JSON objects naming their cell; env.json a JSON object. A last line cut off (a killed run's append) is
+    tolerated: it is named in the notes returned. Anything else (and, with ``need_rows``, a results.csv without rows):
+    RunFolderError, one line."""
+    if not run_dir.is_dir():
+        raise RunFolderError(f"{run_dir}: no such directory")
+    marker = read_marker(run_dir)
+    if not (run_dir / RESULTS).is_file():
+        raise RunFolderError(f"{run_dir}: not a run directory (no {RESULTS})")
+    if marker is None and not (run_dir / ENV).is_file():
+        raise RunFolderError(f"{run_dir}: not a codabench run (neither {MARKER} nor {ENV} beside {RESULTS})")
+    read_env(run_dir)
+    notes = []
+    for name, columns in ((RESULTS, RESULT_COLUMNS), (ERRORS, ERROR_COLUMNS)):
+        if name == RESULTS or (run_dir / name).exists():
+            notes += _check_csv(run_dir / name, columns, _REQUIRED[name], need_rows and name == RESULTS)
+    if (run_dir / SAMPLES).exists():
+        notes += _check_samples(run_dir / SAMPLES)
+    return notes
+
+
+def _whole_lines(path: Path) -> tuple[str, list[str]]:
+    """The file's text up to its last newline, and the note when a cut-off last line was left out."""
+    try:
+        text = path.read_bytes().decode()
+    except UnicodeDecodeError:
+        raise RunFolderError(f"{path}: not text") from None
+    if not text or text.endswith("\n"):
+        return text, []
+    return text[: text.rfind("\n") + 1], [f"{path}: its last line is cut off (a killed run?); the lines before it "
+                                          "are read"]
+
+
+def _check_csv(path: Path, columns: list[str], required: list[str], need_rows: bool) -> list[str]:
+    text, notes = _whole_lines(path)
+    if not text.strip():
+        raise RunFolderError(f"{path}: " + ("its header is cut off" if notes else "empty"))
+    reader = csv.reader(StringIO(text), strict=True)
+    try:
+        header = next(reader)
+        missing = [c for c in required if c not in header]
+        unknown = [c for c in header if c not in columns]
+        if missing or unknown:
+            raise RunFolderError(f"{path}: not codabench's columns (" + "; ".join(
+                f"{what}: {', '.join(cols[:5])}{' ...' if len(cols) > 5 else ''}"
+                for what, cols in (("missing", missing), ("unknown", unknown)) if cols) + ")")
+        numeric = [i for i, c in enumerate(header) if c not in _WORDS]
+        rows = 0
+        for row in reader:
+            if len(row) != len(header):
+                raise RunFolderError(f"{path}, line {reader.line_num}: {len(row)} fields where the header has "
+                                     f"{len(header)}")
+            for i in numeric:
+                if row[i]:
+                    try:
+                        float(row[i])
+                    except ValueError:
+                        raise RunFolderError(f"{path}, line {reader.line_num}: {header[i]} is {row[i][:40]!r}, not a "
+                                             "number") from None
+            rows += 1
+    except csv.Error as e:
+        raise RunFolderError(f"{path}, line {reader.line_num}: {e}") from None
+    if need_rows and not rows:
+        raise RunFolderError(f"{path}: no rows" + (" (its only row is cut off)" if notes else ""))
+    return notes
+
+
+def _check_samples(path: Path) -> list[str]:
+    text, notes = _whole_lines(path)
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not all(k in record for k in KEY):
+            raise RunFolderError(f"{path}, line {n}: not a sample record of codabench")
+    return notes
 
 
 def read_csv(path: Path, columns: list[str]) -> pd.DataFrame:
@@ -160,8 +334,9 @@ def sample_rounds(run_dir: Path, env: dict[str, Any]) -> dict[tuple[str, ...], l
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Strict JSON, indented, except that each element of a list of dicts (a row) takes one line."""
-    path.write_text(_dumps(_json_safe(obj), 0) + "\n")
+    """Strict JSON, indented, except that each element of a list of dicts (a row) takes one line; written
+    atomically."""
+    write_atomic(path, _dumps(_json_safe(obj), 0) + "\n")
 
 
 def _dumps(obj: Any, depth: int) -> str:
@@ -201,8 +376,7 @@ def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str,
     df = read_csv(run_dir / RESULTS, RESULT_COLUMNS)
     err = read_csv(run_dir / ERRORS, ERROR_COLUMNS) if (run_dir / ERRORS).exists() \
         else pd.DataFrame(columns=ERROR_COLUMNS)
-    env_path = run_dir / ENV
-    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    env = read_env(run_dir)
     for frame in (df, err):
         for c in KEY:
             if c in frame:

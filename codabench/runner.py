@@ -69,7 +69,7 @@ class Runner:
         cfg = self.cfg
         worker = self.worker or (WorkerProcess(cfg) if cfg.isolate else InlineWorker(cfg, self.registry))
         try:
-            writer = RunWriter(cfg.out_dir, cfg.resume)
+            writer = RunWriter(cfg.out_dir, cfg.resume, cfg.suite)
         except BaseException:  # e.g. --out holds a run: stop the worker the command line spawned, not orphan it
             worker.close()
             raise
@@ -97,9 +97,12 @@ class Runner:
         finally:
             trace = worker.call("clock_trace") if self.cfg.device.type == "cuda" and worker.alive else []
             worker.close()
-            writer.update_env(**progress.finish(),  # wall_s and its split
-                              clock_trace=[] if isinstance(trace, Failure) else
-                              [[round(t - start, 3), *state] for t, *state in trace])
+            try:
+                writer.update_env(**progress.finish(),  # wall_s and its split
+                                  clock_trace=[] if isinstance(trace, Failure) else
+                                  [[round(t - start, 3), *state] for t, *state in trace])
+            finally:
+                writer.close()
         return cfg.out_dir
 
     # ---- one group ---------------------------------------------------------------------------------

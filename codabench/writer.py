@@ -2,33 +2,146 @@
 
 Rows are appended and fsynced one by one (:mod:`codabench.results`), so a killed run keeps what it measured and
 ``--resume`` skips the cells that have a row.
+
+A run writes only into a folder that is new, empty, or a run of this layout (its marker,
+:data:`codabench.results.MARKER`, which the run writes before anything else): :func:`check_run_dir` refuses any
+other folder before a byte is written into it. One process at a time writes a run: :class:`RunLock` holds an
+exclusive ``flock`` on the folder's ``.lock`` (which names its pid and host) for as long as the run or its report
+is written, and removes the file when it lets go; the kernel lets go of the lock of a process that died, and the
+next writer takes the lock over with a note.
 """
 from __future__ import annotations
 
-import json
+import fcntl
 import math
+import os
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
 from codabench import results
+from codabench.env import code_tree, git_sha
 from codabench.matrix import Cell
+from codabench.results import RunFolderError
 
 
-class RunExists(Exception):
+class RunExists(RunFolderError):
     """The output directory already holds results and --resume was not given."""
 
 
+class RunLocked(RunFolderError):
+    """Another process writes the run directory."""
+
+
+def check_run_dir(out_dir: Path, resume: bool, suite: str | None = None) -> list[str]:
+    """Whether a run may write into ``out_dir`` (read-only: a refused folder is left as it was). A missing or empty
+    folder (a left-over ``.lock`` aside) takes any run. Any other folder must hold a valid marker (of ``suite``, when
+    given, for ``--resume``); then results.csv refuses a fresh run (:class:`RunExists`) and, for ``--resume``, must
+    read as a run (:func:`codabench.results.check_run`). Returns the notes of what was tolerated (a cut-off last line
+    that resuming drops); RunFolderError with one line otherwise."""
+    if not out_dir.exists():
+        return []
+    if not out_dir.is_dir():
+        raise RunFolderError(f"{out_dir}: is a file, not a directory")
+    if all(p.name == results.LOCK for p in out_dir.iterdir()):
+        return []
+    marker = results.read_marker(out_dir)
+    if marker is None:
+        raise RunFolderError(f"{out_dir} holds files but no {results.MARKER}: not a run of this codabench; "
+                             "nothing was written there (use a new or empty folder)")
+    if not (out_dir / results.RESULTS).exists():
+        return []
+    if not resume:
+        raise RunExists(f"{out_dir} already holds results: pass --resume to continue it, or another --out")
+    if suite is not None and marker.get("suite") != suite:
+        raise RunFolderError(f"--resume: {out_dir} is a run of suite {marker.get('suite')!r}, not {suite!r} "
+                             "(give its --suite)")
+    return results.check_run(out_dir, need_rows=False)
+
+
+class RunLock:
+    """The exclusive right to write ``run_dir``, held from construction to :meth:`release` (or the end of a ``with``).
+    Re-entrant within a process: the command line holds it over a run and its report while the writer and the
+    report take it too. A folder locked by another process: :class:`RunLocked`."""
+
+    _held: dict[Path, list] = {}
+    """Resolved folder -> [the lock file's descriptor, how many holders in this process]."""
+
+    def __init__(self, run_dir: Path):
+        self.key = run_dir.resolve()
+        held = self._held.get(self.key)
+        if held is not None:
+            held[1] += 1
+            return
+        path = self.key / results.LOCK
+        while True:  # the file locked must still be the one at the path (a releaser unlinks it)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 200).decode(errors="replace").strip() or "a process"
+                os.close(fd)
+                raise RunLocked(f"{run_dir} is being written by another codabench ({holder}); wait for it to end, or "
+                                "use another --out") from None
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        stale = os.read(fd, 200).decode(errors="replace").strip()
+        if stale:
+            print(f"codabench: {run_dir}: taking over the lock of {stale}, which no longer holds it (it ended "
+                  "without letting go)", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._held[self.key] = [fd, 1]
+
+    def release(self) -> None:
+        held = self._held.get(self.key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1]:
+            return
+        del self._held[self.key]
+        (self.key / results.LOCK).unlink(missing_ok=True)  # while locked: no other process holds this file
+        os.close(held[0])
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class RunWriter:
-    def __init__(self, out_dir: Path, resume: bool):
+    """Opens ``out_dir`` for a run (refused as :func:`check_run_dir` says; then locked, then marked) until
+    :meth:`close`."""
+
+    def __init__(self, out_dir: Path, resume: bool, suite: str):
         self.out_dir = out_dir
+        check_run_dir(out_dir, resume, suite)
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / results.RESULTS
-        if path.exists() and not resume:
-            raise RunExists(f"{out_dir} already holds results: pass --resume to continue it, or another --out")
-        self.done = self._done_keys() if resume else set()
-        """Keys of the cells that already have a row (resume)."""
-        self._results = results.AppendWriter(path, results.RESULT_COLUMNS)
-        self._errors = results.AppendWriter(out_dir / results.ERRORS, results.ERROR_COLUMNS)
+        self._lock = RunLock(out_dir)
+        try:
+            check_run_dir(out_dir, resume, suite)  # again, now that no other process can write there
+            if results.read_marker(out_dir) is None:
+                results.write_marker(out_dir, suite, code_tree(), git_sha())
+            path = out_dir / results.RESULTS
+            self.done = self._done_keys() if resume and path.exists() else set()
+            """Keys of the cells that already have a row (resume)."""
+            self._results = results.AppendWriter(path, results.RESULT_COLUMNS)
+            self._errors = results.AppendWriter(out_dir / results.ERRORS, results.ERROR_COLUMNS)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def close(self) -> None:
+        """Let go of the run directory."""
+        self._lock.release()
 
     def _done_keys(self) -> set[tuple]:
         df = results.read_csv(self.out_dir / results.RESULTS, results.RESULT_COLUMNS)
@@ -47,12 +160,11 @@ class RunWriter:
         """env.json at the start of a run; a resumed run keeps the earlier sessions' records under earlier_sessions."""
         path = self.out_dir / results.ENV
         if resume and path.exists():
-            old = json.loads(path.read_text())
+            old = results.read_env(self.out_dir)
             env["earlier_sessions"] = old.pop("earlier_sessions", []) + [old]
         results.write_json(path, env)
 
     def update_env(self, **fields: Any) -> None:
-        path = self.out_dir / results.ENV
-        env = json.loads(path.read_text()) if path.exists() else {}
+        env = results.read_env(self.out_dir)
         env.update(fields)
-        results.write_json(path, env)
+        results.write_json(self.out_dir / results.ENV, env)

@@ -143,10 +143,11 @@ def test_subcommands_check_their_arguments(capsys, tmp_path):
     empty.mkdir()
     header_only = tmp_path / "header-only"
     header_only.mkdir()
-    (header_only / "results.csv").write_text("op,impl\n")
+    (header_only / "results.csv").write_text("op,impl,model,mode,dtype,status\n")
+    (header_only / "env.json").write_text("{}")
     for argv, says in ((["report", str(tmp_path / "missing")], "no such directory"),
                        (["report", str(empty)], "not a run directory (no results.csv)"),
-                       (["report", str(header_only)], "results.csv has no rows"),
+                       (["report", str(header_only)], "results.csv: no rows"),
                        (["compare", str(empty), str(empty)], "not a run directory"),
                        (["merge", str(tmp_path / "m"), str(empty)], "not a run directory")):
         assert says in _usage_error(capsys, argv), argv

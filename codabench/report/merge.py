@@ -1,7 +1,9 @@
 """Merge the run directories of the shards of one run (``--shard I/N``) into one report.
 
 The merged directory is built under a temporary name beside its destination and renamed into place once its report
-is written, so a merge that fails leaves nothing behind and can simply be run again.
+is written, so a merge that fails leaves nothing behind and can simply be run again. Each shard must read as a run
+(:func:`codabench.results.check_run`); the merged directory is a run of this layout (its marker names the shards'
+suite and code).
 """
 from __future__ import annotations
 
@@ -39,8 +41,7 @@ def _merge_into(out_dir: Path, shard_dirs: list[str | Path]) -> Path:
     errors = tables.AppendWriter(out_dir / tables.ERRORS, tables.ERROR_COLUMNS)
     envs = []
     for d in map(Path, shard_dirs):
-        if not (d / tables.RESULTS).exists():
-            raise FileNotFoundError(f"{d} has no {tables.RESULTS}")
+        tables.check_run(d, need_rows=False)
         df, err, env = load_run(d)
         results.write(records(df))
         errors.write(records(err))
@@ -55,6 +56,7 @@ def _merge_into(out_dir: Path, shard_dirs: list[str | Path]) -> Path:
         merged["code_tree"] = trees.pop()
     if first.get("gpu"):
         merged["gpu"] = first["gpu"]
+    tables.write_marker(out_dir, merged["suite"], merged.get("code_tree"), merged["git_sha"])
     tables.write_json(out_dir / tables.ENV, merged)
     finalize(out_dir)
     return out_dir

@@ -25,6 +25,7 @@ from PIL import Image  # noqa: E402
 
 from codabench.clocks import CLOCK_DIP, run_clock_mhz  # noqa: E402
 from codabench.report.palette import impl_colors, impl_order  # noqa: E402
+from codabench.results import write_atomic  # noqa: E402
 from codabench.timing import CPU_WALL  # noqa: E402
 from workloads.models import PRESETS  # noqa: E402
 
@@ -68,11 +69,9 @@ def _model_order(name: str) -> tuple[int, str]:
 
 
 def make_plots(df: pd.DataFrame, out_dir: Path, env: dict[str, Any] | None = None) -> list[tuple[str, Path]]:
-    """Write the PNGs (those of an earlier report of the run are removed first); returns (title, path) for each
-    figure drawn."""
+    """Write the PNGs, each replacing its earlier version whole (the PNGs of an earlier report that this one does
+    not draw are removed last); returns (title, path) for each figure drawn."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("*.png"):
-        old.unlink()
     ok = df[df["status"] == "ok"]
     cpu_only = not ok.empty and (ok["timing"] == CPU_WALL).all()
     colors = impl_colors(df["impl"])
@@ -96,6 +95,8 @@ def make_plots(df: pd.DataFrame, out_dir: Path, env: dict[str, Any] | None = Non
         title = "GPU during the kept samples: SM clock, power, temperature"
         _trace_figure(trace, run_clock_mhz(df), title, path)
         made.append((title, path))
+    for old in set(out_dir.glob("*.png")) - {p for _, p in made}:
+        old.unlink()
     return made
 
 
@@ -208,8 +209,10 @@ def _trace_figure(trace: list[list[float]], run_mhz: float | None, title: str, p
 
 def _save_png(fig: plt.Figure, path: Path) -> None:
     """A 256-colour palette PNG: a few line colours plus their anti-aliasing fit a palette, and the
-    file is about a quarter of matplotlib's RGBA one (it is embedded in report.html too)."""
+    file is about a quarter of matplotlib's RGBA one (it is embedded in report.html too); written atomically."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     image = Image.open(buf).convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE)
-    image.save(path, format="png", optimize=True)
+    png = io.BytesIO()
+    image.save(png, format="png", optimize=True)
+    write_atomic(path, png.getvalue())
