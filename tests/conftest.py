@@ -4,7 +4,9 @@ The tests run on the CPU, the Triton kernels in the interpreter, also on a machi
 the kernels CPU tensors. ``CODABENCH_TEST_GPU=1`` leaves the GPU visible, for the tests that need one (those named
 ``gpu``, e.g. ``CODABENCH_TEST_GPU=1 python -m pytest -q -k gpu tests/test_gpu.py``); without it they are skipped.
 
-The ``strategy`` fixture runs a test under each path of the CODA kernels (:mod:`kernels.coda.strategy`).
+The ``strategy`` fixture runs a test under each path of the CODA kernels (:mod:`kernels.coda.strategy`). Before each
+test the guard records the harness's modules again (:func:`codabench.guard.snapshot`): an earlier test's monkeypatches
+(adopted by an inline run's record) and their undoing are a test's business, not tampering.
 """
 import os
 
@@ -23,6 +25,13 @@ def pytest_report_header(config) -> str:
     if os.environ.get(GPU_ENV) == "1":
         return f"codabench: tests on {DEVICE} ({GPU_ENV}=1)"
     return f"codabench: tests on the CPU with the Triton interpreter; {GPU_ENV}=1 runs the GPU tests on a GPU"
+
+
+@pytest.fixture(autouse=True)
+def guard_record_of_this_test():
+    from codabench import guard
+
+    guard.snapshot(refresh=True)
 
 
 @pytest.fixture(params=["fused", "split"])
