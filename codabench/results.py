@@ -79,7 +79,7 @@ ERROR_COLUMNS = ["op", "impl", "model", "mode", "dtype", "output", "rel_err", "m
                  "torch_rel_err", "ratio", "rel_err_vs_bf16", "passed"]
 
 
-_WORDS = {"op", "impl", "model", "mode", "dtype", "status", "message", "label", "strategy", "fp8_recipe", "timing",
+_WORDS = {"op", "impl", "model", "mode", "dtype", "status", "message", "label", "strategy", "fp8_recipe", "timing", "grain", "stop",
           "verdict", "correct", "finished_at", "output", "passed"}
 """The columns of results.csv and errors.csv whose values are words; every other column holds a number or nothing."""
 _REQUIRED = {RESULTS: KEY + ["status"], ERRORS: KEY + ["output"]}
