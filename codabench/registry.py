@@ -34,6 +34,25 @@ Tensors = dict[str, Any]
 """Named tensors; native dicts may also carry plain values (a model shape, eps), which the harness leaves alone."""
 
 
+class FirstCalls:
+    """Which shapes an implementation has run: :meth:`Implementation.prepare` runs before every timed call (new inputs
+    each time), so one-time work for a shape's first ``run`` (compiling its kernels first, say) is armed at that
+    shape's first ``prepare`` alone: ``arm(key, device)`` there, ``take()`` in ``run`` (the device, once; else None)."""
+
+    def __init__(self) -> None:
+        self._seen: set[Any] = set()
+        self._armed: Any = None
+
+    def arm(self, key: Any, device: Any) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            self._armed = device
+
+    def take(self) -> Any:
+        device, self._armed = self._armed, None
+        return device
+
+
 class Implementation:
     """Base class: identity layout conversions, canonical inputs as the native ones."""
 
@@ -71,6 +90,10 @@ class Implementation:
         return None
 
     def prepare(self, case: Case) -> Tensors:
+        """Canonical inputs -> the native ones ``run`` takes (layouts, quantization), untimed. The harness calls it
+        for the correctness pass, the checks, and before every timed call (new inputs each time, refilled into the
+        timed buffers): keep it cheap, give the same shapes and dtypes for the same case shape, and arm one-time
+        work for the next ``run`` once per shape (:class:`FirstCalls`), not at every call."""
         return dict(case.inputs)
 
     def run(self, native: Tensors) -> Tensors:

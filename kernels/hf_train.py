@@ -41,7 +41,7 @@ from torch import nn
 from torch.func import functional_call
 
 from codabench.case import Case
-from codabench.registry import REGISTRY, Implementation, Tensors
+from codabench.registry import REGISTRY, FirstCalls, Implementation, Tensors
 from workloads.models import ModelShape
 from workloads.ops.train_step import TrainStep
 
@@ -121,13 +121,10 @@ class HFCompile(HFTrainStep):
 
 class HFCoda(HFTrainStep):
     requires = ("pkg:transformers", "triton-dot")
-    _precompile: torch.device | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        self._precompiled: set[tuple] = set()
-        """The (shape, dtype, device) whose first step compiled its kernels in parallel: the harness prepares new
-        inputs for every timed call, and only a shape's first step needs the dry pass."""
+        self._first_calls = FirstCalls()
 
     def patch(self, model: nn.Module) -> nn.Module:
         from kernels.coda.hf import apply_coda
@@ -135,18 +132,15 @@ class HFCoda(HFTrainStep):
         return apply_coda(model)
 
     def prepare(self, case: Case) -> Tensors:
-        key = (case.model, case.torch_dtype, case.device)
-        if key not in self._precompiled:
-            self._precompiled.add(key)
-            self._precompile = case.device  # the device of the shape's first step
+        self._first_calls.arm((case.model, case.torch_dtype, case.device), case.device)
         return super().prepare(case)
 
     def run(self, native: Tensors) -> Tensors:
         from kernels.coda.plugin import RECORDER
         from kernels.coda.precompile import precompile_autograd
 
-        if self._precompile is not None:  # the cell's first step: its kernels compiled in parallel first
-            device, self._precompile = self._precompile, None
+        device = self._first_calls.take()
+        if device is not None:  # the shape's first step: its kernels compiled in parallel first
             weights, batch = _weights_and_batch(native)
             precompile_autograd(lambda: self.forward(native["hf_model"], weights, batch), weights.values(), device)
         RECORDER.start()  # the step's forward and backward: which kernels ran fused or split

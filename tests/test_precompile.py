@@ -132,8 +132,9 @@ def test_autograd_step_differentiates_the_outputs_that_need_it_without_touching_
 
 
 def test_each_prepared_cell_starts_with_one_dry_pass_over_what_the_harness_differentiates(monkeypatch):
-    """coda-triton and hf-coda: the first call after ``prepare`` hands the cell's forward to the dry pass (the op's
-    compared outputs only, the cell's device, its leaves), later calls do not; a new ``prepare`` starts again."""
+    """coda-triton and hf-coda: the first call after a shape's first ``prepare`` hands the cell's forward to the dry
+    pass (the op's compared outputs only, the cell's device, its leaves), later calls do not, nor do the calls after
+    a ``prepare`` of new inputs at the same shape (the harness prepares before every timed call); a new shape does."""
     from codabench.case import Case
     from codabench.execute import fresh_leaves
     from kernels import hf_train
@@ -161,6 +162,10 @@ def test_each_prepared_cell_starts_with_one_dry_pass_over_what_the_harness_diffe
     assert {id(t) for t in leaves} == {id(native[k]) for k in ("a", "residual", "w_o")}
     impl.prepare(case)
     impl.run(native)
+    assert len(passes) == 1
+    wider = model.with_(tokens=2 * model.tokens)
+    other = Case(op, wider, "fwd_bwd", "fp32", torch.device("cpu"), op.make_inputs(wider, torch.float32, "cpu", 1))
+    impl.run(fresh_leaves(impl.prepare(other), ["a", "residual", "w_o"]))
     assert len(passes) == 2
 
     pytest.importorskip("transformers")

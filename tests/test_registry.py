@@ -193,3 +193,17 @@ def test_registry_names_and_for_op(registry):
     assert "torch-eager" in registry.names()
     assert all(i.op == "block" for i in registry.for_op("block"))
     assert REGISTRY is registry
+
+
+def test_first_calls_arm_once_per_shape():
+    """prepare runs before every timed call: one-time work is armed at a shape's first prepare only."""
+    from codabench.registry import FirstCalls
+
+    first = FirstCalls()
+    first.arm(("7b", "bf16"), "cuda:0")
+    first.arm(("7b", "bf16"), "cuda:0")  # the next prepare at the same shape: nothing more
+    assert first.take() == "cuda:0" and first.take() is None
+    first.arm(("7b", "bf16"), "cuda:0")
+    assert first.take() is None
+    first.arm(("70b", "bf16"), "cuda:1")
+    assert first.take() == "cuda:1"

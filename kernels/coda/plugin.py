@@ -52,7 +52,7 @@ import torch
 import triton
 
 from codabench.case import Case
-from codabench.registry import REGISTRY, Implementation, Tensors
+from codabench.registry import REGISTRY, FirstCalls, Implementation, Tensors
 from kernels import layouts
 from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer,
                                     producer_consumer)
@@ -223,7 +223,7 @@ class CodaTriton(Implementation):
         self.op, self._forward, self.modes, self.description = op, forward, modes, description
         self.grads_in_forward = grads_in_forward
         self.source = __name__
-        self._precompile: torch.device | None = None
+        self._first_calls = FirstCalls()
 
     def prepare(self, case: Case) -> Tensors:
         """Canonical -> native, untimed: interleaved gate/up rows, q/k rows in adjacent-pair order; fp8 cells:
@@ -241,12 +241,12 @@ class CodaTriton(Implementation):
                 native[k] = layouts.qkv_cols_to_adjacent(case.inputs[k], *_qkv_args(case.model))
         native = case.quantize(native, {"w_gate": "w_gu", "w_up": "w_gu"})
         native["model"], native["recipe"] = case.model, case.recipe
-        self._precompile = case.device  # the device of the cell's first call
+        self._first_calls.arm((case.model, case.dtype, case.device, case.recipe), case.device)
         return native
 
     def run(self, native: Tensors) -> Tensors:
-        if self._precompile is not None:  # the cell's first call: its kernels (and the backward's) compiled first
-            device, self._precompile = self._precompile, None
+        device = self._first_calls.take()
+        if device is not None:  # the shape's first call: its kernels (and the backward's) compiled first
             compared = OPS[self.op].outputs  # the outputs the harness's backward starts from
             precompile_autograd(lambda: {k: v for k, v in self._forward(native).items() if k in compared},
                                 native.values(), device)
