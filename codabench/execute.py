@@ -49,7 +49,9 @@ def call_run(impl: Implementation, native: Tensors) -> Tensors:
 
 
 def _device_of(native: Tensors) -> torch.device:
-    return next((v.device for v in native.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    """The device the inputs are on: an accelerator where any input is (fp8 scales may stay on the CPU)."""
+    devices = [v.device for v in native.values() if isinstance(v, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
 def backward(outputs: Tensors, grad_outputs: Tensors) -> None:

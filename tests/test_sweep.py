@@ -182,3 +182,11 @@ def _module_of(stem: str):
     import sys
 
     return next(m for n, m in sys.modules.items() if str(getattr(m, "__file__", "")).endswith(f"{stem}.py"))
+
+
+def test_the_expected_device_is_the_accelerator_any_input_is_on():
+    from codabench.execute import _device_of
+
+    meta = torch.empty(2, device="meta")
+    assert _device_of({"scale": torch.ones(()), "x": meta, "model": "tiny"}).type == "meta"
+    assert _device_of({"x": torch.ones(2)}).type == "cpu" and _device_of({"model": "tiny"}).type == "cpu"
