@@ -12,8 +12,8 @@ Differentiable native tensors: floating tensors whose key is in neither ``op.con
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -48,10 +48,24 @@ def call_run(impl: Implementation, native: Tensors) -> Tensors:
     return out
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``: itself, or inside dicts, lists, tuples and dataclass instances (quantized operands)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif is_dataclass(value) and not isinstance(value, type):
+        for f in fields(value):
+            yield from _tensors(getattr(value, f.name))
+
+
 def _device_of(native: Tensors) -> torch.device:
     """The device the inputs are on: an accelerator where any input is (fp8 scales may stay on the CPU)."""
-    devices = [v.device for v in native.values() if isinstance(v, torch.Tensor)]
-    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+    return next((t.device for t in _tensors(native) if t.device.type != "cpu"), torch.device("cpu"))
 
 
 def backward(outputs: Tensors, grad_outputs: Tensors) -> None:
@@ -106,9 +120,9 @@ def timed_call(op: Op, impl: Implementation, native: Tensors, mode: str, grad_ou
     return Timed(bwd, forward, nullcontext(), keys)
 
 
-def _storages(tensors: Tensors) -> dict[int, str]:
-    return {v.untyped_storage().data_ptr(): k for k, v in tensors.items()
-            if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()}
+def _storages(native: Tensors) -> dict[int, str]:
+    return {t.untyped_storage().data_ptr(): k for k, v in native.items() for t in _tensors(v)
+            if t.untyped_storage().nbytes()}
 
 
 def check_outputs(outputs: Any, native: Tensors, device: torch.device) -> None:

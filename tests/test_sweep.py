@@ -187,6 +187,14 @@ def _module_of(stem: str):
 def test_the_expected_device_is_the_accelerator_any_input_is_on():
     from codabench.execute import _device_of
 
+    from dataclasses import dataclass
+
+    @dataclass
+    class Quantized:
+        data: torch.Tensor
+        scale: torch.Tensor
+
     meta = torch.empty(2, device="meta")
     assert _device_of({"scale": torch.ones(()), "x": meta, "model": "tiny"}).type == "meta"
+    assert _device_of({"x": Quantized(meta, torch.ones(())), "mm": ("a", [torch.ones(1)])}).type == "meta"
     assert _device_of({"x": torch.ones(2)}).type == "cpu" and _device_of({"model": "tiny"}).type == "cpu"
