@@ -83,6 +83,7 @@ def gluon_rows(compiled: dict[str, str], expect: Callable[[str], str]) -> list[R
 
 
 def fused_rows(cases: list[str]) -> list[Row]:
+    """Rows of :mod:`compare_ptx`'s ``cases``, compiled in a process of their own (cuobjdump's resource usage)."""
     import compare_ptx
     with tempfile.TemporaryDirectory() as tmp:
         compare_ptx.dump_tree(HERE.parent, cases, Path(tmp))

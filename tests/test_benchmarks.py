@@ -113,8 +113,7 @@ def test_bench_coda_flags_become_run_bench_flags():
 
 
 # ---- the GPU-only experiments build ----------------------------------------------------------------------------
-HOPPER_SMEM = 232448
-"""Bytes of shared memory one CTA may use on an H100/H200 (227 KB)."""
+HOPPER_SMEM = load_script("check_compiled").HOPPER_SMEM
 
 
 def test_gluon_ws_producer_compiles_for_hopper(tmp_path):
