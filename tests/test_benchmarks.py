@@ -40,6 +40,7 @@ def load_script(name: str):
 
 # ---- bench_coda.py: the kernels suite through the harness ------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_coda_runs_the_kernels_suite_and_prints_its_table(tmp_path):
     """On the CPU (the interpreter; the suite needs --models and --dtypes there): the ops named by --kernels, without
     torch-compile (--no-compile), each row of the table from results.csv; the checks passed, so exit code 0."""
@@ -135,6 +136,7 @@ def test_gluon_ws_producer_compiles_for_hopper(tmp_path):
         assert buffers <= int(smem) <= HOPPER_SMEM, (variant, smem)
 
 
+@pytest.mark.slow
 def test_gluon_ws_dgrad_swiglu_compiles_for_hopper(tmp_path):
     """The lost Gluon SwiGLU dgrad experiment still builds: every config compiles for sm_90 and its operand ring and
     z_pre / dz_pre tile fit the shared memory."""
@@ -185,6 +187,7 @@ def test_tune_tables_runs_a_suite_once_or_as_one_shard_per_gpu():
 
 # ---- profile_cell.py: where a cell's time goes -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_profile_cell_profiles_each_implementation_of_a_cell_and_refuses_bad_names():
     """On the CPU (the interpreter, the tiny model): one block per implementation with its median, kernel time and
     top kernels; a backward cell's profile holds the backward, not the forward it is set up with. An unknown
@@ -208,6 +211,7 @@ def test_profile_cell_profiles_each_implementation_of_a_cell_and_refuses_bad_nam
         assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_gluon_pingpong_dgrad_swiglu_compiles_for_hopper(tmp_path):
     """The lost ping-pong SwiGLU dgrad experiment still builds: every config, with and without its epilogue, compiles
     for sm_90, its operand ring(s) fit the shared memory, and ptxas reports its registers."""
@@ -229,6 +233,7 @@ def test_gluon_pingpong_dgrad_swiglu_compiles_for_hopper(tmp_path):
     assert bad.returncode == 2 and "--models: unknown nope" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_the_gluon_swiglu_dgrad_compiles_for_hopper(tmp_path):
     """kernels/coda/swiglu_bwd_gluon.py through benchmarks/gluon_epilogue_dgrad_swiglu.py --compile-only: every timed
     config, bf16 and fp8 operands, compiles for sm_90, fits the shared memory (operand ring of 128-byte K rows and
@@ -250,6 +255,7 @@ def test_the_gluon_swiglu_dgrad_compiles_for_hopper(tmp_path):
         assert "registers" in usage and "bytes spill stores" in usage, usage
 
 
+@pytest.mark.slow
 def test_the_gluon_rmsnorm_dgrad_experiment_compiles_for_hopper(tmp_path):
     """benchmarks/gluon_epilogue_dgrad_rmsnorm.py --compile-only (the lost Gluon RMSNorm dgrad, on the shipped SwiGLU
     dgrad's schedule): every timed config, bf16 and fp8 operands, compiles for sm_90 and fits the shared memory (the
@@ -305,6 +311,7 @@ def test_check_compiled_reports_a_miss_and_fails_only_when_strict(monkeypatch, c
         assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_check_compiled_prints_its_table_for_a_fused_kernel_and_the_gluon_swiglu_dgrad(tmp_path):
     """The script compiles for sm_90 without a GPU and prints one row per kernel or config with its resources; what
     they are is the compiler's, so only the exit code's agreement with the table (--strict) is asserted."""
