@@ -7,6 +7,10 @@ the kernels CPU tensors. ``CODABENCH_TEST_GPU=1`` leaves the GPU visible, for th
 The ``strategy`` fixture runs a test under each path of the CODA kernels (:mod:`kernels.coda.strategy`). Before each
 test the guard records the harness's modules again (:func:`codabench.guard.snapshot`): an earlier test's monkeypatches
 (adopted by an inline run's record) and their undoing are a test's business, not tampering.
+
+Tests marked ``slow`` (pyproject.toml registers the marker) are left out of the default run, which its ``addopts``
+keep under 10 minutes on 2 CPU cores; ``python -m pytest -q -m slow`` runs them (.ci/run runs both). A GPU test is
+never marked slow: the GPU commands of the README select by name and would leave it out.
 """
 import os
 

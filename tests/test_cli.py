@@ -154,6 +154,7 @@ def test_subcommands_check_their_arguments(capsys, tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow
 def test_a_failed_merge_leaves_nothing_and_can_be_retried(tmp_path, capsys, monkeypatch):
     """merge builds under a temporary name: a failure while writing the report leaves no folder behind."""
     import codabench.report.merge as merging

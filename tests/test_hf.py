@@ -98,6 +98,7 @@ def test_loss_and_every_gradient_match_the_unpatched_model(arch, ce_chunk, monke
         assert_passes(name, grads[name], grads32[name], grads64[name])
 
 
+@pytest.mark.slow
 def test_padding_and_ignored_labels_change_the_loss():
     """The fixture's padding mask and -100 labels are not no-ops: the patched loss follows both as HF's does."""
     model = apply_coda(tiny())
@@ -160,6 +161,7 @@ def test_attention_dropout_is_the_models_own():
     assert abs(ours - theirs) < 1e-5 * abs(theirs) and abs(ours - no_dropout) > 1e-3
 
 
+@pytest.mark.slow
 def test_adamw_steps_track_the_unpatched_model():
     """Three AdamW steps on the HF parameters: each step's loss and the final parameters follow fp64 training."""
     ids, mask, labels = batch()

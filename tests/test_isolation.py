@@ -44,6 +44,7 @@ def rows(run_dir):
     return {r["impl"]: r for _, r in df.iterrows()}
 
 
+@pytest.mark.slow
 def test_hangs_exits_and_crashes_cost_one_row_each(registry, tmp_path):
     load_plugin_file(PLUGINS / "crashers.py")
     load_plugin_file(PLUGINS / "good.py")
@@ -279,6 +280,7 @@ def test_a_worker_whose_parent_is_gone_ends_quietly(registry, tmp_path):
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_ctrl_c_writes_the_report(tmp_path):
     """SIGINT in the middle of a hanging cell: exit 130, the finished groups' rows kept (a group's rows are written
     when its sampling ends), the report written."""

@@ -131,6 +131,7 @@ def test_autograd_step_differentiates_the_outputs_that_need_it_without_touching_
     assert calls == [(1, [True], [torch.Size([])])] and w.grad is None and seen["device"].type == "cpu"
 
 
+@pytest.mark.slow
 def test_each_prepared_cell_starts_with_one_dry_pass_over_what_the_harness_differentiates(monkeypatch):
     """coda-triton and hf-coda: the first call after a shape's first ``prepare`` hands the cell's forward to the dry
     pass (the op's compared outputs only, the cell's device, its leaves), later calls do not, nor do the calls after

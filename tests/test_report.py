@@ -35,6 +35,7 @@ def run_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_run_files_and_columns(run_dir):
     for name in ("results.csv", "errors.csv", "results.json", "env.json", "report.html", "samples.jsonl"):
         assert (run_dir / name).stat().st_size > 0, name

@@ -416,6 +416,7 @@ def test_summary_names_each_function_once_in_order():
 
 # ---- the harness's strategy column ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_describe_fills_the_strategy_column_and_the_report(tmp_path, monkeypatch):
     """Each implementation's describe() after its cell's timing, as the row's strategy; a describe() that raises
     keeps the measured row; coda-triton names the path of each kernel of its last call (forward and backward)."""

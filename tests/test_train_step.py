@@ -116,6 +116,7 @@ def test_hf_eager_and_hf_coda_pass_the_error_rule():
     assert {"gemm_rope_kernel", "gemm_residual_norm_kernel", "gemm_cross_entropy_kernel"} <= set(names)
 
 
+@pytest.mark.slow
 def test_hf_compile_traces_once_per_shape(monkeypatch):
     """hf-compile through functional_call: new leaves each call reuse the graph, a new token count adds one. Inductor's
     code generation takes about 40 s per graph on 2 CPU cores, so the model is compiled with the aot_eager backend
@@ -167,6 +168,7 @@ def test_hf_liger_runs_liger_and_leaves_transformers_unpatched(monkeypatch):
     assert type(model.model.norm).__name__ == "LlamaRMSNorm" and type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
 
 
+@pytest.mark.slow
 def test_cells_in_the_harness(tmp_path):
     """The worker's whole path (correctness, timing, the same-buffers / refilled / new-buffers checks) for hf-eager;
     hf-liger is a skipped row on the CPU, --layers reaches the model, hf-coda says which path each CODA kernel of
