@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import math
 import secrets
 import time
 import traceback
@@ -113,7 +112,6 @@ class GroupSamples:
     gemm_note: str
     sampling: dict[str, Any]
     """Row fields: ``grain``, ``n_sweeps``, ``stop``, ``settle_s``, ``settle_mhz``, ``settle_w``."""
-    half_width: dict[str, float]
 
 
 def _error(message: str) -> dict[str, Any]:
@@ -416,12 +414,12 @@ class Measurer:
         note = next((m.error for m in gemm_members if m.error), "") or next(iter(self.gemm_timer.failures.values()), "")
         sampling = dict(grain="sample", n_sweeps=done.n_sweeps, stop=done.stop, settle_s=done.settle_s,
                         settle_mhz=done.settle_mhz, settle_w=done.settle_w)
-        return GroupSamples(cells_out, gemms, note, sampling, done.half_width)
+        return GroupSamples(cells_out, gemms, note, sampling)
 
     def _member(self, r: _Resident, group: _Group, fresh: _Fresh, rechecks: set[int]) -> Member:
         """A resident cell as a member of the sweeps: fresh inputs refilled before each call, its outputs checked
         after it, and compared with PyTorch's on the recheck sweeps."""
-        op, mode, impl, dev = OPS[r.cell.op], r.cell.mode, r.impl, self.device
+        impl, dev = r.impl, self.device
         allowed = self._allowed(r.cell, group)
         if r.graphs:
             turn = iter(range(1 << 62))

@@ -11,7 +11,7 @@ member always sampled after the hottest one).
 
 1. **Settle**: warm-up sweeps, untimed, for at least ``warmup_ms`` and then until the NVML readings of the last
    :data:`SETTLE_WINDOW_S` vary by no more than :data:`CLOCK_TOL` (SM clock) and :data:`POWER_TOL` (power), or
-   ``settle_max_ms`` has passed; what was reached is recorded (``settle_s``, ``settled``, the clock and power).
+   ``settle_max_ms`` has passed; what was reached is recorded (``settle_s``, the clock and power at its end).
 2. **Sweeps**, in chunks: a chunk (about :data:`CHUNK_S` of GPU time) is enqueued, then synchronized once; each
    sample is its own CUDA-event pair. After each chunk, from ``min_sweeps`` on, the watched ratios (each member
    against the run's speed baseline and against the fastest other member) are computed by :func:`codabench.stats.
@@ -85,14 +85,10 @@ class Sweeps:
     stop: str
     """``resolved``, ``budget``, ``max_sweeps``, ``cpu`` (CPU wall times: no stopping rule) or ``failed`` (no member
     left)."""
-    half_width: dict[str, float]
-    """Per watched member, the widest half-width of its watched ratios when sampling stopped."""
     settle_s: float = 0.0
-    settled: bool | None = None
-    """None without NVML readings."""
+    """The warm-up's seconds (``settle_max_ms`` when the clock and power did not settle)."""
     settle_mhz: float | None = None
     settle_w: float | None = None
-    clocks: Sampled = field(default_factory=Sampled)
 
 
 def _describe(e: BaseException) -> str:
@@ -197,18 +193,17 @@ def sample(members: list[Member], device: torch.device, cfg: TimingConfig, nvml:
     sets larger than L2 instead)."""
     rng, clocks = np.random.default_rng(), guard.private_clocks()  # bound once, before any member runs
     if device.type != "cuda":
-        _chunk(members, range(max(cfg.reps or cfg.cpu_reps, 1)), rng, device, None, True, clocks)
         n = max(cfg.reps or cfg.cpu_reps, 1)
-        return Sweeps(members, CPU_WALL, n, "cpu" if any(m.error is None for m in members) else "failed", {})
+        _chunk(members, range(n), rng, device, None, True, clocks)
+        return Sweeps(members, CPU_WALL, n, "cpu" if any(m.error is None for m in members) else "failed")
     flush = l2_flusher(device).flush if (cfg.flush_l2 if flush_l2 is None else flush_l2) else None
     sampled = Sampled()
     with nvml.sampling(sampled):
-        settle_s, settled, sweep_s = _settle(members, device, cfg, flush, rng, sampled, nvml.available, clocks)
-        n, stop, widths = _sweep(members, device, cfg, flush, rng, sweep_s, baseline, clocks)
+        settle_s, sweep_s = _settle(members, device, cfg, flush, rng, sampled, nvml.available, clocks)
+        n, stop, _ = _sweep(members, device, cfg, flush, rng, sweep_s, baseline, clocks)
     for m in members:
         m.clock_mhz = sampled.at(m.ran_s)
-    out = Sweeps(members, CUDA_EVENTS, n, stop, widths, settle_s, settled if nvml.available else None,
-                 clocks=sampled)
+    out = Sweeps(members, CUDA_EVENTS, n, stop, settle_s)
     if sampled.t_s:
         at_end = [i for i, t in enumerate(sampled.t_s) if t <= sampled.t_s[0] + settle_s]
         if at_end:
@@ -217,20 +212,19 @@ def sample(members: list[Member], device: torch.device, cfg: TimingConfig, nvml:
 
 
 def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nvml: bool, clocks: guard.Clocks
-            ) -> tuple[float, bool, float]:
-    """Warm-up sweeps until settled (module docstring); returns (seconds, settled, wall seconds per sweep)."""
+            ) -> tuple[float, float]:
+    """Warm-up sweeps until settled (module docstring); returns (seconds, wall seconds per sweep)."""
     perf_counter = clocks.perf_counter
-    t0, sweeps, settled = perf_counter(), 0, False
+    t0, sweeps = perf_counter(), 0
     while True:
         _chunk(members, range(WARMUP_SWEEP - sweeps, WARMUP_SWEEP - sweeps + 1), rng, device, flush, False, clocks)
         sweeps += 1
         spent = perf_counter() - t0
-        if spent * 1e3 >= cfg.warmup_ms and sweeps >= max(cfg.warmup, 1):
-            settled = nvml and sampled.settled(SETTLE_WINDOW_S, CLOCK_TOL, POWER_TOL)
-            if settled or not nvml or spent * 1e3 >= cfg.settle_max_ms:
-                return spent, settled, spent / sweeps
+        if spent * 1e3 >= cfg.warmup_ms and sweeps >= max(cfg.warmup, 1) and (
+                not nvml or spent * 1e3 >= cfg.settle_max_ms or sampled.settled(SETTLE_WINDOW_S, CLOCK_TOL, POWER_TOL)):
+            return spent, spent / sweeps
         if all(m.error is not None for m in members):
-            return spent, False, spent / sweeps
+            return spent, spent / sweeps
 
 
 def _sweep(members, device, cfg: TimingConfig, flush, rng, sweep_s: float, baseline: str | None,
