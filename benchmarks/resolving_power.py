@@ -16,7 +16,6 @@ the targets are met (or cannot be judged: the CPU), 1 when one is missed, 2 on b
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -30,7 +29,7 @@ from codabench.bootstrap import select_device  # noqa: E402
 select_device()
 
 from codabench import stats  # noqa: E402
-from codabench.cli import main as run_bench  # noqa: E402
+from codabench.cli import OneLineParser, main as run_bench  # noqa: E402
 from codabench.results import load_run  # noqa: E402
 
 PLUGIN = ROOT / "benchmarks" / "planted.py"
@@ -40,7 +39,7 @@ SHAPE = "hidden=4096,ffn=11008,heads=32,vocab=32000"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = OneLineParser(prog="resolving_power.py", description=__doc__.splitlines()[0])
     p.add_argument("--tries", type=int, default=20, help="groups (tries) per planted share (default 20)")
     p.add_argument("--out", type=Path, required=True, help="run directory (must not exist)")
     p.add_argument("--shape", default=SHAPE, help=f"the model shape of every try (default {SHAPE})")

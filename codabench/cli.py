@@ -55,7 +55,7 @@ class _ParserExit(SystemExit):
     used on its own exits as argparse's does."""
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse with one line for bad input (no usage block): ``prog: message (see --help)``, exit code 2. Flags are
     taken only as spelled in full (an abbreviation such as ``--suit`` is an unknown argument). Its exits are
     :class:`_ParserExit`, whose code :func:`main` returns."""
@@ -132,7 +132,7 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def run_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="run_bench.py", description="Run a codabench suite: (op x model x mode x dtype x impl) cells, "
         "each checked against a float64 reference and timed; writes reports/<run>/. Other commands: "
         "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR'.")
@@ -485,7 +485,7 @@ def _subcommand(name: str, argv: list[str]) -> int:
 
 
 def _run_subcommand(name: str, argv: list[str]) -> int:
-    p = _Parser(prog=f"codabench {name}")
+    p = OneLineParser(prog=f"codabench {name}")
     if name == "merge":
         p.add_argument("out", type=Path, help="new run directory for the merged report (must not exist)")
         p.add_argument("shards", type=run_dir_arg, nargs="+", help="the shards' run directories")
