@@ -67,8 +67,8 @@ def test_fwd_runs_without_grad():
     impl, native = Counting(), _native()
     timed = timed_call(OP, impl, native, "fwd", None)
     with timed.context:
-        out = timed.fn(timed.setup() if timed.setup else None)
-    assert not out["z"].requires_grad and impl.forwards == 1
+        out, ran_on = timed.fn(timed.setup() if timed.setup else None)
+    assert not out["z"].requires_grad and impl.forwards == 1 and ran_on is native
 
 
 def test_run_once_returns_canonical_gradients():

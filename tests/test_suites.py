@@ -21,7 +21,7 @@ def test_the_kernels_suite_holds_the_kernel_level_and_quick_and_full_do_not():
     kernels = get_suite("kernels")
     assert (kernels.models, kernels.dtypes, kernels.impls, kernels.needs_gpu) == \
         (("llama-1b", "llama-7b", "llama-70b"), ("bf16",), ("torch-eager", "torch-compile", "coda-triton"), True)
-    assert (kernels.check_tokens, kernels.reps) == (2048, 20)
+    assert (kernels.check_tokens, kernels.reps) == (2048, None)  # sampled until resolved, as every suite
     level = {name: op.level for name, op in OPS.items()}
     assert set(level.values()) == {"pattern", "kernel", "model"}
     kernel_level = {n for n, lv in level.items() if lv == "kernel"}
