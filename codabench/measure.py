@@ -56,8 +56,9 @@ from workloads.ops import OPS
 TIMING_SEED = 0
 TIMING_GRAD_SEED = 7
 RECHECKS = 2
-"""Sweeps, drawn at random among the first ``min_sweeps``, whose timed outputs are compared with PyTorch's (the last
-sweep's are too)."""
+"""Sweeps, drawn at random among the first ``min_sweeps`` (or among all, when their number is fixed), whose timed
+outputs are compared with PyTorch's; the last sweep's are too (where the number is fixed, its timed call itself,
+else one more call on its buffers)."""
 CAST_REPS = 5
 """Samples of an fp8 group's cast time (a cheap side figure, not a cell's timing)."""
 
@@ -388,8 +389,12 @@ class Measurer:
         group.resident = {}
         fresh = _Fresh(lambda seed: self._case(cells[0], seed),
                        lambda case: self._expected_on(cells[0], group, case))
-        first_sweeps = self.cfg.timing.reps or self.cfg.timing.min_sweeps
+        timing = self.cfg.timing
+        fixed = timing.reps or (timing.cpu_reps if self.device.type != "cuda" else None)  # sweeps known in advance
+        first_sweeps = fixed or timing.min_sweeps
         rechecks = set(secrets.SystemRandom().sample(range(first_sweeps), min(RECHECKS, first_sweeps)))
+        if fixed:
+            rechecks.add(fixed - 1)  # the last sweep's timed call itself, not one more call after it
         members = [self._member(r, group, fresh, rechecks) for r in residents]
         gemm_members = self._gemm_members(cells[0])
         graph_mode = any(r.graphs for r in residents)
@@ -460,7 +465,8 @@ class Measurer:
                             "cached by the inputs' values, or work finished after the call returned?)")
 
     def _recheck_last(self, r: _Resident, m: Member, group: _Group, fresh: _Fresh, last: int) -> None:
-        """One more call on the last sweep's buffers, compared with PyTorch's results on them."""
+        """One more call on the last sweep's buffers, compared with PyTorch's results on them (adaptive sampling:
+        which sweep is the last is known only once it ran)."""
         if r.graphs:
             return
         try:
