@@ -16,6 +16,7 @@ the targets are met (or cannot be judged: the CPU), 1 when one is missed, 2 on b
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
