@@ -22,6 +22,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from codabench.env import nvml_handle
+
 PERIOD_S = 0.01
 """100 readings a second at most (an NVML read takes about a millisecond)."""
 TRACE_EVERY_S = 0.5
@@ -74,10 +76,7 @@ class ClockSampler:
         self._nv = self._handle = None
         if device.type == "cuda":
             try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                self._nv, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+                self._nv, self._handle = nvml_handle(device)
             except Exception:  # no NVML: the clock columns stay empty
                 self._nv = None
 

@@ -61,11 +61,18 @@ def code_tree(repo: Path = REPO_ROOT) -> str | None:
     return out.stdout.strip() or None
 
 
-def _nvml_handle(device: torch.device):
+def nvml_handle(device: torch.device) -> tuple[Any, Any]:
+    """``(pynvml, handle)`` of the GPU behind ``device``. NVML numbers GPUs physically and ignores
+    ``CUDA_VISIBLE_DEVICES``, so the GPU is found by its UUID as CUDA reports it; the index serves only where
+    the UUID is not to be had."""
     import pynvml
 
     pynvml.nvmlInit()
-    return pynvml, pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+    return pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
 
 
 def gpu_state(device: torch.device) -> dict[str, Any]:
@@ -73,7 +80,7 @@ def gpu_state(device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {}
     try:
-        nv, h = _nvml_handle(device)
+        nv, h = nvml_handle(device)
         return {"sm_clock_mhz": nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
                 "mem_clock_mhz": nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
                 "temp_c": nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
@@ -89,7 +96,7 @@ def gpu_info(device: torch.device) -> dict[str, Any]:
         "sm_count": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1),
         "l2_bytes": getattr(props, "L2_cache_size", None)}
     try:
-        nv, h = _nvml_handle(device)
+        nv, h = nvml_handle(device)
         info["driver"] = nv.nvmlSystemGetDriverVersion()
         info["max_sm_clock_mhz"] = nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)
         info["max_mem_clock_mhz"] = nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_MEM)

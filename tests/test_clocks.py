@@ -29,6 +29,17 @@ def test_the_timed_region_gets_clock_power_and_temperature_and_the_run_a_trace(m
     assert len(sampler.trace) == 1 and sampler.trace[0][1:] == (1980.0, 412.0, 61.0)  # thinned to TRACE_EVERY_S
 
 
+def test_the_gpu_is_found_by_its_uuid_not_by_cudas_index(monkeypatch):
+    """With CUDA_VISIBLE_DEVICES=1, CUDA's device 0 is NVML's GPU 1: NVML must be asked for the UUID."""
+    fake_nvml(monkeypatch)
+    asked = []
+    sys.modules["pynvml"].nvmlDeviceGetHandleByUUID = lambda uuid: asked.append(uuid) or "gpu-by-uuid"
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(uuid="2b4e8a3c-0000-1111-2222-333344445555"))
+    sampler = ClockSampler(torch.device("cuda", 0))
+    assert sampler._handle == "gpu-by-uuid" and asked == ["GPU-2b4e8a3c-0000-1111-2222-333344445555"]
+
+
 def test_without_nvml_nothing_is_sampled():
     sampler = ClockSampler(torch.device("cpu"))
     with sampler.sampling(Sampled()) as got:
