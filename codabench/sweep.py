@@ -16,7 +16,7 @@ member always sampled after the hottest one).
    sample is its own CUDA-event pair. After each chunk, from ``min_sweeps`` on, the watched ratios (each member
    against the run's speed baseline and against the fastest other member) are computed by :func:`codabench.stats.
    ratio`; sampling stops when every interval's half-width is within ``precision`` (``resolved``), when the group's
-   budget is spent (``budget``: ``budget_factor`` x ``target_ms`` per member, wall time) or at ``max_sweeps``.
+   budget is spent (``budget``: :func:`group_budget_s`, wall time) or at ``max_sweeps``.
 3. **Clocks**: the NVML sampler runs through phases 1-2 (every :data:`codabench.clocks.PERIOD_S`); each sample gets
    the SM clock read nearest to the time the GPU ran it (the chunk's synchronized start plus the events' offset).
 
@@ -227,12 +227,19 @@ def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nv
             return spent, spent / sweeps
 
 
+def group_budget_s(cfg: TimingConfig, members: int, sweep_s: float) -> float:
+    """A group's sampling budget in wall seconds: ``budget_factor x target_ms`` per member, stretched to the time of
+    ``budget_sweeps`` sweeps (``sweep_s`` each, as the warm-up measured them) up to ``budget_cap_s``."""
+    per_member = cfg.budget_factor * cfg.target_ms / 1e3 * members
+    return max(per_member, min(cfg.budget_sweeps * sweep_s, cfg.budget_cap_s))
+
+
 def _sweep(members, device, cfg: TimingConfig, flush, rng, sweep_s: float, baseline: str | None,
            clocks: guard.Clocks) -> tuple[int, str, dict[str, float]]:
     """Phase 2: chunks of sweeps until resolved, the budget spent or max_sweeps; (sweeps, stop, half-widths)."""
     kind, perf_counter = CUDA_EVENTS, clocks.perf_counter
     per_chunk = int(min(MAX_CHUNK, max(1, CHUNK_S // max(sweep_s, 1e-6))))
-    budget_s = cfg.budget_factor * cfg.target_ms / 1e3 * len(members)
+    budget_s = group_budget_s(cfg, len(members), sweep_s)
     t0, n, widths = perf_counter(), 0, {}
     min_sweeps = cfg.reps or cfg.min_sweeps
     max_sweeps = cfg.reps or cfg.max_sweeps

@@ -53,11 +53,18 @@ class TimingConfig:
     same_within: float = 0.02
     """``--same-within``: the equivalence margin of the ``same`` verdict, the whole interval inside [1/(1+m), 1+m]."""
     budget_factor: float = 1.5
-    """A group's sampling budget: budget_factor x target_ms of wall time per member."""
+    """A group's sampling budget: budget_factor x target_ms of wall time per member, or the time of
+    ``budget_sweeps`` sweeps where that is longer (up to ``budget_cap_s``)."""
+    budget_sweeps: int = 60
+    """Long members (a 70B layer's call takes 20-130 ms) fit only ~20 sweeps into budget_factor x target_ms, and at
+    a power cap their per-sweep ratios scatter by 3-5%: the budget stretches to this many sweeps for them."""
+    budget_cap_s: float = 20.0
+    """The most wall time that the stretch to ``budget_sweeps`` gives one group."""
     min_sweeps: int = 20
     max_sweeps: int = 4000
-    settle_max_ms: float = 2000.0
-    """Warm-up sweeps end when the clock and power settle, or after this long."""
+    settle_max_ms: float = 500.0
+    """Warm-up sweeps end when the clock and power settle, or after this long (a GPU at its power cap never settles
+    within the tolerances: the pairing, not the warm-up, cancels its clock's moves)."""
 
 
 def per_round(cfg: TimingConfig) -> TimingConfig:

@@ -2,6 +2,7 @@
 CPU: every member once per sweep in a random order, pairing that cancels a drifting clock, the stopping rule, and
 the cheats that only the timed calls can catch."""
 import math
+from dataclasses import replace
 from time import perf_counter
 
 import numpy as np
@@ -103,6 +104,14 @@ def test_sampling_stops_once_resolved_and_otherwise_at_its_budget():
     n, stop, widths = sweep._sweep(members, CPU, cfg, None, np.random.default_rng(0), 2e-3, "a", guard.private_clocks())
     assert stop == "budget" and n < 10_000 and perf_counter() - t0 < 2.0
     assert all(0 < w < math.inf for w in widths.values())
+
+
+def test_a_groups_budget_stretches_to_enough_sweeps_for_long_members_within_its_cap():
+    cfg = TimingConfig()  # 1.5 x 0.5 s per member; 60 sweeps; at most 20 s
+    assert sweep.group_budget_s(cfg, 4, sweep_s=0.004) == pytest.approx(3.0)  # short calls: the per-member budget
+    assert sweep.group_budget_s(cfg, 4, sweep_s=0.15) == pytest.approx(9.0)  # 60 sweeps of a 70B group
+    assert sweep.group_budget_s(cfg, 4, sweep_s=0.6) == pytest.approx(20.0)  # capped
+    assert sweep.group_budget_s(replace(cfg, budget_sweeps=0), 4, sweep_s=0.6) == pytest.approx(3.0)
 
 
 def test_the_watched_ratios_are_each_member_against_the_baseline_and_its_fastest_other():
