@@ -1,6 +1,6 @@
 """The documentation holds together: README.md stays a short page for users (at most 300 lines, with the markers of
-the generated results table), and every relative link, anchor, repository path and report that README.md and
-docs/*.md name exists in this checkout."""
+the generated results table), and every relative link, anchor, repository path and report that README.md,
+docs/*.md and benchmarks/README.md name exists in this checkout."""
 import re
 import sys
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 README_MAX_LINES = 300
 RESULTS_MARKERS = ("<!-- results:begin -->", "<!-- results:end -->")
 
@@ -100,6 +100,13 @@ def test_named_repository_paths_and_reports_exist(page):
                     missing.append(word)
     missing += [f"reports/{name}" for name in REPORT.findall(text) if not (ROOT / "reports" / name).is_dir()]
     assert not missing, missing
+
+
+def test_benchmarks_readme_lists_every_script_once():
+    """benchmarks/README.md has one table row per script of benchmarks/, and names no script that is gone."""
+    rows = [line for line in prose(ROOT / "benchmarks" / "README.md") if line.startswith("| `")]
+    listed = [re.match(r"\| `([^`]+)`", row)[1] for row in rows]
+    assert sorted(listed) == sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")), listed
 
 
 def test_the_link_checker_catches_a_broken_link_and_a_missing_anchor(tmp_path, monkeypatch):
