@@ -15,7 +15,7 @@ from ``acc_buf`` in row sub-tiles, x and dres loaded and dx and y stored with 16
 partial summed in registers over its sub-tiles. dx and y equal the fused Triton kernel's bit for bit, dgamma to the
 order of its sums; bf16 operands, or fp8 with per-tensor scales (dz e5m2, w e4m3 stored K-major).
 
-It lost on an H100 (2026-11-26, benchmarks/PERF_NOTES.md): at the block's two sites and three sizes it ties the
+It lost on an H100 (docs/performance.md, "Gluon"): at the block's two sites and three sizes it ties the
 better of the fused and split paths at best (1B QKV fp8, 7B / 70B QKV fp8) and is 2-22% slower elsewhere. The
 epilogue here (x, dres, dx, y: 128 KB a tile) is light next to the SwiGLU dgrad's, so hiding it gains little, and the
 single MMA warpgroup on 128 x 128 tiles runs the GEMM slower than the fused kernel's 128 x 256 tiles at large K.

@@ -16,7 +16,7 @@ dz_pre, y and the row sums) runs while the other's mainloop does. A 1-warp loade
 for both, in tile order. The turn also keeps each consumer's ring phases valid: a consumer waits on a stage only
 after the other has waited on every earlier one.
 
-Measured on an H100 (2026-11-26, benchmarks/PERF_NOTES.md): bit-exact with the fused Triton kernel (zdz to 2e-7),
+Measured on an H100 (docs/performance.md, "Gluon"): bit-exact with the fused Triton kernel (zdz to 2e-7),
 but 1.03-1.10x its time at 1B, 1.01x at 7B, 1.02x at 70B (best config, 4 stages, one ring). Its mainloop alone (the
 plain GEMM through the same schedule) ran at 0.89-0.98 ms against cuBLAS's 0.85 at 1B, so the epilogue is what is
 not hidden: on one warpgroup (4 warps, 128 elements a thread a tile) it takes longer than the other warpgroup's

@@ -14,8 +14,8 @@ issues the operand ring's TMA loads and, during the tile's mainloop, the tile's 
 consumer partition issues the wgmmas and runs the epilogue from shared memory. z_pre and dz_pre go through TMA as
 int32 [M, f]: each 32-bit word is one (gate, up) pair (gate in the low half), so the consumer reads a pair per
 accumulator element in the accumulator's own register layout and splits it with shifts, without reshaping a tile.
-Its results equal the fused Triton kernel's bit for bit (dz_pre, y; zdz to 2e-7). It lost on an H100 (2026-11-26,
-benchmarks/PERF_NOTES.md): 1.08-1.58x the fused kernel's time over four configs at 1B, 7B and 70B, while the
+Its results equal the fused Triton kernel's bit for bit (dz_pre, y; zdz to 2e-7). It lost on an H100
+(docs/performance.md, "Gluon"): 1.08-1.58x the fused kernel's time over four configs at 1B, 7B and 70B, while the
 producer's plain Gluon GEMM at 128 x 256 ran at cuBLAS's speed or faster: the z_pre and dz_pre tiles leave room in
 shared memory for 128 x 128 tiles (3-4 stages) or 128 x 256 with 2 stages, and the epilogue's shared-memory traffic
 is not overlapped with the next tile's mainloop.

@@ -4,7 +4,7 @@
     python benchmarks/gluon_ws_producer.py --compile-only      # no GPU needed: compiles for sm_90
 
 The kernel is :mod:`kernels.coda.producer_gluon`, the Gluon path of :func:`kernels.coda.producer.gemm_residual_norm`
-(Hopper only). This file times it and the variants that lost (benchmarks/PERF_NOTES.md, sessions 8 and 9) as
+(Hopper only). This file times it and the variants that lost (docs/performance.md, "Gluon") as
 codabench plugins: ``gluon-ws`` (the shipped form, h = bf16(x) * gamma) and ``gluon-ws-x32`` (h = bf16(x_fp32 *
 gamma)) implement the op ``producer_out``, ``gluon-ws`` also the plain GEMM ``gemm_out``. Run as a script, it runs
 them through the harness with bench_coda.py (the ``kernels`` suite's inputs, float64 check and pass rule, timing
