@@ -1,4 +1,4 @@
-"""How an implementation is called in each mode (the lead's semantics, see README "Modes").
+"""How an implementation is called in each mode (docs/running.md, "How a cell is measured").
 
 - ``fwd`` (and the single mode of a ``direct`` op): ``impl.run(native)`` under ``torch.no_grad()``.
 - ``fwd_bwd``: the differentiable native tensors become fresh leaves (untimed), then

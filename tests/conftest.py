@@ -10,7 +10,7 @@ test the guard records the harness's modules again (:func:`codabench.guard.snaps
 
 Tests marked ``slow`` (pyproject.toml registers the marker) are left out of the default run, which its ``addopts``
 keep under 10 minutes on 2 CPU cores; ``python -m pytest -q -m slow`` runs them (.ci/run runs both). A GPU test is
-never marked slow: the GPU commands of the README select by name and would leave it out.
+never marked slow: the GPU commands of docs/testing.md select by name and would leave it out.
 """
 import os
 

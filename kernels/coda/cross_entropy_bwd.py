@@ -35,7 +35,7 @@ CHUNK_BYTES = 1 << 31
 """The most a chunk's [mc, V] dlogits buffer takes (2 GiB), unless that is under CHUNK_MIN_ROWS rows. Fewer, larger
 chunks read and write the fp32 weight-gradient accumulator fewer times and have fewer partial waves: on an H100 the
 Llama-3.2-1B training step (2 x 8192 tokens, V = 128256: 2 chunks) took 1.2% less time than with 1 GiB (4 chunks),
-for 1 GiB more peak memory (A/B of 2026-11-26, PERF_NOTES). One chunk (4 GiB there) was 4% faster but +2.5 GiB."""
+for 1 GiB more peak memory (docs/performance.md). One chunk (4 GiB there) was 4% faster but +2.5 GiB."""
 CHUNK_MIN_ROWS = 1024
 """Every chunk's weight-gradient GEMM reads and writes the fp32 [V, d] accumulator: fewer rows make that dominate."""
 CHUNK_ALIGN = 256

@@ -90,7 +90,7 @@ def _fresh_acc(arguments: dict) -> dict:
 def mm_f32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` of plain operands in fp32, or ``acc += a @ b`` into an fp32 ``acc`` (returned): a weight gradient
     summed over chunks of rows. The mainloop, or cuBLAS where it measures faster (:mod:`kernels.coda.strategy`);
-    on an H100, cuBLAS at the LM head's 128256 x 2048 chunks (PERF_NOTES)."""
+    on an H100, cuBLAS at the LM head's 128256 x 2048 chunks (docs/performance.md)."""
     return matmul(a, b, torch.float32, acc=acc)
 
 

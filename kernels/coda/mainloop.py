@@ -110,7 +110,7 @@ def gemm_configs(min_bn: int = 16) -> list[triton.Config]:
     """
     if INTERPRET:
         return [_config(32, max(32, min_bn), 32, 1, 4, group_m=2)]
-    # Measured on H100 + Triton 3.6 (bench_mainloop.py --sweep, tmp sweeps of the fused kernels; PERF_NOTES.md):
+    # Measured on H100 + Triton 3.6 (bench_mainloop.py --sweep, tmp sweeps of the fused kernels; docs/performance.md):
     # 128x256x64 and 256x128x64 with 8 warps and 3 stages win on every large bf16 shape; 128x128 wins a few small-K
     # weight-gradient shapes. BK = 128: the fp8 configs (128-byte K rows, like bf16's BK = 64); too large for bf16's
     # shared memory, which _prune drops. 64 x 64: only for small problems (GPU tests), see _prune. Dropped after

@@ -44,7 +44,7 @@ MAXNREG = 128
 def stages(k_bytes: int) -> int:
     """Operand ring stages for a K of ``k_bytes`` bytes a row: 5 (229 KB of shared memory with the 64 KB accumulator
     buffer) at k_bytes <= 4096, where a tile's mainloop is short; 4 elsewhere. Measured with the SwiGLU dgrad on an
-    H100 at M = 16384 (PERF_NOTES; ms for 5 against 4 stages): bf16 1B (4096 bytes) 1.076 against 1.148, 7B (8192)
+    H100 at M = 16384 (docs/performance.md; ms for 5 against 4 stages): bf16 1B (4096 bytes) 1.076 against 1.148, 7B (8192)
     2.749 against 2.557, 70B 14.05 against 13.57; fp8 7B (4096) 1.514 against 1.595, 70B (8192) 7.57 against 7.14,
     1B a tie."""
     return 5 if k_bytes <= 4096 else 4

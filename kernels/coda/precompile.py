@@ -1,7 +1,7 @@
 """Compile a step's Triton kernels in parallel before its first run.
 
 A cold first step is compile-bound: on an H100 the first training step of 4 Llama-3.2-1B layers at 16384 tokens
-spent ~17 of ~20 s compiling ~15 kernels one after the other (PERF_NOTES, "First step"), LLVM in-process and
+spent ~17 of ~20 s compiling ~15 kernels one after the other (docs/performance.md), LLVM in-process and
 ptxas as a subprocess, while 15 of the node's 16 cores idled. :func:`precompile` runs the step once as a *dry
 pass*: every Triton launch inside it hands its compile to a pool of threads and returns without running
 (Triton's async compile mode, each launch turned into a warm-up), so nothing the step's Triton kernels would

@@ -5,7 +5,7 @@
 
 except that h is computed from the rounded x (one more rounding of h than the Triton kernel's bf16(x_fp32 * gamma):
 the fp32 form keeps x, gamma and h live together and spills at the 240 registers a consumer thread gets).
-The schedule is one the Triton language cannot express (benchmarks/PERF_NOTES.md, sessions 8 and 9):
+The schedule is one the Triton language cannot express (docs/performance.md):
 - a 1-warp loader partition issues every TMA load: the operand ring (S stages) and, during the tile's mainloop,
   the tile's residual into a shared-memory buffer `io`, so the epilogue never waits on global memory;
 - the 8-warp consumer partition (two warpgroups, one (BM, BN) fp32 accumulator) issues the wgmmas, releasing

@@ -6,7 +6,7 @@ computes the same outputs (same dtypes, shapes and layouts) as the plain GEMM (c
 Triton kernel that does the epilogue's math on that output, built from the same epilogue primitives. The GEMM output
 is rounded to the activation dtype, as PyTorch's eager code rounds it: the pass rule's reference error (PyTorch's)
 has that rounding too, and an fp32 output would double the bytes the split path moves. Where the epilogue is not
-overlapped with the next tile's mainloop (PERF_NOTES.md: small K, large epilogue traffic) the split path can be
+overlapped with the next tile's mainloop (docs/performance.md: small K, large epilogue traffic) the split path can be
 faster::
 
     def gemm_residual_norm_split(a, w, residual, gamma, eps, promote=False, h_fp8=None): ...
@@ -17,7 +17,7 @@ faster::
 For a plain GEMM (:func:`kernels.coda.gemm.mm`) the fused path is the mainloop and the split path is cuBLAS, with
 no epilogue kernel at all. A host function may also have a *Gluon* path (:class:`Gluon`): a warp-specialized
 kernel for Hopper (sm_90) written in Gluon, Triton's lower-level dialect, which the Triton language cannot express
-(PERF_NOTES.md). It has no interpreter, so its fused Triton twin is its CPU-tested reference; it takes part where
+(docs/performance.md). It has no interpreter, so its fused Triton twin is its CPU-tested reference; it takes part where
 its ``applies`` holds (the GPU, the dtypes), and the fused path runs elsewhere. A call the fused kernel cannot
 take (``fuses`` false: :func:`kernels.coda.rmsnorm_bwd.dgrad_rmsnorm` without a ZdZ, which its epilogue needs before
 the first tile) runs split, forced or not, unmeasured.

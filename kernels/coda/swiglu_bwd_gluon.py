@@ -7,7 +7,7 @@ The math is the fused kernel's, on the interleaved pre-activation ``z_pre`` [M, 
     y = gate s up,      zdz_m = sum_j gate_mj dgate_mj + up_mj dup_mj   (per-tile partials, then one row sum).
 
 The Triton kernel runs each tile's epilogue between two mainloops, and at small K that is a third of its time
-(benchmarks/PERF_NOTES.md). Here the schedule of :mod:`kernels.coda.mainloop_gluon` (a loader warp, an MMA
+(docs/performance.md). Here the schedule of :mod:`kernels.coda.mainloop_gluon` (a loader warp, an MMA
 warpgroup, the accumulator handed over in shared memory) with this epilogue partition (8 warps): from ``acc_buf`` in
 row sub-tiles (a blocked layout, 16-byte global accesses along the rows), the tile's (gate, up) pairs loaded as int32
 words and split by shifts, dz_pre stored as packed bf16 pairs (one ``cvt.rn.bf16x2.f32``), y and the row partials
