@@ -23,7 +23,7 @@ The timing loops read their clocks through :func:`private_clocks`, originals rec
 replacement in place during a measurement, even one undone before anyone checks, does not reach them::
 
     def timing_loop(fn, state, n):
-        perf_counter, Event, record, elapsed_ms, synchronize, verify = guard.private_clocks()  # LOCALS, first thing
+        perf_counter, Event, record, elapsed_ms, synchronize, verify, wait = guard.private_clocks()  # LOCALS, first
         verify()                               # raises guard.Tampered if anything the loop relies on was replaced
         t0 = perf_counter()
         for _ in range(n):
@@ -102,6 +102,8 @@ class Clocks(NamedTuple):
     """``torch.cuda.synchronize``: ``synchronize(device)``."""
     verify: Callable[[], None]
     """:func:`verify_clocks`."""
+    wait: Callable[[Any], None]
+    """``torch.cuda.Event.synchronize``: ``wait(ev)`` returns once the GPU has passed ``ev``."""
 
 
 class _Attr(NamedTuple):
@@ -193,6 +195,7 @@ def _record_harness(record: _Record) -> None:
                 _watch_function(functions, f"{modname}.{name}", getattr(value, "__wrapped__", None))
     for label, fn in (("torch.cuda.Event.record", torch.cuda.Event.record),
                       ("torch.cuda.Event.elapsed_time", torch.cuda.Event.elapsed_time),
+                      ("torch.cuda.Event.synchronize", torch.cuda.Event.synchronize),
                       ("torch.cuda.synchronize", torch.cuda.synchronize)):
         _watch_function(functions, label, fn)  # the private clocks' Python code
     record.functions = list(functions.values())
@@ -217,7 +220,8 @@ def snapshot(refresh: bool = False) -> None:
     _RECORD.builtins = {k: v for k, v in vars(builtins).items() if k != "_"}
     _RECORD.hooks = _hooks()
     _RECORD.clocks = Clocks(time.perf_counter, torch.cuda.Event, torch.cuda.Event.record,
-                            torch.cuda.Event.elapsed_time, torch.cuda.synchronize, verify_clocks)
+                            torch.cuda.Event.elapsed_time, torch.cuda.synchronize, verify_clocks,
+                            torch.cuda.Event.synchronize)
     _record_harness(_RECORD)
 
 

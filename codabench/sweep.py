@@ -12,13 +12,14 @@ member always sampled after the hottest one).
 1. **Settle**: warm-up sweeps, untimed, for at least ``warmup_ms`` and then until the NVML readings of the last
    :data:`SETTLE_WINDOW_S` vary by no more than :data:`CLOCK_TOL` (SM clock) and :data:`POWER_TOL` (power), or
    ``settle_max_ms`` has passed; what was reached is recorded (``settle_s``, the clock and power at its end).
-2. **Sweeps**, in chunks: a chunk (about :data:`CHUNK_S` of GPU time) is enqueued, then synchronized once; each
-   sample is its own CUDA-event pair. After each chunk, from ``min_sweeps`` on, the watched ratios (each member
+2. **Sweeps**, in chunks: a chunk (about :data:`CHUNK_S` of GPU time) is enqueued, and the chunk before it is read
+   while it runs (the GPU never idles between chunks while the host applies the rule); each sample is its own
+   CUDA-event pair. After each chunk, from ``min_sweeps`` on, the watched ratios (each member
    against the run's speed baseline and against the fastest other member) are computed by :func:`codabench.stats.
    ratio`; sampling stops when every interval's half-width is within ``precision`` (``resolved``), when the group's
    budget is spent (``budget``: :func:`group_budget_s`, wall time) or at ``max_sweeps``.
 3. **Clocks**: the NVML sampler runs through phases 1-2 (every :data:`codabench.clocks.PERIOD_S`); each sample gets
-   the SM clock read nearest to the time the GPU ran it (the chunk's synchronized start plus the events' offset).
+   the SM clock read nearest to the time the GPU ran it (the synchronized start of the phase plus the events' offset).
 
 The clocks and events are local variables taken from :func:`codabench.guard.private_clocks`, verified before and
 after every chunk: a replaced clock or torch function ends the sampling with :class:`codabench.guard.Tampered` (the
@@ -125,41 +126,67 @@ def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clo
         return None
 
 
-def _chunk(members: list[Member], sweeps: range, rng: np.random.Generator, device: torch.device,
-           flush: Callable[[], None] | None, keep: bool, clocks: guard.Clocks) -> None:
-    """Run ``sweeps`` (each member once per sweep, in a random order); with ``keep``, append the samples. Raises
-    :class:`codabench.guard.Tampered` when a clock or a guarded function was replaced meanwhile."""
-    perf_counter, Event, record, elapsed_ms, synchronize, verify = clocks
-    verify()
-    cpu = device.type != "cuda"
-    taken: list[tuple[Member, int, Any]] = []
-    if not cpu:
-        base = Event(enable_timing=True)
-        record(base)
-        synchronize(device)
-        t0 = perf_counter()
-    for s in sweeps:
-        for i in rng.permutation(len(members)):
-            m = members[i]
-            if m.error is None:
-                took = _one(m, s, cpu, flush, clocks)
-                if took is not None:
-                    taken.append((m, s, took))
-    if not cpu:
-        synchronize(device)
-    verify()
-    if not keep:
-        return
-    for m, s, took in taken:
-        if m.error is not None:
-            continue
-        m.sweeps.append(s)
-        if cpu:
-            m.samples_ms.append(took)
-            m.ran_s.append(perf_counter())
-        else:
-            m.samples_ms.append(elapsed_ms(*took))
-            m.ran_s.append(t0 + elapsed_ms(base, took[0]) / 1e3)
+class _Chunks:
+    """Chunks of sweeps, enqueued one ahead: on the GPU a chunk's samples are read (waiting for its last event) only
+    once the next chunk is enqueued, so the GPU goes on working while the host reads the events and applies the
+    stopping rule; between two chunks it never waits for the host. On the CPU each chunk runs to its end at once.
+
+    ``keep``: append the samples to the members (the warm-up keeps none). :meth:`push` and :meth:`drain` raise
+    :class:`codabench.guard.Tampered` when a clock or a guarded function was replaced meanwhile: a chunk's samples
+    are kept only when the check after it (and after the next chunk's enqueue) passes."""
+
+    def __init__(self, members: list[Member], device: torch.device, flush: Callable[[], None] | None,
+                 rng: np.random.Generator, clocks: guard.Clocks, keep: bool = True):
+        self.members, self.device, self.flush, self.rng, self.clocks, self.keep = (members, device, flush, rng,
+                                                                                    clocks, keep)
+        self.cpu = device.type != "cuda"
+        self.kept = 0
+        """Sweeps whose samples are in (kept, or read and dropped with ``keep`` False)."""
+        self._pending: tuple[range, list[tuple[Member, int, Any]]] | None = None
+        if not self.cpu:
+            self._base = clocks.Event(enable_timing=True)
+            clocks.record(self._base)
+            clocks.synchronize(device)
+            self._t0 = clocks.perf_counter()
+
+    def push(self, sweeps: range) -> None:
+        """Enqueue ``sweeps`` (each member once per sweep, in a random order), then read the chunk before them."""
+        self.clocks.verify()
+        taken = []
+        for s in sweeps:
+            for i in self.rng.permutation(len(self.members)):
+                m = self.members[i]
+                if m.error is None:
+                    took = _one(m, s, self.cpu, self.flush, self.clocks)
+                    if took is not None:
+                        taken.append((m, s, took))
+        self.drain()
+        self._pending = (sweeps, taken)
+        if self.cpu:
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait for the chunk in flight and read its samples."""
+        if self._pending is None:
+            return
+        (sweeps, taken), self._pending = self._pending, None
+        clocks = self.clocks
+        if taken and not self.cpu:
+            clocks.wait(taken[-1][2][1])
+        clocks.verify()
+        self.kept += len(sweeps)
+        if not self.keep:
+            return
+        for m, s, took in taken:
+            if m.error is not None:
+                continue
+            m.sweeps.append(s)
+            if self.cpu:
+                m.samples_ms.append(took)
+                m.ran_s.append(clocks.perf_counter())
+            else:
+                m.samples_ms.append(clocks.elapsed_ms(*took))
+                m.ran_s.append(self._t0 + clocks.elapsed_ms(self._base, took[0]) / 1e3)
 
 
 def watched_pairs(members: list[Member], baseline: str | None) -> list[tuple[Member, Member]]:
@@ -194,7 +221,7 @@ def sample(members: list[Member], device: torch.device, cfg: TimingConfig, nvml:
     rng, clocks = np.random.default_rng(), guard.private_clocks()  # bound once, before any member runs
     if device.type != "cuda":
         n = max(cfg.reps or cfg.cpu_reps, 1)
-        _chunk(members, range(n), rng, device, None, True, clocks)
+        _Chunks(members, device, None, rng, clocks).push(range(n))
         return Sweeps(members, CPU_WALL, n, "cpu" if any(m.error is None for m in members) else "failed")
     flush = l2_flusher(device).flush if (cfg.flush_l2 if flush_l2 is None else flush_l2) else None
     sampled = Sampled()
@@ -216,14 +243,16 @@ def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nv
     """Warm-up sweeps until settled (module docstring); returns (seconds, wall seconds per sweep)."""
     perf_counter = clocks.perf_counter
     t0, sweeps = perf_counter(), 0
+    chunks = _Chunks(members, device, flush, rng, clocks, keep=False)
     while True:
-        _chunk(members, range(WARMUP_SWEEP - sweeps, WARMUP_SWEEP - sweeps + 1), rng, device, flush, False, clocks)
+        chunks.push(range(WARMUP_SWEEP - sweeps, WARMUP_SWEEP - sweeps + 1))
         sweeps += 1
         spent = perf_counter() - t0
-        if spent * 1e3 >= cfg.warmup_ms and sweeps >= max(cfg.warmup, 1) and (
-                not nvml or spent * 1e3 >= cfg.settle_max_ms or sampled.settled(SETTLE_WINDOW_S, CLOCK_TOL, POWER_TOL)):
-            return spent, spent / sweeps
-        if all(m.error is not None for m in members):
+        if (spent * 1e3 >= cfg.warmup_ms and chunks.kept >= max(cfg.warmup, 1) and (
+                not nvml or spent * 1e3 >= cfg.settle_max_ms or sampled.settled(SETTLE_WINDOW_S, CLOCK_TOL, POWER_TOL))
+                or all(m.error is not None for m in members)):
+            chunks.drain()
+            spent = perf_counter() - t0
             return spent, spent / sweeps
 
 
@@ -236,26 +265,38 @@ def group_budget_s(cfg: TimingConfig, members: int, sweep_s: float) -> float:
 
 def _sweep(members, device, cfg: TimingConfig, flush, rng, sweep_s: float, baseline: str | None,
            clocks: guard.Clocks) -> tuple[int, str, dict[str, float]]:
-    """Phase 2: chunks of sweeps until resolved, the budget spent or max_sweeps; (sweeps, stop, half-widths)."""
+    """Phase 2: chunks of sweeps until resolved, the budget spent or max_sweeps; (sweeps, stop, half-widths). The
+    rule reads the sweeps in (one chunk may be in flight); the chunk in flight when it stops is kept too."""
     kind, perf_counter = CUDA_EVENTS, clocks.perf_counter
     per_chunk = int(min(MAX_CHUNK, max(1, CHUNK_S // max(sweep_s, 1e-6))))
     budget_s = group_budget_s(cfg, len(members), sweep_s)
-    t0, n, widths = perf_counter(), 0, {}
+    t0, sent = perf_counter(), 0
     min_sweeps = cfg.reps or cfg.min_sweeps
     max_sweeps = cfg.reps or cfg.max_sweeps
-    while True:
-        todo = min(per_chunk, max_sweeps - n) if n >= min_sweeps else min_sweeps - n
-        _chunk(members, range(n, n + todo), rng, device, flush, True, clocks)
-        n += todo
+    chunks = _Chunks(members, device, flush, rng, clocks)
+
+    def stop(reason: str) -> tuple[int, str, dict[str, float]]:
+        chunks.drain()
         if all(m.error is not None for m in members):
-            return n, "failed", {}
-        if n < min_sweeps:
+            return sent, "failed", {}
+        return sent, reason, half_widths(members, baseline, kind)
+
+    while True:
+        todo = min(per_chunk, max_sweeps - sent) if sent >= min_sweeps else min_sweeps - sent
+        if todo:
+            chunks.push(range(sent, sent + todo))
+            sent += todo
+        else:
+            chunks.drain()
+        if all(m.error is not None for m in members):
+            return stop("failed")
+        if chunks.kept < min_sweeps:
             continue
         widths = half_widths(members, baseline, kind)
-        if cfg.reps is None and widths and all(w <= cfg.precision for w in widths.values()):
-            return n, "resolved", widths
-        if n >= max_sweeps:
-            return n, "resolved" if widths and all(w <= cfg.precision for w in widths.values()) else "max_sweeps", \
-                widths
+        resolved = bool(widths) and all(w <= cfg.precision for w in widths.values())
+        if cfg.reps is None and resolved:
+            return stop("resolved")
+        if sent >= max_sweeps and chunks.kept >= max_sweeps:
+            return stop("resolved" if resolved else "max_sweeps")
         if perf_counter() - t0 >= budget_s:
-            return n, "budget", widths
+            return stop("budget")

@@ -165,7 +165,7 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
     """Time ``fn(setup())`` per sample; ``setup`` (may be None) runs untimed before each sample; ``during()`` is
     entered around the kept samples."""
     clocks = guard.private_clocks()  # the loops' clocks as locals: out of a plugin's reach (codabench.guard)
-    perf_counter, _, _, _, synchronize, verify = clocks
+    perf_counter, synchronize, verify = clocks.perf_counter, clocks.synchronize, clocks.verify
     verify()
     cfg = cfg or TimingConfig()
     setup = setup or (lambda: None)
@@ -190,7 +190,8 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
 def first_call(fn, setup, device: torch.device) -> float:
     """Seconds of one synchronized call (the first: compilation, JIT builds and autotuning happen here); ``setup``
     (may be None) runs untimed before it."""
-    perf_counter, _, _, _, synchronize, _ = guard.private_clocks()
+    clocks = guard.private_clocks()
+    perf_counter, synchronize = clocks.perf_counter, clocks.synchronize
     state = setup() if setup is not None else None
     t0 = perf_counter()
     fn(state)
@@ -201,7 +202,7 @@ def first_call(fn, setup, device: torch.device) -> float:
 
 def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n: int, clocks: guard.Clocks
                    ) -> list[float]:
-    _, Event, record, elapsed_ms, synchronize, _ = clocks
+    Event, record, elapsed_ms, synchronize = clocks.Event, clocks.record, clocks.elapsed_ms, clocks.synchronize
     starts = [Event(enable_timing=True) for _ in range(n)]
     ends = [Event(enable_timing=True) for _ in range(n)]
     for i in range(n):

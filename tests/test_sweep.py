@@ -106,6 +106,31 @@ def test_sampling_stops_once_resolved_and_otherwise_at_its_budget():
     assert all(0 < w < math.inf for w in widths.values())
 
 
+def test_the_next_chunk_is_enqueued_before_the_last_one_is_read():
+    """The GPU never waits for the host between chunks: chunk k's events are waited for only once chunk k+1 is
+    enqueued (fake CUDA events: the log shows the order of enqueues and waits)."""
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = 0.0
+
+    def record(ev):
+        ev.t = float(len(log))
+
+    clocks = guard.Clocks(perf_counter, Event, record, lambda a, b: b.t - a.t, lambda device: log.append("sync"),
+                          lambda: None, lambda ev: log.append(f"wait {ev.t:g}"))
+    members = [Member("a", lambda sweep: log.append(f"call {sweep}"), setup=lambda sweep: sweep)]
+    chunks = sweep._Chunks(members, torch.device("cuda"), None, np.random.default_rng(0), clocks)
+    chunks.push(range(0, 2))
+    chunks.push(range(2, 4))
+    assert chunks.kept == 2 and members[0].sweeps == [0, 1]
+    chunks.drain()
+    assert chunks.kept == 4 and members[0].sweeps == [0, 1, 2, 3]
+    assert [e.split()[0] for e in log] == ["sync", "call", "call", "call", "call", "wait", "wait"]
+    assert log.index("call 3") < log.index("wait 3")  # chunk 1 (ended at event 3) read after chunk 2 was enqueued
+
+
 def test_a_groups_budget_stretches_to_enough_sweeps_for_long_members_within_its_cap():
     cfg = TimingConfig()  # 1.5 x 0.5 s per member; 60 sweeps; at most 20 s
     assert sweep.group_budget_s(cfg, 4, sweep_s=0.004) == pytest.approx(3.0)  # short calls: the per-member budget
