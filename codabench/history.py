@@ -337,7 +337,9 @@ def iter_pytorch_oss(conn: sqlite3.Connection, run: dict[str, Any]) -> Iterator[
     pytorch/test-infra uploads). One record per metric of a cell: ``pass`` (1 when the cell ran and its outputs
     passed the error rule, else 0: every cell), and for a timed cell ``latency_ms`` (the median; target: the
     speed-of-light ``sol_ms``, the cell's plain GEMMs, where measured), ``speedup_vs_torch_compile`` (target 1) and
-    ``peak_memory_mib`` where measured. A target of 0 is the schema's "none". The fields that CI fills in (timestamp,
+    ``peak_memory_mib`` where measured. A target of 0 is the schema's "none". ``benchmark.mode`` is ``inference``
+    for fwd cells, ``training`` for bwd and fwd_bwd (the cell's own mode is in ``extra_info``); ``model`` is the op on
+    the model's shapes, its ``backend`` the implementation. The fields that CI fills in (timestamp,
     repo, head_sha, workflow and job ids) are left to the uploader; each record's ``benchmark.extra_info`` names the
     run and its commit. Map values are strings, as the schema's ``Map(String, String)`` wants."""
     env = json.loads(run["env"] or "{}")

@@ -47,7 +47,8 @@ def main(argv: list[str]) -> int:
     """The ``history`` command; its exit code."""
     action = argv[0] if argv and argv[0] in ACTIONS else None
     p = OneLineParser(prog="codabench history" + (f" {action}" if action else ""),
-                      description=f"The results history in {history.store_path()} (${history.ENV_VAR} moves it)."
+                      description=("" if action else "Lists the runs, newest first. ")
+                      + f"The results history is {history.store_path()} (${history.ENV_VAR} moves it)."
                       + ("" if action else " Other commands: " + ", ".join(f"'history {a} --help'" for a in ACTIONS)))
     if action == "add":
         p.add_argument("run_dirs", type=run_dir_arg, nargs="+", metavar="RUN_DIR")
