@@ -3,10 +3,8 @@ previous run on the same GPU by compare's relative rule (exit codes for CI), a s
 warning and never the run, and the export to the PyTorch OSS benchmark format."""
 import json
 import sqlite3
-import sys
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from codabench import history
@@ -165,7 +163,7 @@ def test_the_previous_run_is_on_the_same_gpu_with_the_same_cells(tmp_path, store
     assert main(["history", "--regressions"]) == 0
     out = capsys.readouterr().out
     h100 = next(line for line in out.splitlines() if line.startswith(H100))
-    assert str((tmp_path / "new").resolve()) in h100 and f"against 2026-11-24 10:00" in h100 and "0 slower" in h100
+    assert str((tmp_path / "new").resolve()) in h100 and "against 2026-11-24 10:00" in h100 and "0 slower" in h100
     assert f"{H200}: newest run" in out and "no earlier run on this GPU with the same 16 cells" in out
 
 
@@ -286,3 +284,17 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, store, capsys, argv, says)
     history.add_run(make_run(tmp_path / "a", groups=1))
     assert main(argv) == 2
     assert says in one_line(capsys)
+
+
+def test_a_merge_appends_the_merged_run(tmp_path, store, capsys):
+    shards = [make_run(tmp_path / f"shard{i}", groups=1, seed=i) for i in range(2)]
+    for i, shard in enumerate(shards):  # the shards' cells differ: group m0 and group m1
+        df, _, _ = tables.load_run(shard)
+        df["model"] = f"m{i}"
+        tables.write_csv(shard / tables.RESULTS, tables.records(df), tables.RESULT_COLUMNS)
+        samples = [{**s, "model": f"m{i}"} for s in tables.read_samples(shard / tables.SAMPLES)]
+        (shard / tables.SAMPLES).write_text("".join(json.dumps(s) + "\n" for s in samples))
+    assert main(["merge", str(tmp_path / "merged"), *map(str, shards)]) == 0
+    with history.open_store() as conn:
+        (run,) = history.runs(conn)
+    assert run["path"] == str((tmp_path / "merged").resolve()) and run["cells"] == 4 and run["gpu"] == H100
