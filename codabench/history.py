@@ -18,8 +18,8 @@ Adding a run (:func:`add_run`) replaces the run of the same id and its cells in 
 folder twice keeps one run. :func:`record_run`, called once a run or merge has written its report, never raises: a
 store that is locked (after :data:`LOCK_TIMEOUT_S`), corrupt, of another schema or unwritable costs one warning line.
 
-:func:`regressions` judges the newest run on each GPU against the previous run on that GPU with the same set of cells
-by the rule of ``compare``'s ``rel_verdict`` (:func:`codabench.report.compare.relative_change`): each run's paired
+:func:`regressions` judges the newest run on each GPU (by its start, whenever it was added) against the previous run
+on that GPU with the same set of cells by the rule of ``compare``'s ``rel_verdict`` (:func:`codabench.report.compare.relative_change`): each run's paired
 interval of the cell against its own torch-compile, the two combined by adding their log bounds, ``same`` within the
 smaller ``same_within`` of the two. A cell is a regression when that verdict is ``slower``; torch-compile itself (the
 reference) and cells without an interval in either run are ``unknown``.
