@@ -1,4 +1,4 @@
-"""Command line: ``python run_bench.py [run flags]``, ``python -m codabench {merge,compare,report} ...``.
+"""Command line: ``python run_bench.py [run flags]``, ``python -m codabench {merge,compare,report,history} ...``.
 
 Call :func:`codabench.bootstrap.select_device` before importing this module (the entry points do):
 on a machine without a GPU it sets ``TRITON_INTERPRET=1``, which triton reads when imported.
@@ -20,6 +20,7 @@ from codabench import distributed
 from codabench.matrix import Selection, build_cells, parse_shard
 from codabench.discovery import discover
 from codabench.env import REPO_ROOT
+from codabench.history import record_run
 from codabench.report import finalize
 from codabench.results import KEY, MARKER, RunFolderError, check_run, load_run, write_atomic
 from codabench.report.compare import compare, format_compare
@@ -37,7 +38,7 @@ from workloads.suites import SUITES, Suite, get_suite
 REPORTS = Path("reports")
 GPU_ROUNDS = 3
 """Default rounds of the blocks fallback on the GPU (a group sampled in blocks: codabench/runner.py)."""
-SUBCOMMANDS = ("merge", "compare", "report")
+SUBCOMMANDS = ("merge", "compare", "report", "history")
 LIST_MODELS = ["?"]
 """``--models`` given without a value: list the presets."""
 EXIT_OK, EXIT_CELL_ERRORS, EXIT_USAGE, EXIT_DEVICE_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -135,7 +136,7 @@ def run_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="run_bench.py", description="Run a codabench suite: (op x model x mode x dtype x impl) cells, "
         "each checked against a float64 reference and timed; writes reports/<run>/. Other commands: "
-        "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR'.")
+        "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR', 'history' (see 'history --help').")
     p.add_argument("--suite", choices=list(SUITES), help="default: smoke without a GPU, quick with one")
     p.add_argument("--ops", type=_csv, help="comma-separated op names (default: the suite's)")
     p.add_argument("--models", type=_csv, nargs="?", const=LIST_MODELS,
@@ -198,6 +199,8 @@ def run_parser() -> argparse.ArgumentParser:
                    help="run the cells in this process instead of a worker process (for a debugger); a crash or a "
                    "hang of an implementation then ends the run")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--no-history", action="store_true",
+                   help="do not append the finished run to the results history (codabench/history.py)")
     return p
 
 
@@ -290,7 +293,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.list:
         return _list(runner, run_dir if args.resume else None)
     if runner.cells:
-        code = _execute(runner, suite.name)
+        code = _execute(runner, suite.name, not args.no_history and ranks is None)
     else:  # torchrun with more ranks than groups: this rank's shard is empty
         if worker is not None:
             worker.close()
@@ -304,11 +307,14 @@ def _run(args: argparse.Namespace) -> int:
         merge(out, [d for d in dirs if (d / "results.csv").exists()])
         print(f"codabench: {ranks.world} ranks merged into {out}", file=sys.stderr)
         code = max(code, _summary(out, code))
+        if not args.no_history:
+            _to_history(out, code)
     return distributed.finish(ranks, code)
 
 
-def _execute(runner: Runner, suite: str) -> int:
-    """Run the cells and write the report; the exit code."""
+def _execute(runner: Runner, suite: str, history: bool) -> int:
+    """Run the cells and write the report; with ``history`` a finished run (exit code 0 or 1) is appended to the
+    results history. The exit code."""
     out = runner.cfg.out_dir
     try:
         lock = RunLock(out)  # held over the run and its report: a second writer is refused before any cell runs
@@ -334,11 +340,21 @@ def _execute(runner: Runner, suite: str) -> int:
             code = EXIT_INTERRUPTED
         try:
             finalize(out)
-            return _summary(out, code)
+            code = _summary(out, code)
+            if history:
+                _to_history(out, code)
+            return code
         except KeyboardInterrupt:
             print(f"codabench: interrupted again while the report was written; the measured rows are saved in {out} "
                   f"(python -m codabench report {out} writes the report)", file=sys.stderr)
             return EXIT_INTERRUPTED
+
+
+def _to_history(out: Path, code: int) -> None:
+    """A finished run (exit code 0 or 1; not one cut short by Ctrl-C or a lost device) is appended to the results
+    history; a store that cannot take it costs one warning line, never the run (:func:`codabench.history.record_run`)."""
+    if code in (EXIT_OK, EXIT_CELL_ERRORS):
+        record_run(out)
 
 
 def _summary(out: Path, code: int) -> int:
@@ -474,7 +490,7 @@ def run_dir_arg(text: str) -> Path:
 
 
 def _subcommand(name: str, argv: list[str]) -> int:
-    """merge, compare or report; a run directory in use by a run, or Ctrl-C, ends it with one line."""
+    """merge, compare, report or history; a run directory in use by a run, or Ctrl-C, ends it with one line."""
     try:
         return _run_subcommand(name, argv)
     except RunFolderError as e:
@@ -485,6 +501,10 @@ def _subcommand(name: str, argv: list[str]) -> int:
 
 
 def _run_subcommand(name: str, argv: list[str]) -> int:
+    if name == "history":
+        from codabench.report.history import main as history  # it builds on this module's parser
+
+        return history(argv)
     p = OneLineParser(prog=f"codabench {name}")
     if name == "merge":
         p.add_argument("out", type=Path, help="new run directory for the merged report (must not exist)")
@@ -493,6 +513,7 @@ def _run_subcommand(name: str, argv: list[str]) -> int:
         if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
             raise UsageError(f"merge: {a.out} exists and is not empty; merge into a new directory")
         print(f"codabench: merged report {merge(a.out, a.shards) / 'report.html'}")
+        record_run(a.out)
     elif name == "compare":
         p.add_argument("run_a", type=run_dir_arg)
         p.add_argument("run_b", type=run_dir_arg)

@@ -11,12 +11,17 @@ test the guard records the harness's modules again (:func:`codabench.guard.snaps
 Tests marked ``slow`` (pyproject.toml registers the marker) are left out of the default run, which its ``addopts``
 keep under 10 minutes on 2 CPU cores; ``python -m pytest -q -m slow`` runs them (.ci/run runs both). A GPU test is
 never marked slow: the GPU commands of docs/testing.md select by name and would leave it out.
+
+The runs of the tests append to a results history in a temporary folder (``CODABENCH_HISTORY``), not the user's.
 """
 import os
+import tempfile
 
 GPU_ENV = "CODABENCH_TEST_GPU"
 if os.environ.get(GPU_ENV) != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch looks for a GPU; subprocesses of the tests inherit it
+# the tests' runs go into a results history of their own, never the user's (codabench/history.py)
+os.environ["CODABENCH_HISTORY"] = os.path.join(tempfile.mkdtemp(prefix="codabench-tests-"), "history.sqlite")
 
 from codabench.bootstrap import select_device  # noqa: E402
 

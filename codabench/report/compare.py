@@ -54,7 +54,7 @@ def compare(run_a: str | Path, run_b: str | Path) -> pd.DataFrame:
     for _, r in m.iterrows():
         key = tuple(str(r[k]) for k in tables.KEY)
         for prefix, x in (("delta", _change(r, key, timed)), ("rel", _relative(r, key, timed))):
-            lo, hi, verdict = _as_delta(x, same_within)
+            lo, hi, verdict = as_delta(x, same_within)
             cols[prefix + "_lo_pct"].append(lo)
             cols[prefix + "_hi_pct"].append(hi)
             cols["verdict" if prefix == "delta" else "rel_verdict"].append(verdict)
@@ -67,8 +67,9 @@ def compare(run_a: str | Path, run_b: str | Path) -> pd.DataFrame:
     return m
 
 
-def _as_delta(x: Ratio | None, same_within: float) -> tuple[float, float, str]:
-    """A speed ratio of B over A as the interval of the change of time, in %, and its verdict."""
+def as_delta(x: Ratio | None, same_within: float) -> tuple[float, float, str]:
+    """A speed ratio of B over A as the interval of the change of time, in %, and its verdict (``unknown`` for
+    None)."""
     if x is None:
         return math.nan, math.nan, "unknown"
     return 100 * (1 / x.hi - 1), 100 * (1 / x.lo - 1), x.verdict(same_within)
@@ -104,7 +105,13 @@ def _relative(r: pd.Series, key: tuple[str, ...], timed: list[dict]) -> Ratio | 
         if x is None:
             return None
         per_run.append(x)
-    a, b = per_run
+    return relative_change(*per_run)
+
+
+def relative_change(a: Ratio, b: Ratio) -> Ratio:
+    """B's speed relative to its base over A's, from each run's paired ratio of the cell to the base (``base / cell``,
+    as :func:`codabench.stats.ratio` and results.csv's ``speedup`` columns give it): the values divided, the log
+    bounds added (the widest interval the two allow, whatever their dependence)."""
     return Ratio(b.value / a.value, b.lo / a.hi, b.hi / a.lo)
 
 
