@@ -71,11 +71,8 @@ from typing import Any, Callable
 import triton
 from triton.runtime.autotuner import Autotuner
 
+from codabench.registry import TUNE_ENV
 from kernels.coda import configs, precompile
-
-
-TUNE_ENV = "CODABENCH_TUNE"
-"""``CODABENCH_TUNE=1``: tune (and measure fused-or-split choices for) keys not tuned yet, instead of predicting."""
 
 
 def tuning_on() -> bool:
@@ -332,21 +329,73 @@ def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
     return tuner
 
 
+CODA_IMPLS = {"train": "hf-coda"}
+"""The CODA implementation of a suite whose ops coda-triton does not implement (coda-triton elsewhere)."""
+TUNING_RUN = ("--reps", "2", "--rounds", "1", "--warmup", "1", "--quiet", "--tune")
+"""Run-command flags of a tuning run: few samples (the timings are not the point), tuning on."""
+
+
+def tuning_run_args(suite: str) -> list[str]:
+    """The run command's arguments that run ``suite``'s CODA cells to tune them."""
+    return ["--suite", suite, "--impls", CODA_IMPLS.get(suite, "coda-triton"), *TUNING_RUN]
+
+
+def _entries(path: Path) -> int:
+    return sum(len(v) for v in _read(path).values() if isinstance(v, dict))
+
+
+def tune_models(suites: list[str], run_args: list[str], out: Path) -> int:
+    """Run each of ``suites``' CODA cells with tuning on (:func:`tuning_run_args`, then ``run_args``: the models,
+    tokens, ops, dtypes), each run's folder under ``out``, in this process (the run's worker inherits the
+    environment); the worst exit code."""
+    from codabench import cli  # the harness, to run its cells (it never imports us)
+
+    codes = [cli.main([*tuning_run_args(suite), *run_args, "--out", str(out / f"tune-{suite}")]) for suite in suites]
+    return max(codes)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kernels.coda.tuning",
-                                description="export an autotuning cache file into the shipped table of its GPU model")
+                                description="tune CODA kernels for given models into the user cache; export a cache "
+                                            "file into the shipped table of its GPU model")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="merge CACHE_FILE (<gpu>--triton-<version>.json) into kernels/coda/tuned/<gpu>.json")
     e.add_argument("cache", type=Path)
     e.add_argument("--table", type=Path, help="the table to write (default: the shipped one of the cache's GPU)")
-    args = p.parse_args(argv)
-    if not args.cache.is_file():
-        p.exit(2, f"{args.cache}: no such file\n")
-    try:
-        table, n = export(args.cache, args.table)
-    except ValueError as err:
-        p.exit(2, f"{err}\n")
-    print(f"{table}: {n} entries")
+    t = sub.add_parser("tune", help="run the CODA cells of the given models with tuning on (--tune): the winners "
+                                    "go to the user cache, read by later runs on this GPU model",
+                       epilog="other run-command flags (--tokens, --ops, --dtypes, --modes, --check-tokens) pass on")
+    t.add_argument("--model", action="append", default=[], metavar="NAME:hidden=H,ffn=F,heads=N,vocab=V[,...]")
+    t.add_argument("--model-config", action="append", default=[], metavar="PATH", help="a Hugging Face config.json")
+    t.add_argument("--suites", default="full", help="comma-separated suites whose ops to tune (default: full; "
+                                                    "train: the training step, on hf-coda)")
+    t.add_argument("--out", type=Path, help="folder of the tuning runs (default: a new temporary folder)")
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "export":
+        if rest:
+            p.exit(2, f"export: unknown arguments {' '.join(rest)}\n")
+        if not args.cache.is_file():
+            p.exit(2, f"{args.cache}: no such file\n")
+        try:
+            table, n = export(args.cache, args.table)
+        except ValueError as err:
+            p.exit(2, f"{err}\n")
+        print(f"{table}: {n} entries")
+        return
+    if not args.model and not args.model_config:
+        p.exit(2, "tune: give the models to tune (--model or --model-config)\n")
+    import torch
+
+    if not torch.cuda.is_available():
+        p.exit(2, "tune: no GPU; configs are tuned on the GPU they are for\n")
+    models = [a for m in args.model for a in ("--model", m)] + [a for m in args.model_config for a in ("--model-config", m)]
+    out = args.out or Path(tempfile.mkdtemp(prefix="codabench-tune-"))
+    path = cache_file(torch.cuda.get_device_name())
+    before = _entries(path)
+    code = tune_models(args.suites.split(","), models + rest, out)
+    print(f"{path}: {_entries(path) - before} new entries ({_entries(path)} in all); runs in {out}")
+    if code:
+        p.exit(code, f"tune: a tuning run ended with exit code {code} (its entries are kept)\n")
 
 
 if __name__ == "__main__":
