@@ -199,3 +199,30 @@ def test_the_tune_command_refuses_without_models_or_a_gpu(monkeypatch, capsys):
 
 def test_tuning_runs_tune():
     assert "--tune" in tuning.tuning_run_args("full")
+
+
+def test_a_config_is_voted_for_by_the_nearest_keys_weighted_by_closeness(tables):
+    """The nearest key's config loses to one that two keys almost as near hold; a far majority does not win."""
+    tables("Test GPU", {"_copy": {"[4096]": cfg(B), "[3500]": cfg(A), "[3000]": cfg(A)}})
+    assert tuning.predict(tuner(), (4000,), (None, None, 4000), LAUNCH, "Test GPU") == (A, "predicted")
+    tables("Test GPU", {"_copy": {"[4096]": cfg(B), "[64]": cfg(A), "[32]": cfg(A)}})
+    assert tuning.predict(tuner(), (4000,), (None, None, 4000), LAUNCH, "Test GPU") == (B, "predicted")
+
+
+def test_config_rule_counts_leave_one_out_matches_and_reads_the_strategy_cost_off_the_records():
+    from test_benchmarks import load_script
+
+    rule = load_script("config_rule")
+    a, b = cfg(A), cfg(B)
+    table = {"_copy": {"[64]": a, "[128]": a, "[4096]": b, "[8192]": b, "[100000]": a}}
+    [(name, n, predicted, hits)] = rule.agreement(table, None, {"_copy": {rule._config_text(c) for c in (a, b)}})
+    assert (name, n, predicted) == ("_copy", 5, 5)
+    assert hits["nearest"] == 4 and hits["frequent"] == 2  # 100000: its nearest, 8192, holds b; 4096, 8192: a by 3 to 1
+    other = {"_copy": {"[100]": b}}
+    [(_, _, _, hits)] = rule.agreement(table, other, {"_copy": {rule._config_text(c) for c in (a, b)}})
+    assert hits["nearest"] == 2  # the stand-in table's one key predicts b everywhere
+    records = {json.dumps([["x", [m, 64], "torch.bfloat16"]]): {"strategy": s, "fused_ms": 1.0, "split_ms": t}
+               for m, s, t in ((1024, "split", 0.5), (2048, "split", 0.6), (65536, "fused", 2.0))}
+    [(fn, n, right, geo, worst, fused)] = rule.strategy_costs({"strategy:f": records})
+    assert (fn, n, right) == ("f", 3, 2) and worst == pytest.approx(2.0 / 1.0)  # 65536 predicted split from 2048
+    assert fused == pytest.approx((2 * 1 / 0.6) ** (1 / 3))

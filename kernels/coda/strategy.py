@@ -324,7 +324,8 @@ class Chooser:
             name = self.entry.rsplit(":", 1)[0]
             _, *stand_ins = tuning.sources(gpu, name)  # this GPU's own records: self._known
             record = configs.predict(json.loads(key), [self._known(gpu), *stand_ins],
-                                     lambda r: isinstance(r, dict) and r.get("strategy") in STRATEGIES)
+                                     lambda r: isinstance(r, dict) and r.get("strategy") in STRATEGIES,
+                                     rule=lambda found: found[0][2])  # the nearest (benchmarks/config_rule.py)
             memo[key] = predicted(record, candidates)
         return memo[key]
 

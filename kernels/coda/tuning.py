@@ -36,8 +36,8 @@ shapes on empty caches, then :func:`export`), or export an existing cache file w
 ``python -m kernels.coda.tuning export CACHE_FILE``.
 
 Tuning is opt-in. By default a key that neither the user's cache nor the table holds gets a *predicted* config at
-once, nothing benchmarked (:func:`predict`, :mod:`kernels.coda.configs`): the config of the nearest tuned shape in
-log(M, N, K) with the same flags and dtypes, among this GPU's cache and table entries (else the table of the
+once, nothing benchmarked (:func:`predict`, :mod:`kernels.coda.configs`): the config the nearest tuned shapes in
+log(M, N, K) with the same flags and dtypes vote for, among this GPU's cache and table entries (else the table of the
 nearest GPU model, H100 <-> H200), restricted to the configs the kernel's list and pruning leave for the call; with
 no such entry, the first config pruning leaves. A predicted config is kept in memory only, never stored: the cache
 holds measured winners alone, so a later tuning run still tunes that key. ``CODABENCH_TUNE=1`` (``--tune`` on the
@@ -274,7 +274,7 @@ def sources(gpu: str, name: str, entry: str | None = None) -> list[dict[str, Any
 
 def predict(tuner: Autotuner, key: tuple, args: tuple, kwargs: dict, gpu: str) -> tuple[triton.Config, str]:
     """A config for a launch of ``tuner`` under tuning key ``key`` without benchmarking, and how it was chosen:
-    ``predicted`` (the nearest tuned key's config, :func:`kernels.coda.configs.predict` over :func:`sources`, among
+    ``predicted`` (the nearest tuned keys' vote, :func:`kernels.coda.configs.predict` over :func:`sources`, among
     the configs pruning leaves for the launch) or ``default`` (no tuned key of its signature: the first config
     pruning leaves)."""
     tuner.nargs = dict(zip(tuner.arg_names, args))
