@@ -2,6 +2,7 @@
 key in log-shape space, configs outside the kernel's list or pruned skipped, the stand-in table of the nearest GPU;
 by default nothing is benchmarked or stored; ``--tune`` / CODABENCH_TUNE=1 reaches the tuning code; the tune command
 writes the user cache."""
+import importlib
 import json
 import os
 
@@ -226,3 +227,26 @@ def test_config_rule_counts_leave_one_out_matches_and_reads_the_strategy_cost_of
     [(fn, n, right, geo, worst, fused)] = rule.strategy_costs({"strategy:f": records})
     assert (fn, n, right) == ("f", 3, 2) and worst == pytest.approx(2.0 / 1.0)  # 65536 predicted split from 2048
     assert fused == pytest.approx((2 * 1 / 0.6) ** (1 / 3))
+
+
+def test_the_check_shape_and_the_timed_shape_share_a_binary_when_their_config_is_the_same():
+    """M, N, K are plain arguments of every autotuned CODA kernel, and Triton specializes a plain integer only on its
+    divisibility by 16 (and on being 1): 2048 and 16384 tokens compile one binary per config, 16381 another."""
+    from triton.backends import BaseBackend
+    from triton.runtime.jit import JITFunction, native_specialize_impl
+
+    kernels = [v for name in ("gemm", "producer", "rope", "swiglu", "swiglu_bwd", "rmsnorm_bwd", "cross_entropy",
+                              "scaled_linear")
+               for v in vars(importlib.import_module(f"kernels.coda.{name}")).values() if isinstance(v, tuning.Autotuner)]
+    assert len(kernels) == 8
+    for k in kernels:
+        fn = k.fn
+        while hasattr(fn, "fn"):  # through the interpreter's or Triton's wrapper to the Python function
+            fn = fn.fn
+        params = {p.name: p for p in JITFunction(fn).params}
+        assert all(not params[n].is_constexpr and not params[n].do_not_specialize for n in "MNK"), k
+
+    def spec(v):
+        return native_specialize_impl(BaseBackend, v, False, True, True)
+
+    assert spec(2048) == spec(16384) != spec(16381)
