@@ -45,8 +45,9 @@ run command; ``python -m kernels.coda.tuning tune`` for given models) tunes such
 stores the winners in the user cache, where later runs read them.
 
 ``CODABENCH_AUTOTUNE_CACHE=0`` turns the cache and the tables off (not the re-timing);
-``CODABENCH_TUNING_TABLES=0`` the tables alone (to tune everything afresh). Kernels with a single
-config (the interpreter's) never tune, so nothing is cached for them.
+``CODABENCH_TUNING_TABLES=0`` the tables alone (with ``CODABENCH_TUNE=1``: to tune everything afresh; without it,
+every key the cache lacks gets the first config pruning leaves). Kernels with a single config (the interpreter's)
+never tune, so nothing is cached for them.
 
 Binaries: Triton compiles one binary per config and per *specialization* of the integer arguments (divisible by 16
 or not, equal to 1 or not), not per value: M, N and K are plain arguments of every CODA kernel, so the correctness
