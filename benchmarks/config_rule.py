@@ -132,7 +132,7 @@ def print_agreement() -> None:
     for gpu, table in tables.items():
         print(f"\n== {gpu}: each entry predicted from the table's others (leave-one-out)")
         _print_rows(agreement(table, None, lists))
-        print(f"\n   strategies: predicted path's time / fastest path's (the records' own medians)")
+        print("\n   strategies: predicted path's time / fastest path's (the records' own medians)")
         print(f"   {'function':22} {'n':>4} {'right':>6} {'geomean':>8} {'worst':>7} {'fused':>7}")
         for name, n, right, geo, worst, fused in strategy_costs(table):
             print(f"   {name:22} {n:4} {right:6} {geo:8.3f} {worst:7.3f} {fused:7.3f}")
