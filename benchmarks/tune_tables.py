@@ -2,7 +2,7 @@
 
     python benchmarks/tune_tables.py [--suites full,train] [--fresh] [--budget SECONDS] [--gpus N]
 
-Runs each suite's CODA cells (coda-triton, and hf-coda in the train suite) with few samples on an empty
+Runs each suite's CODA cells (coda-triton, and hf-coda in the train suite) with few samples and ``--tune`` on an empty
 autotuning cache, so that every kernel meets every shape and dtype the suites use (the correctness pass's
 shapes too), then merges the winners into the table (:func:`kernels.coda.tuning.export`). By default the
 existing table is used and only what it lacks is tuned, so an interrupted run continues where it stopped;
@@ -29,15 +29,10 @@ sys.path.insert(0, str(ROOT))
 
 from kernels.coda import tuning  # noqa: E402
 
-IMPLS = {"train": "hf-coda"}
-"""The CODA implementations of a suite whose ops coda-triton does not implement."""
-
-
 def shard_commands(suite: str, gpus: int, cache_dir: str) -> list[tuple[list[str], dict[str, str]]]:
     """The run_bench commands (with their environments) that run ``suite``'s CODA cells for tuning: one, or one shard
     per GPU, each process seeing only its GPU."""
-    cmd = [sys.executable, str(ROOT / "run_bench.py"), "--suite", suite, "--impls", IMPLS.get(suite, "coda-triton"),
-           "--reps", "2", "--rounds", "1", "--warmup", "1", "--quiet"]
+    cmd = [sys.executable, str(ROOT / "run_bench.py"), *tuning.tuning_run_args(suite)]
     if gpus == 1:
         return [(cmd + ["--out", f"{cache_dir}/run-{suite}"], dict(os.environ))]
     return [(cmd + ["--shard", f"{i + 1}/{gpus}", "--out", f"{cache_dir}/run-{suite}-{i + 1}of{gpus}"],

@@ -30,6 +30,7 @@ from codabench.runner import DeviceLost, Runner
 from codabench.worker import WorkerProcess
 from codabench.writer import RunLock, check_run_dir
 from codabench.timing import TimingConfig
+from codabench.registry import TUNE_ENV
 from workloads.models import INLINE_KEYS, LIMITS, PRESETS, ModelShape, from_hf_config, parse_model_spec
 from workloads.op import DTYPES, MODES
 from workloads.ops import OPS
@@ -201,6 +202,9 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--no-history", action="store_true",
                    help="do not append the finished run to the results history (codabench/history.py)")
+    p.add_argument("--tune", action="store_true",
+                   help=f"let implementations tune on the cells' data (autotuning; {TUNE_ENV}=1) what they have not "
+                        "tuned yet, and keep it for later runs; by default they pick without measuring")
     return p
 
 
@@ -259,6 +263,8 @@ def _run(args: argparse.Namespace) -> int:
     if not args.same_within > args.precision:
         raise UsageError(f"--same-within ({args.same_within:g}) must be larger than --precision ({args.precision:g}): "
                          "a difference the medians are not precise enough to show cannot count as real")
+    if args.tune:  # the worker inherits it
+        os.environ[TUNE_ENV] = "1"
     notes: list[str] = []
     defined = _defined_models(args, notes)
     ranks = distributed.from_env()

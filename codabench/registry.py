@@ -30,6 +30,11 @@ import torch
 from codabench.case import Case
 from workloads.ops import OPS
 
+TUNE_ENV = "CODABENCH_TUNE"
+"""Set to ``1`` by the run command's ``--tune`` (the worker inherits it): an implementation may then tune on the
+cell's data (autotuning, measured choices) and keep what it learns for later runs; unset, it picks without
+measuring, so that its first result comes fast."""
+
 Tensors = dict[str, Any]
 """Named tensors; native dicts may also carry plain values (a model shape, eps), which the harness leaves alone."""
 

@@ -59,6 +59,7 @@ def test_launches_become_compile_only_warmups_on_every_thread_and_are_put_back(m
 
 
 def test_a_dry_pass_ends_at_an_untuned_key_and_launches_a_tuned_one(monkeypatch, tmp_path):
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")  # tuning on (by default the key's config is predicted: test_configs.py)
     monkeypatch.setenv("CODABENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CODABENCH_AUTOTUNE_CACHE", raising=False)
     launches = []

@@ -147,7 +147,9 @@ def _split(x: torch.Tensor, n: int, inplace: bool = False, eps: float = 1e-5) ->
 @pytest.fixture
 def gpu(monkeypatch, tmp_path):
     """A stand-in GPU for the chooser: CPU tensors count as on "Test GPU", measurable, timed by ``times`` (per
-    candidate, the do_bench medians it returns in turn); ``log`` lists each timed candidate."""
+    candidate, the do_bench medians it returns in turn); ``log`` lists each timed candidate. Tuning is on
+    (``--tune``): new keys are measured, not predicted (tests/test_configs.py covers the default)."""
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
     monkeypatch.setenv("CODABENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CODABENCH_AUTOTUNE_CACHE", raising=False)
     monkeypatch.delenv(S.ENV, raising=False)

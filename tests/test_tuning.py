@@ -29,8 +29,10 @@ def tuner(fn=_copy, configs=CONFIGS):
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
+    """An empty cache, and tuning on (``--tune``): these tests tune; tests/test_configs.py covers the default."""
     monkeypatch.setenv("CODABENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CODABENCH_AUTOTUNE_CACHE", raising=False)
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
     return tmp_path
 
 

@@ -22,6 +22,7 @@ import pandas as pd
 
 from codabench.clocks import CLOCK_DIP, clock_dips, run_clock_mhz
 from codabench.matrix import BASELINE_ORDER, PLUGIN_OP, SPEED_BASELINE
+from codabench.report.first_result import first_result_section
 from codabench.report.palette import impl_colors, impl_order
 from codabench.report.training import REFERENCES, train_step_table
 from codabench.stats import DECIDED, MIN_PAIRS, MIN_SAMPLES, VERDICTS, Ratio, timing_settings
@@ -361,6 +362,7 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
         parts.append("<h2>Headline: pass/fail</h2>")
     parts.append(_headline(df, impls, colors, perf, dips))
     parts += _training(df, errors, env, perf)
+    parts += first_result_section(cells)
     roof = _roofline(df, impls, colors) if perf else ""
     if roof:
         parts += ["<h2>Roofline: % of the measured GEMM ceiling</h2>",

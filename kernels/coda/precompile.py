@@ -12,11 +12,14 @@ The real first step then finds every kernel compiled::
     precompile(lambda: torch.autograd.grad(model(**batch).loss, params), device)   # garbage, discarded
     loss = model(**batch).loss; loss.backward()                                   # compiles nothing
 
-Where going on would need a measurement on real data, the dry pass does not measure. A fused-or-split choice
-not made yet (:mod:`kernels.coda.strategy`) compiles the fused path without choosing (:func:`skipped`), and an
-autotuning key with no cached or shipped config (:mod:`kernels.coda.tuning`) ends the dry pass there
-(:func:`untuned` raises :class:`Untuned`, which :func:`precompile` catches: what follows may depend on the config
-the launch would have used). The real step tunes and chooses those as it always does.
+By default nothing is measured on the way: an autotuning key with no cached or shipped config gets its predicted
+config (:func:`kernels.coda.tuning.predict`) and a fused-or-split choice not made yet its predicted path
+(:mod:`kernels.coda.strategy`), so the dry pass goes through the whole step and compiles exactly the binaries the
+real step will launch, all at once. With tuning on (``CODABENCH_TUNE=1``), where going on would need a measurement
+on real data, the dry pass does not measure: a choice not made yet compiles the fused path without choosing
+(:func:`skipped`), and an untuned key ends the dry pass there (:func:`untuned` raises :class:`Untuned`, which
+:func:`precompile` catches: what follows may depend on the config the launch would have used). The real step then
+tunes and chooses those, compiling every candidate config one after the other.
 
 The step must have no lasting effect besides its results: no optimizer step, no ``.backward()`` into parameters
 (``torch.autograd.grad`` leaves ``.grad`` alone). The dry pass is process-wide (Triton's launch path is patched

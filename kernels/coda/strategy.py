@@ -27,8 +27,11 @@ argument, its flags) to the strategy chosen for that key:
 
 - ``CODABENCH_STRATEGY=fused|split|gluon`` forces one everywhere (gluon where it applies, fused elsewhere; tests run
   the split paths on the interpreter this way; benchmarks compare them); ``auto`` (the default) chooses:
-- on a GPU, the first call of a key measures every path that applies: each is launched once (compiling and
-  autotuning), then they take turns over :data:`ROUNDS` rounds of ``triton.testing.do_bench``; the fastest other
+- on a GPU, a key neither the cache file nor the shipped table holds gets the choice of the nearest stored key
+  (:func:`predicted`: :mod:`kernels.coda.configs` over the call keys' log-shapes, same names, dtypes and flags;
+  with no such key, fused), unmeasured and unstored; only with ``CODABENCH_TUNE=1`` (``--tune``,
+  :func:`kernels.coda.tuning.tuning_on`) does the first call of such a key measure every path that applies: each
+  is launched once (compiling and autotuning), then they take turns over :data:`ROUNDS` rounds of ``triton.testing.do_bench``; the fastest other
   path wins if its median is lower than fused's by more than :data:`MARGIN` (ties go to the fused path, the
   reference of the CODA idea). The choice is stored in
   the autotuning cache file (:mod:`kernels.coda.tuning`: same file, keyed by GPU model and Triton version, entry
@@ -60,7 +63,7 @@ from typing import Any, Callable
 import torch
 import triton
 
-from kernels.coda import precompile, tuning
+from kernels.coda import configs, precompile, tuning
 from workloads.fp8 import Fp8
 
 FUSED, SPLIT, GLUON, AUTO = "fused", "split", "gluon", "auto"
@@ -252,7 +255,8 @@ def summary(launches: list[tuple[str, str]]) -> str:
 # ---- dispatch ---------------------------------------------------------------------------------------
 
 class Chooser:
-    """The strategy of each key of one host function: forced, known (this process or the cache file), or measured."""
+    """The strategy of each key of one host function: forced, known (this process, the cache file or the table),
+    predicted from the nearest known key, or (tuning) measured."""
 
     def __init__(self, fused: Callable, split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]],
                  gluon: Gluon | None = None, fuses: Callable[[dict[str, Any]], bool] = always):
@@ -263,6 +267,8 @@ class Chooser:
         self.entry = f"strategy:{self.name}:{hashlib.sha256(''.join(sources).encode()).hexdigest()[:16]}"
         self.known: dict[Path, dict[str, dict[str, Any]]] = {}
         """Per cache file (GPU model, Triton version): call key -> record (``strategy``, and the measured times)."""
+        self.predictions: dict[str, dict[str, str]] = {}
+        """Per GPU model: call key -> the strategy :meth:`_predicted` chose (kept in memory only)."""
         self._lock = threading.Lock()
         self._gluon_fn: Callable | None = None
         self._facts: dict[tuple, tuple[str, tuple[str, ...]]] = {}
@@ -297,6 +303,8 @@ class Chooser:
             key, candidates = self._call_facts(arguments)
             if key in known and serves(known[key], candidates):
                 return known[key]["strategy"]
+            if not tuning.tuning_on():
+                return self._predicted(gpu, key, candidates)
             if not measurable(device):
                 return FUSED
             if precompile.skipped(f"{self.name}: no strategy chosen for {key}"):
@@ -307,6 +315,19 @@ class Chooser:
             if tuning.enabled():
                 tuning.store_entries(path, self.entry, {key: record})
             return record["strategy"]
+
+    def _predicted(self, gpu: str, key: str, candidates: tuple[str, ...]) -> str:
+        """The :func:`predicted` choice for ``key`` from the nearest choice stored for GPU model ``gpu`` (its own,
+        else a stand-in table's), computed once per key."""
+        memo = self.predictions.setdefault(gpu, {})
+        if key not in memo:
+            name = self.entry.rsplit(":", 1)[0]
+            _, *stand_ins = tuning.sources(gpu, name)  # this GPU's own records: self._known
+            record = configs.predict(json.loads(key), [self._known(gpu), *stand_ins],
+                                     lambda r: isinstance(r, dict) and r.get("strategy") in STRATEGIES,
+                                     rule=lambda found: found[0][2])  # the nearest (benchmarks/config_rule.py)
+            memo[key] = predicted(record, candidates)
+        return memo[key]
 
     def _call_facts(self, arguments: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
         """(:func:`call_key`, :meth:`strategies`) of a call, computed once per :func:`shape_key`."""
@@ -334,6 +355,18 @@ def serves(record: dict[str, Any], candidates: tuple[str, ...]) -> bool:
     measured again)."""
     timed = {k.removesuffix("_ms") for k in record if k.endswith("_ms")}
     return record["strategy"] in candidates and (not timed or timed >= set(candidates))
+
+
+def predicted(record: dict[str, Any] | None, candidates: tuple[str, ...]) -> str:
+    """The path a neighbour's stored choice ``record`` gives a call whose paths are ``candidates``: :func:`pick` over
+    the times it measured for those paths where it timed fused and another of them, else its strategy where that
+    is a candidate; fused without a record."""
+    if record is None:
+        return FUSED
+    times = {s: record[f"{s}_ms"] for s in candidates if isinstance(record.get(f"{s}_ms"), (int, float))}
+    if FUSED in times and len(times) > 1:
+        return pick(times)
+    return record["strategy"] if record["strategy"] in candidates else FUSED
 
 
 def binder(fn: Callable) -> Callable[[tuple, dict[str, Any]], dict[str, Any]]:

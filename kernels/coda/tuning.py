@@ -35,9 +35,24 @@ and cached as before. Regenerate a table on the GPU with ``python benchmarks/tun
 shapes on empty caches, then :func:`export`), or export an existing cache file with
 ``python -m kernels.coda.tuning export CACHE_FILE``.
 
+Tuning is opt-in. By default a key that neither the user's cache nor the table holds gets a *predicted* config at
+once, nothing benchmarked (:func:`predict`, :mod:`kernels.coda.configs`): the config the nearest tuned shapes in
+log(M, N, K) with the same flags and dtypes vote for, among this GPU's cache and table entries (else the table of the
+nearest GPU model, H100 <-> H200), restricted to the configs the kernel's list and pruning leave for the call; with
+no such entry, the first config pruning leaves. A predicted config is kept in memory only, never stored: the cache
+holds measured winners alone, so a later tuning run still tunes that key. ``CODABENCH_TUNE=1`` (``--tune`` on the
+run command; ``python -m kernels.coda.tuning tune`` for given models) tunes such keys as described above, and
+stores the winners in the user cache, where later runs read them.
+
 ``CODABENCH_AUTOTUNE_CACHE=0`` turns the cache and the tables off (not the re-timing);
-``CODABENCH_TUNING_TABLES=0`` the tables alone (to tune everything afresh). Kernels with a single
-config (the interpreter's) never tune, so nothing is cached for them.
+``CODABENCH_TUNING_TABLES=0`` the tables alone (with ``CODABENCH_TUNE=1``: to tune everything afresh; without it,
+every key the cache lacks gets the first config pruning leaves). Kernels with a single config (the interpreter's)
+never tune, so nothing is cached for them.
+
+Binaries: Triton compiles one binary per config and per *specialization* of the integer arguments (divisible by 16
+or not, equal to 1 or not), not per value: M, N and K are plain arguments of every CODA kernel, so the correctness
+pass (``check_tokens`` = 2048) and the timed shape (16384) share the binary whenever they get the same config; a
+token count not divisible by 16 (16381) is another specialization and compiles once more.
 """
 from __future__ import annotations
 
@@ -57,7 +72,13 @@ from typing import Any, Callable
 import triton
 from triton.runtime.autotuner import Autotuner
 
-from kernels.coda import precompile
+from codabench.registry import TUNE_ENV
+from kernels.coda import configs, precompile
+
+
+def tuning_on() -> bool:
+    """Whether keys not tuned yet are tuned (``CODABENCH_TUNE=1``) rather than predicted."""
+    return os.environ.get(TUNE_ENV, "0") not in ("", "0")
 
 
 def enabled() -> bool:
@@ -240,23 +261,60 @@ def tune(tuner: Autotuner, args: tuple, kwargs: dict) -> triton.Config | None:
         tuner.nargs = None
 
 
+def sources(gpu: str, name: str, entry: str | None = None) -> list[dict[str, Any]]:
+    """The records :func:`predict` draws on for ``name`` (a kernel's name, or ``strategy:<function>``) on GPU model
+    ``gpu``, nearest first: its shipped table's merged with (overridden by) its cache file's ``entry`` (a kernel id,
+    or ``strategy:<function>:<hash>``), then each stand-in table (:func:`kernels.coda.configs.stand_in_tables`).
+    The tables are left out when turned off, the cache when it is."""
+    own = dict(table_entries(table_file(gpu), name))
+    if entry is not None and enabled():
+        own.update(load_entries(cache_file(gpu), entry))
+    stand_ins = configs.stand_in_tables(_slug(gpu), TABLES) if tables_enabled() and not table_file(gpu).is_file() else []
+    return [own] + [configs.table_records(p, name) for p in stand_ins]
+
+
+def predict(tuner: Autotuner, key: tuple, args: tuple, kwargs: dict, gpu: str) -> tuple[triton.Config, str]:
+    """A config for a launch of ``tuner`` under tuning key ``key`` without benchmarking, and how it was chosen:
+    ``predicted`` (the nearest tuned keys' vote, :func:`kernels.coda.configs.predict` over :func:`sources`, among
+    the configs pruning leaves for the launch) or ``default`` (no tuned key of its signature: the first config
+    pruning leaves)."""
+    tuner.nargs = dict(zip(tuner.arg_names, args))
+    try:
+        allowed = tuner.prune_configs(kwargs)
+    finally:
+        tuner.nargs = None
+    by_json = {json.dumps(_config_json(c), sort_keys=True): c for c in allowed}
+
+    def accept(record: Any) -> bool:
+        return isinstance(record, dict) and json.dumps(record, sort_keys=True) in by_json
+
+    record = configs.predict(list(key), sources(gpu, kernel_name(tuner), kernel_id(tuner)), accept)
+    if record is None:
+        return allowed[0], "default"
+    return by_json[json.dumps(record, sort_keys=True)], "predicted"
+
+
 def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
-    """Tune ``tuner``'s new keys with :func:`tune` and back its in-memory cache by the file of the GPU
-    ``gpu_name()`` names, then by that GPU's shipped table: loaded at the first launch (not at import: that would
-    initialise CUDA), each new winner stored in the file."""
+    """Back ``tuner``'s in-memory cache by the file of the GPU ``gpu_name()`` names, then by that GPU's shipped
+    table (loaded at the first launch, not at import: that would initialise CUDA); a key neither holds gets
+    :func:`predict`'s config, or with :func:`tuning_on` is tuned by :func:`tune` and its winner stored in the file."""
     if len(tuner.configs) < 2:
         return tuner
-    run, path, use_file = tuner.run, None, enabled()
+    run, path, gpu, use_file = tuner.run, None, None, enabled()
 
     def tuned_run(*args, **kwargs):
-        nonlocal path
-        if use_file and path is None:
+        nonlocal path, gpu
+        if gpu is None:
             gpu = gpu_name()
+        if use_file and path is None:
             path = cache_file(gpu)
             load(tuner, path)
             load_table(tuner, table_file(gpu))
         key = tuning_key(tuner, args, kwargs)
         if key in tuner.cache:  # the common case: a known shape, nothing to tune or store
+            return run(*args, **kwargs)
+        if not tuning_on():  # kept in memory only: a tuning run still tunes this key
+            tuner.cache[key], _ = predict(tuner, key, args, kwargs, gpu)
             return run(*args, **kwargs)
         precompile.untuned(f"{kernel_name(tuner)}: no tuned config for {key}")  # a dry pass ends here
         known = set(tuner.cache)
@@ -272,21 +330,73 @@ def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
     return tuner
 
 
+CODA_IMPLS = {"train": "hf-coda"}
+"""The CODA implementation of a suite whose ops coda-triton does not implement (coda-triton elsewhere)."""
+TUNING_RUN = ("--reps", "2", "--rounds", "1", "--warmup", "1", "--quiet", "--tune")
+"""Run-command flags of a tuning run: few samples (the timings are not the point), tuning on."""
+
+
+def tuning_run_args(suite: str) -> list[str]:
+    """The run command's arguments that run ``suite``'s CODA cells to tune them."""
+    return ["--suite", suite, "--impls", CODA_IMPLS.get(suite, "coda-triton"), *TUNING_RUN]
+
+
+def _entries(path: Path) -> int:
+    return sum(len(v) for v in _read(path).values() if isinstance(v, dict))
+
+
+def tune_models(suites: list[str], run_args: list[str], out: Path) -> int:
+    """Run each of ``suites``' CODA cells with tuning on (:func:`tuning_run_args`, then ``run_args``: the models,
+    tokens, ops, dtypes), each run's folder under ``out``, in this process (the run's worker inherits the
+    environment); the worst exit code."""
+    from codabench import cli  # the harness, to run its cells (it never imports us)
+
+    codes = [cli.main([*tuning_run_args(suite), *run_args, "--out", str(out / f"tune-{suite}")]) for suite in suites]
+    return max(codes)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kernels.coda.tuning",
-                                description="export an autotuning cache file into the shipped table of its GPU model")
+                                description="tune CODA kernels for given models into the user cache; export a cache "
+                                            "file into the shipped table of its GPU model")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="merge CACHE_FILE (<gpu>--triton-<version>.json) into kernels/coda/tuned/<gpu>.json")
     e.add_argument("cache", type=Path)
     e.add_argument("--table", type=Path, help="the table to write (default: the shipped one of the cache's GPU)")
-    args = p.parse_args(argv)
-    if not args.cache.is_file():
-        p.exit(2, f"{args.cache}: no such file\n")
-    try:
-        table, n = export(args.cache, args.table)
-    except ValueError as err:
-        p.exit(2, f"{err}\n")
-    print(f"{table}: {n} entries")
+    t = sub.add_parser("tune", help="run the CODA cells of the given models with tuning on (--tune): the winners "
+                                    "go to the user cache, read by later runs on this GPU model",
+                       epilog="other run-command flags (--tokens, --ops, --dtypes, --modes, --check-tokens) pass on")
+    t.add_argument("--model", action="append", default=[], metavar="NAME:hidden=H,ffn=F,heads=N,vocab=V[,...]")
+    t.add_argument("--model-config", action="append", default=[], metavar="PATH", help="a Hugging Face config.json")
+    t.add_argument("--suites", default="full", help="comma-separated suites whose ops to tune (default: full; "
+                                                    "train: the training step, on hf-coda)")
+    t.add_argument("--out", type=Path, help="folder of the tuning runs (default: a new temporary folder)")
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "export":
+        if rest:
+            p.exit(2, f"export: unknown arguments {' '.join(rest)}\n")
+        if not args.cache.is_file():
+            p.exit(2, f"{args.cache}: no such file\n")
+        try:
+            table, n = export(args.cache, args.table)
+        except ValueError as err:
+            p.exit(2, f"{err}\n")
+        print(f"{table}: {n} entries")
+        return
+    if not args.model and not args.model_config:
+        p.exit(2, "tune: give the models to tune (--model or --model-config)\n")
+    import torch
+
+    if not torch.cuda.is_available():
+        p.exit(2, "tune: no GPU; configs are tuned on the GPU they are for\n")
+    models = [a for m in args.model for a in ("--model", m)] + [a for m in args.model_config for a in ("--model-config", m)]
+    out = args.out or Path(tempfile.mkdtemp(prefix="codabench-tune-"))
+    path = cache_file(torch.cuda.get_device_name())
+    before = _entries(path)
+    code = tune_models(args.suites.split(","), models + rest, out)
+    print(f"{path}: {_entries(path) - before} new entries ({_entries(path)} in all); runs in {out}")
+    if code:
+        p.exit(code, f"tune: a tuning run ended with exit code {code} (its entries are kept)\n")
 
 
 if __name__ == "__main__":
