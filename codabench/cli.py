@@ -205,6 +205,11 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true",
                    help=f"let implementations tune on the cells' data (autotuning; {TUNE_ENV}=1) what they have not "
                         "tuned yet, and keep it for later runs; by default they pick without measuring")
+    p.add_argument("--profile", action="store_true",
+                   help="after each group's samples, profile its timed cells (torch.profiler: GPU kernels, launches, "
+                   "time and share, host vs GPU time) into profiles.jsonl and the report; never inside the timing")
+    p.add_argument("--profile-trace", action="store_true",
+                   help="--profile, and a Chrome trace of each profiled cell under RUN/traces/")
     return p
 
 
@@ -439,6 +444,7 @@ def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: t
                      show_progress=not args.quiet, fp8_accum=args.fp8_accum, cell_timeout_s=args.cell_timeout,
                      isolate=not args.inline, plugin_files=tuple(str(Path(f).resolve()) for f in args.plugin),
                      entry_points=not args.no_entry_points,
+                     profile=args.profile or args.profile_trace, profile_trace=args.profile_trace,
                      timing=TimingConfig(warmup=args.warmup, reps=args.reps or suite.reps,
                                          flush_l2=not args.no_l2_flush,
                                          rounds=args.rounds or (GPU_ROUNDS if device.type == "cuda" else 1),

@@ -45,6 +45,10 @@ class RunConfig:
     entry_points: bool = True
     """Load other installed packages' ``codabench.plugins`` entry points (``--no-entry-points``: not); the built-in
     implementations always load."""
+    profile: bool = False
+    """Profile each timed cell after its group's samples (``--profile``): profiles.jsonl (:mod:`codabench.profile`)."""
+    profile_trace: bool = False
+    """...and write each one's Chrome trace under traces/ (``--profile-trace``)."""
     models: dict[str, ModelShape] = field(default_factory=dict)
     """Model shapes defined for this run (``--model``, ``--model-config``), beside the presets; the worker gets them
     through this config."""

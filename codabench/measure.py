@@ -15,7 +15,8 @@ answer a timed call. Each timed call's outputs are checked (plain ``torch.Tensor
 storage), and on :data:`RECHECKS` sweeps drawn at random, plus the last, its outputs are copied on the calling
 stream as the call returns and compared with PyTorch's results on that sweep's inputs. A group whose inputs do not fit
 in memory together is sampled in blocks instead (:meth:`Measurer.again`, one round of one cell per request), as is a
-group whose sweeps failed; its rows say so.
+group whose sweeps failed; its rows say so. With ``--profile``, :meth:`Measurer.profile` then takes each timed cell's
+call apart (:mod:`codabench.profile`), after the group's samples and outside any timed region.
 
 The shared state of a group (the float64 reference, PyTorch's results on the verification inputs, the timing's
 upstream gradients, the fp8 cast time, the resident cells) is built lazily and dropped when the next group starts.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 import gc
 import secrets
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -45,6 +47,7 @@ from codabench.env import collect_env, provider_metadata
 from codabench.execute import (CellError, Timed, check_outputs, forward_shapes, run_once, timed_call, timed_result,
                                 uses_autograd)
 from codabench.matrix import SPEED_BASELINE, Cell
+from codabench.profile import profile_call
 from codabench.registry import Implementation, Registry, Tensors
 from codabench.sweep import Member
 from codabench.timing import CUDA_GRAPH, first_call, graph_sets, measure, per_round
@@ -289,16 +292,22 @@ class Measurer:
 
     def _resident(self, cell: Cell, group: _Group, impl: Implementation) -> _Resident:
         """The cell's timed call on the TIMING_SEED inputs, its first call timed (``first_call_s``)."""
-        op, dev = OPS[cell.op], self.device
         case = self._case(cell, TIMING_SEED)
         self._measure_cast(group, case)
+        native, grads, timed = self._timed(cell, group, impl, case)
+        with timed.context:
+            took = first_call(timed.fn, timed.setup, self.device)
+        return _Resident(cell, impl, case, native, grads, timed, took)
+
+    def _timed(self, cell: Cell, group: _Group, impl: Implementation, case: Case
+               ) -> tuple[Tensors, Tensors | None, Timed]:
+        """The cell's timed call on ``case`` (the timing inputs): its native inputs, the timing's canonical upstream
+        gradients (autograd modes, else None) and the call."""
+        op = OPS[cell.op]
         grads = self._timing_grads(group, case) if uses_autograd(op, cell.mode) else None
         native = impl.prepare(case)
         grads_native = impl.grad_outputs_to_native(grads, native) if grads is not None else None
-        timed = timed_call(op, impl, native, cell.mode, grads_native)
-        with timed.context:
-            took = first_call(timed.fn, timed.setup, dev)
-        return _Resident(cell, impl, case, native, grads, timed, took)
+        return native, grads, timed_call(op, impl, native, cell.mode, grads_native)
 
     def _capture(self, r: _Resident) -> None:
         """CUDA-graph mode (fwd and direct modes): the cell's graphs, captured once its checks are done (they refill
@@ -351,10 +360,7 @@ class Measurer:
         op = OPS[cell.op]
         try:
             case = self._case(cell, TIMING_SEED)
-            grads = self._timing_grads(group, case) if uses_autograd(op, cell.mode) else None
-            native = impl.prepare(case)
-            grads_native = impl.grad_outputs_to_native(grads, native) if grads is not None else None
-            timed = timed_call(op, impl, native, cell.mode, grads_native)
+            native, grads, timed = self._timed(cell, group, impl, case)
             sampled = Sampled()
             with timed.context:
                 timing = measure(timed.fn, timed.setup, self.device, later,
@@ -369,6 +375,26 @@ class Measurer:
             raise verify.CellError(f"does not count: {problem}")
         note = "; ".join(n for n in (timing.note, group.cast_note) if n)
         return RoundResult(timing.samples_ms, timing.kind, note, timing.first_call_s, sampled)
+
+    def profile(self, cell: Cell, trace: bool) -> tuple[dict[str, Any], str | None]:
+        """Where the cell's call spends its time (``--profile``, after its group's samples): its timed call built anew
+        on the timing inputs, as a block round builds it, profiled by :func:`codabench.profile.profile_call` with the
+        run's L2 flush. Returns the profile's record (:meth:`codabench.profile.Profile.record`) and, with ``trace``,
+        the Chrome trace of its last profiled call (JSON text; None without). Raises when the call or the profiler
+        fails."""
+        group, impl = self._group_for(cell), self.registry.get(cell.op, cell.impl)
+        try:
+            _, _, timed = self._timed(cell, group, impl, self._case(cell, TIMING_SEED))
+            with tempfile.TemporaryDirectory(prefix="codabench-trace-") as tmp:
+                path = Path(tmp) / "trace.json" if trace else None
+                profiled = profile_call(timed, self.device, flush_l2=self.cfg.timing.flush_l2, trace=path)
+                text = path.read_text() if path is not None and path.exists() else None
+        except Exception:
+            self._after_error()
+            raise
+        if self.cfg.cuda_graph and self.device.type == "cuda" and not uses_autograd(OPS[cell.op], cell.mode):
+            profiled.add_note("profiled as plain calls; the timing replayed CUDA graphs")
+        return profiled.record(), text
 
     # ---- a group's sweeps ------------------------------------------------------------------------------
 

@@ -2,13 +2,15 @@
 
 ``results.csv`` (one row per cell) and ``errors.csv`` (one row per cell x compared output) are
 appended to as each cell finishes, each row flushed and fsynced, so a killed run keeps what it
-measured. ``samples.jsonl`` keeps every timing sample. :func:`read_csv` tolerates a last line cut
-off by a kill. Every other file is written whole or not at all (:func:`write_atomic`).
+measured. ``samples.jsonl`` keeps every timing sample; ``profiles.jsonl`` (``--profile``) each timed cell's profile
+(:mod:`codabench.profile`), and ``traces/`` (``--profile-trace``) a Chrome trace per cell (:func:`trace_name`).
+:func:`read_csv` tolerates a last line cut off by a kill. Every other file is written whole or not at all
+(:func:`write_atomic`).
 
 ``codabench-run.json`` (:data:`MARKER`) marks a folder as a run of this layout (:data:`SCHEMA`); it is written
 before anything else of the run. :func:`check_run` says whether a folder can be read as a run: its marker, or for
 a run from before the marker (a legacy run) ``env.json`` beside ``results.csv``; CSVs with codabench's columns and
-whole rows; ``samples.jsonl`` of JSON lines.
+whole rows; ``samples.jsonl`` and ``profiles.jsonl`` of JSON lines.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import datetime
 import json
 import math
 import os
+import re
 import tempfile
 from io import StringIO
 from pathlib import Path
@@ -30,6 +33,7 @@ from workloads.op import MODES
 from workloads.ops import OPS
 
 RESULTS, ERRORS, SAMPLES, ENV = "results.csv", "errors.csv", "samples.jsonl", "env.json"
+PROFILES, TRACES = "profiles.jsonl", "traces"
 MARKER, LOCK = "codabench-run.json", ".lock"
 SCHEMA = 1
 """The layout of a run folder that this code reads and writes, as its marker states it."""
@@ -208,7 +212,7 @@ def _json_object(path: Path) -> dict[str, Any]:
 def check_run(run_dir: Path, need_rows: bool = True) -> list[str]:
     """Whether ``run_dir`` reads as a run: its marker, or without one a legacy run (env.json beside results.csv);
     results.csv (and errors.csv) with codabench's columns, whole rows and numbers where numbers belong; samples.jsonl
-    of JSON objects naming their cell; env.json a JSON object. A last line cut off (a killed run's append) is
+    and profiles.jsonl of JSON objects naming their cell; env.json a JSON object. A last line cut off (a killed run's append) is
     tolerated: it is named in the notes returned. Anything else (and, with ``need_rows``, a results.csv without rows):
     RunFolderError, one line."""
     if not run_dir.is_dir():
@@ -223,8 +227,9 @@ def check_run(run_dir: Path, need_rows: bool = True) -> list[str]:
     for name, columns in ((RESULTS, RESULT_COLUMNS), (ERRORS, ERROR_COLUMNS)):
         if name == RESULTS or (run_dir / name).exists():
             notes += _check_csv(run_dir / name, columns, _REQUIRED[name], need_rows and name == RESULTS)
-    if (run_dir / SAMPLES).exists():
-        notes += _check_samples(run_dir / SAMPLES)
+    for name, what in ((SAMPLES, "sample"), (PROFILES, "profile")):
+        if (run_dir / name).exists():
+            notes += _check_records(run_dir / name, what)
     return notes
 
 
@@ -274,7 +279,7 @@ def _check_csv(path: Path, columns: list[str], required: list[str], need_rows: b
     return notes
 
 
-def _check_samples(path: Path) -> list[str]:
+def _check_records(path: Path, what: str) -> list[str]:
     text, notes = _whole_lines(path)
     for n, line in enumerate(text.splitlines(), 1):
         try:
@@ -282,7 +287,7 @@ def _check_samples(path: Path) -> list[str]:
         except ValueError:
             record = None
         if not isinstance(record, dict) or not all(k in record for k in KEY):
-            raise RunFolderError(f"{path}, line {n}: not a sample record of codabench")
+            raise RunFolderError(f"{path}, line {n}: not a {what} record of codabench")
     return notes
 
 
@@ -303,6 +308,8 @@ def read_csv(path: Path, columns: list[str]) -> pd.DataFrame:
 
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file of the run (samples.jsonl, profiles.jsonl); a line cut off by a kill is
+    left out."""
     if not path.exists():
         return []
     out = []
@@ -312,6 +319,18 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:  # a line cut off by a kill
             continue
     return out
+
+
+def read_profiles(run_dir: Path) -> dict[tuple[str, ...], dict[str, Any]]:
+    """Each profiled cell's profile record (profiles.jsonl), keyed like :data:`KEY`; a cell profiled twice (a resumed
+    or merged run): its last record."""
+    return {tuple(str(r[k]) for k in KEY): r for r in read_samples(run_dir / PROFILES)}
+
+
+def trace_name(key: tuple[str, ...]) -> str:
+    """The file name of a cell's Chrome trace under ``traces/``: its key (:data:`KEY`) joined by ``-``, each
+    character other than a letter, digit, ``.``, ``_`` or ``-`` made ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(map(str, key))) + ".json"
 
 
 def sample_rounds(run_dir: Path, env: dict[str, Any]) -> dict[tuple[str, ...], list[list[float]]]:

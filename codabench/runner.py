@@ -9,7 +9,9 @@ budget is spent (:meth:`codabench.measure.Measurer.sample`, :mod:`codabench.swee
 sample's sweep and clock, so that :mod:`codabench.stats` pairs the cells sweep by sweep. Where the group's inputs do
 not fit in memory together, or its sweeps fail (a hang or a crash in one cell: the worker is replaced), the group
 falls back to blocks: ``--rounds`` rounds in which each cell takes a block of samples in turn, each round followed
-by the GEMMs; its rows say so (``grain`` = ``round``). The group's rows are written when its sampling ends. A request
+by the GEMMs; its rows say so (``grain`` = ``round``). The group's rows are written when its sampling ends; with
+``--profile``, each of its timed cells is then profiled (:meth:`codabench.measure.Measurer.profile`: profiles.jsonl,
+and the Chrome traces of ``--profile-trace``), and a profile that fails is a note in that record, never a row. A request
 the worker cannot answer (a timeout, an exit, a signal, a replaced clock) is the cell's error row and the run goes on
 in a new worker. A time below the op's physical floor on this GPU is an error row.
 """
@@ -139,9 +141,26 @@ class Runner:
             self._check_device(worker)
             if not isinstance(answer, Failure):
                 self._sweeps_done(ready, answer, writer, progress)
+                self._profile(ready, worker, writer)
                 return
             blocks = f"the group's interleaved sampling failed ({answer.message[:200]}): sampled in blocks of rounds"
         self._blocks(ready, blocks, worker, writer, progress)
+        self._profile(ready, worker, writer)
+
+    def _profile(self, cells: list[_Pending], worker, writer: RunWriter) -> None:
+        """``--profile``: each cell whose row is ok, profiled after its group's samples and rows (a failure, a crash
+        or a timeout of the worker included, is the profile's note)."""
+        if not self.cfg.profile:
+            return
+        for p in cells:
+            if p.row["status"] != "ok":
+                continue
+            answer = worker.call("profile", p.cell, self.cfg.profile_trace)
+            self._check_device(worker)
+            if isinstance(answer, Failure):
+                writer.write_profile(p.cell, {"note": f"profiling failed: {answer.message}"})
+            else:
+                writer.write_profile(p.cell, *answer)
 
     def _sweeps_done(self, ready: list[_Pending], answer: GroupSamples, writer: RunWriter, progress: Progress) -> None:
         for p in ready:

@@ -1,4 +1,5 @@
-"""The run directory as the parent process writes it: one row per cell as it finishes, its samples, env.json.
+"""The run directory as the parent process writes it: one row per cell as it finishes, its samples, env.json, and
+(``--profile``) each timed cell's profile and Chrome trace.
 
 Rows are appended and fsynced one by one (:mod:`codabench.results`), so a killed run keeps what it measured and
 ``--resume`` skips the cells that have a row.
@@ -155,6 +156,18 @@ class RunWriter:
         self._errors.write(err_rows)
         if samples is not None and cell is not None:
             results.append_jsonl(self.out_dir / results.SAMPLES, {**dict(zip(results.KEY, cell.key)), **samples})
+
+    def write_profile(self, cell: Cell, record: dict[str, Any], trace: str | None = None) -> None:
+        """A timed cell's profile (:meth:`codabench.measure.Measurer.profile`'s record, or a note alone) and its Chrome
+        trace (JSON text), which goes to ``traces/`` first and is named in the record (``trace``)."""
+        record = {**dict(zip(results.KEY, cell.key)), **record}
+        if trace is not None:
+            folder = self.out_dir / results.TRACES
+            folder.mkdir(exist_ok=True)
+            name = results.trace_name(cell.key)
+            results.write_atomic(folder / name, trace)
+            record["trace"] = f"{results.TRACES}/{name}"
+        results.append_jsonl(self.out_dir / results.PROFILES, record)
 
     def write_env(self, env: dict[str, Any], resume: bool) -> None:
         """env.json at the start of a run; a resumed run keeps the earlier sessions' records under earlier_sessions."""
