@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from codabench import results as tables
 
-RUN_FILES = (tables.RESULTS, tables.ERRORS, tables.SAMPLES, tables.ENV)
+RUN_FILES = (tables.RESULTS, tables.ERRORS, tables.SAMPLES, tables.PROFILES, tables.ENV)
 WAIT = datetime.timedelta(days=2)
 """How long a rank waits for the others at the end (a rank's shard can take hours)."""
 
@@ -71,6 +71,8 @@ def collect(ranks: Ranks, run_dir: Path, code: int, out: Path) -> tuple[list[Pat
     directory beside ``out``. Returns (the ranks' run directories, the largest exit code) on rank 0, ([], code)
     elsewhere."""
     files = {name: (run_dir / name).read_bytes() for name in RUN_FILES if (run_dir / name).exists()}
+    traces = sorted((run_dir / tables.TRACES).glob("*.json"))  # --profile-trace
+    files.update({f"{tables.TRACES}/{p.name}": p.read_bytes() for p in traces})
     gathered: list[Any] | None = [None] * ranks.world if ranks.rank == 0 else None
     dist.gather_object((code, files), gathered, dst=0)
     if ranks.rank != 0:
@@ -80,6 +82,7 @@ def collect(ranks: Ranks, run_dir: Path, code: int, out: Path) -> tuple[list[Pat
         d = Ranks(r, ranks.world, r).run_dir(out)
         d.mkdir(parents=True, exist_ok=True)
         for name, data in rank_files.items():
+            (d / name).parent.mkdir(exist_ok=True)  # traces/
             if not (d / name).exists() or (d / name).read_bytes() != data:  # a shared file system has them already
                 (d / name).write_bytes(data)
         dirs.append(d)

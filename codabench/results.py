@@ -212,9 +212,9 @@ def _json_object(path: Path) -> dict[str, Any]:
 def check_run(run_dir: Path, need_rows: bool = True) -> list[str]:
     """Whether ``run_dir`` reads as a run: its marker, or without one a legacy run (env.json beside results.csv);
     results.csv (and errors.csv) with codabench's columns, whole rows and numbers where numbers belong; samples.jsonl
-    and profiles.jsonl of JSON objects naming their cell; env.json a JSON object. A last line cut off (a killed run's append) is
-    tolerated: it is named in the notes returned. Anything else (and, with ``need_rows``, a results.csv without rows):
-    RunFolderError, one line."""
+    and profiles.jsonl of JSON objects naming their cell; env.json a JSON object. A last line cut off (a killed run's
+    append) is tolerated: it is named in the notes returned. Anything else (and, with ``need_rows``, a results.csv
+    without rows): RunFolderError, one line."""
     if not run_dir.is_dir():
         raise RunFolderError(f"{run_dir}: no such directory")
     marker = read_marker(run_dir)

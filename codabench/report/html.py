@@ -24,6 +24,7 @@ from codabench.clocks import CLOCK_DIP, clock_dips, run_clock_mhz
 from codabench.matrix import BASELINE_ORDER, PLUGIN_OP, SPEED_BASELINE
 from codabench.report.first_result import first_result_section
 from codabench.report.palette import impl_colors, impl_order
+from codabench.report.profiles import profile_section
 from codabench.report.training import REFERENCES, train_step_table
 from codabench.stats import DECIDED, MIN_PAIRS, MIN_SAMPLES, VERDICTS, Ratio, timing_settings
 from codabench.timing import CPU_WALL
@@ -388,6 +389,7 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
             parts += [f"<details><summary>per-output errors of {_esc(op)} ({len(e)} rows)</summary>",
                       _table(e, _columns(e, ERROR_TABLE_COLUMNS), lambda r: "pass" if r["passed"] is True else "fail"),
                       "</details>"]
+    parts += profile_section(df, run_dir, FOCUS)
     parts.append("<h2>Plots</h2>")
     for title, path in plots:
         data = base64.b64encode(path.read_bytes()).decode()

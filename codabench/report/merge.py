@@ -17,7 +17,8 @@ from codabench.results import load_run, records
 
 
 def merge(out_dir: str | Path, shard_dirs: list[str | Path]) -> Path:
-    """Concatenate the shards' rows (a cell present twice: the later directory wins), keep every
+    """Concatenate the shards' rows, samples and profiles, and copy their Chrome traces (a cell present twice: the
+    later directory wins), keep every
     shard's env.json under ``shards`` (and their ``code_tree`` when they share one), and build the report in
     ``out_dir`` (which must not exist, or be empty)."""
     out_dir = Path(out_dir)
@@ -45,8 +46,12 @@ def _merge_into(out_dir: Path, shard_dirs: list[str | Path]) -> Path:
         df, err, env = load_run(d)
         results.write(records(df))
         errors.write(records(err))
-        for s in tables.read_samples(d / tables.SAMPLES):
-            tables.append_jsonl(out_dir / tables.SAMPLES, s)
+        for name in (tables.SAMPLES, tables.PROFILES):
+            for s in tables.read_samples(d / name):
+                tables.append_jsonl(out_dir / name, s)
+        for trace in sorted((d / tables.TRACES).glob("*.json")):
+            (out_dir / tables.TRACES).mkdir(exist_ok=True)
+            shutil.copyfile(trace, out_dir / tables.TRACES / trace.name)
         envs.append({"dir": str(d), **env})
     first = envs[0] if envs else {}
     merged = {k: first.get(k) for k in ("suite", "device", "torch", "triton", "cuda", "git_sha", "timestamp")}
