@@ -185,32 +185,6 @@ def test_tune_tables_runs_a_suite_once_or_as_one_shard_per_gpu():
     assert len({c[-1] for c, _ in runs}) == 3 and all(c[c.index("--impls") + 1] == "hf-coda" for c, _ in runs)
 
 
-# ---- profile_cell.py: where a cell's time goes -------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_profile_cell_profiles_each_implementation_of_a_cell_and_refuses_bad_names():
-    """On the CPU (the interpreter, the tiny model): one block per implementation with its median, kernel time and
-    top kernels; a backward cell's profile holds the backward, not the forward it is set up with. An unknown
-    implementation or a mode the op lacks: one line, exit 2."""
-    cmd = [sys.executable, str(BENCHMARKS / "profile_cell.py"), "--op", "rmsnorm_swiglu", "--model", "tiny",
-           "--mode", "bwd", "--dtype", "fp32", "--steps", "2", "--top", "40"]
-    proc = subprocess.run(cmd + ["--impls", "torch-eager,coda-triton"], env=script_env(), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    blocks = re.split(r"^### ", proc.stdout, flags=re.MULTILINE)[1:]
-    assert [b.split(":")[0] for b in blocks] == ["torch-eager", "coda-triton"]
-    for block in blocks:
-        median, total = map(float, re.search(r"median ([\d.]+) ms; kernels ([\d.]+) ms", block).groups())
-        assert median > 0 and total > 0
-    assert "MmBackward0" in blocks[0] and "MulBackward0" in blocks[0]  # autograd's backward of the eager composition
-    assert "aten::rms_norm" not in blocks[0]  # its forward is the untimed setup
-    assert "ProducerConsumerFnBackward" in blocks[1]
-    for extra, says in ((["--impls", "nope"], "no implementation nope of rmsnorm_swiglu"),
-                        (["--op", "gemm_out"], "gemm_out has no bwd mode")):
-        bad = subprocess.run(cmd + extra, env=script_env(), capture_output=True, text=True, timeout=300)
-        assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
-
-
 @pytest.mark.slow
 def test_gluon_pingpong_dgrad_swiglu_compiles_for_hopper(tmp_path):
     """The lost ping-pong SwiGLU dgrad experiment still builds: every config, with and without its epilogue, compiles

@@ -10,9 +10,15 @@ import torch
 import codabench.measure as measure
 from codabench import results as tables
 from codabench.cli import main
-from codabench.profile import CPU_OPS, GPU_KERNELS, MARKER, OTHER, TOP, _Call, _summary, _union_us, readable
+from codabench.case import Case
+from codabench.eager import TorchEager
+from codabench.execute import forward_shapes, timed_call
+from codabench.profile import (CPU_OPS, GPU_KERNELS, MARKER, OTHER, TOP, _Call, _summary, _union_us, profile_call,
+                               readable)
 from codabench.results import RunFolderError, check_run, read_profiles, trace_name
 from harness_helpers import isolated_registry
+from workloads.models import get_model
+from workloads.ops import OPS
 
 CELL = ["--ops", "gemm_out", "--modes", "fwd", "--models", "tiny", "--reps", "1", "--quiet", "--no-entry-points"]
 ACTIVITY = GPU_KERNELS if torch.cuda.is_available() else CPU_OPS
@@ -91,6 +97,21 @@ def test_a_profiler_failure_is_a_note_and_the_profile_comes_after_the_groups_sam
     page = (out / "report.html").read_text()
     assert "profiling failed: RuntimeError: the profiler broke" in page
     assert not (out / "traces").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's operators: only without a GPU")
+def test_a_backward_cells_profile_holds_the_backward_not_its_forward():
+    """The bwd mode's forward is the call's untimed setup: it runs outside the profiler, like outside the timing."""
+    op, model, cpu = OPS["rmsnorm_swiglu"], get_model("tiny"), torch.device("cpu")
+    eager = TorchEager(op)
+    case = Case(op, model, "bwd", "fp32", cpu, op.inputs(model, "fp32", cpu, 0))
+    native = eager.prepare(case)
+    grads = op.grad_outputs(forward_shapes(op, eager, eager.prepare(case)), 7)
+    p = profile_call(timed_call(op, eager, native, "bwd", grads), cpu, calls=2)
+    names = [k.name for k in p.kernels]
+    assert p.calls == 2 and "MmBackward0" in names and "MulBackward0" in names, names
+    assert not any(n.startswith(("aten::rms_norm", "aten::linear", "aten::silu")) for n in names), names
+    assert p.kernel_ms <= p.host_ms
 
 
 def test_kernel_names_are_readable():
