@@ -50,8 +50,9 @@ MARKER = "codabench::call"
 """The profiler range around the profiled call (its host time)."""
 MAX_NAME = 160
 """Longer readable names are cut (after the breakdown by full name)."""
-GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul|dgrad_|scaled_linear|ws_producer", re.IGNORECASE)
-"""GPU kernel names that carry a GEMM: the vendor libraries' and CODA's mainloop kernels (fused epilogues included)."""
+GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul|triton_tem_|dgrad_|scaled_linear|ws_producer", re.IGNORECASE)
+"""GPU kernel names that carry a GEMM: the vendor libraries', torch.compile's GEMM templates and CODA's mainloop
+kernels (fused epilogues included)."""
 TRITON_SUFFIX = re.compile(r"_(?=[0-9dce]*[dce])(?:\d+[dce]*)+$")
 """The argument specialization older Triton versions append to a kernel's name (``_0d1d2de3c``); an index of
 torch.compile's (``triton_poi_fused_add_0``) has no letters and stays."""

@@ -2,10 +2,12 @@
 and Chrome traces, carried by merge, shown by the report; a profiler that fails costs a note, never a row."""
 import json
 import os
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 import torch
+from torch.autograd import DeviceType
 
 import codabench.measure as measure
 from codabench import results as tables
@@ -13,8 +15,8 @@ from codabench.cli import main
 from codabench.case import Case
 from codabench.eager import TorchEager
 from codabench.execute import forward_shapes, timed_call
-from codabench.profile import (CPU_OPS, GPU_KERNELS, MARKER, OTHER, TOP, _Call, _summary, _union_us, profile_call,
-                               readable)
+from codabench.profile import (CPU_OPS, GPU_KERNELS, MARKER, OTHER, TOP, _Call, _one_call, _summary, _union_us,
+                               profile_call, readable)
 from codabench.results import RunFolderError, check_run, read_profiles, trace_name
 from harness_helpers import isolated_registry
 from workloads.models import get_model
@@ -137,6 +139,25 @@ def test_the_summary_keeps_the_top_kernels_and_folds_the_rest():
     assert (p.host_ms, p.gpu_ms, p.gemm_ms) == pytest.approx((0.110, 0.060, 0.006))
     assert _summary(calls, on_gpu=False, top=TOP).gemm_ms is None
     assert _union_us([(0, 10), (5, 12), (20, 25)]) == 17
+
+
+def test_a_gpu_call_counts_its_kernels_not_its_ranges_or_host_operators():
+    """The GPU branch on events shaped as torch.profiler gives them: the marker's CPU range is the host time; its GPU
+    shadow (a user annotation) and the CPU operators are no kernels; two launches of one kernel are one entry."""
+    def event(name, device, start, end, annotation=False, parent=None):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               is_user_annotation=annotation, cpu_parent=parent)
+
+    marker = event(MARKER, DeviceType.CPU, 0.0, 50.0, annotation=True)
+    events = [marker, event("aten::mm", DeviceType.CPU, 1.0, 5.0, parent=marker),
+              event(MARKER, DeviceType.CUDA, 2.0, 90.0, annotation=True),
+              event("gemm_swiglu_kernel_0d1d2de", DeviceType.CUDA, 10.0, 40.0),
+              event("gemm_swiglu_kernel_0d1d2de", DeviceType.CUDA, 45.0, 60.0),
+              event("Memset (Device)", DeviceType.CUDA, 55.0, 70.0)]
+    c = _one_call(events, on_gpu=True)
+    assert (c.host_us, c.busy_us) == (50.0, 55.0)
+    assert c.entries == {"gemm_swiglu_kernel": [45.0, 2], "Memset (Device)": [15.0, 1]}
+    assert _one_call(events, on_gpu=False).entries == {"aten::mm": [4.0, 1]}
 
 
 def test_the_run_folder_checks_know_profiles_and_trace_names_are_safe(tmp_path):

@@ -5,8 +5,9 @@ present, and the run's resolving power: the median half-width of the vs-fastest-
 decided cells), run facts (wall time, clocks), how to read (folded), headline table (speedup vs torch-compile with
 its 95% interval, the verdict against the fastest other implementation, pass/fail, per op x model x mode x dtype, one
 column per implementation), the roofline view (% of the measured GEMM ceiling), failures, per-op tables with the per-output
-errors, plots, the GPU clock trace, environment. A CPU run (wall times of the Triton interpreter) says so at the top
-and shows no speed figures or verdicts. Every implementation keeps the colour of :mod:`codabench.report.palette`.
+errors, where the time goes (``--profile``: :mod:`codabench.report.profiles`), plots, the GPU clock trace, environment.
+A CPU run (wall times of the Triton interpreter) says so at the top and shows no speed figures or verdicts. Every
+implementation keeps the colour of :mod:`codabench.report.palette`.
 """
 from __future__ import annotations
 
