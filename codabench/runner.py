@@ -281,7 +281,7 @@ class Runner:
                     shard=list(cfg.shard) if cfg.shard else None,
                     tokens=cfg.tokens, vocab=cfg.vocab, check_tokens=cfg.check_tokens, cuda_graph=cfg.cuda_graph,
                     timing=vars(cfg.timing), fp8_accum=cfg.fp8_accum, cell_timeout_s=cfg.cell_timeout_s,
-                    isolated=cfg.isolate,
+                    isolated=cfg.isolate, profile=cfg.profile, profile_trace=cfg.profile_trace,
                     fp8_recipes={d: fp8.recipe(d, cfg.fp8_accum).label for d in fp8.FP8_DTYPES
                                  if d in cfg.selection.dtypes},
                     load_errors=[{"source": s, "error": e} for s, e in self.registry.load_errors])

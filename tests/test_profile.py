@@ -39,6 +39,8 @@ def test_a_profiled_run_records_each_cells_kernels_traces_them_and_reports_them(
     assert code == 0, capsys.readouterr().err
     df = pd.read_csv(out / "results.csv")
     assert (df["status"] == "ok").all() and (df["n_samples"] == 1).all()  # the timing is the run's, untouched
+    env = json.loads((out / "env.json").read_text())
+    assert env["profile"] is True and env["profile_trace"] is True  # the run says how it was made
     profiles = read_profiles(out)
     assert sorted(k[-1] for k in profiles) == ["coda-triton", "torch-eager"]
     for key, p in profiles.items():
