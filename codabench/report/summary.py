@@ -46,9 +46,9 @@ def extremes(rows: pd.DataFrame, n: int = EXTREMES) -> tuple[pd.DataFrame, pd.Da
     """(the ``n`` biggest wins: ``faster`` rows by ``vs_best``, largest first; the ``n`` biggest losses: ``slower``
     rows by ``vs_best``, smallest first)."""
     vs = pd.to_numeric(rows["vs_best"], errors="coerce")
-    wins = rows[rows["verdict"] == "faster"].assign(_vs=vs).sort_values("_vs", ascending=False).head(n)
-    losses = rows[rows["verdict"] == "slower"].assign(_vs=vs).sort_values("_vs").head(n)
-    return wins.drop(columns="_vs"), losses.drop(columns="_vs")
+    wins = vs[rows["verdict"] == "faster"].sort_values(ascending=False).head(n)
+    losses = vs[rows["verdict"] == "slower"].sort_values().head(n)
+    return rows.loc[wins.index], rows.loc[losses.index]
 
 
 def resolving_power(ok: pd.DataFrame) -> tuple[float | None, float | None]:
