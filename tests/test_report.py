@@ -313,11 +313,15 @@ def test_an_implementation_keeps_its_colour_in_every_plot(gpu_run):
 
 
 def test_every_implementation_of_a_run_gets_a_distinct_colour():
-    """The fixed colours and those of up to ten plugins are pairwise at least MIN_DISTANCE apart in CIELAB; a plugin's
-    colour does not depend on the order the names come in."""
+    """The fixed colours and those of up to ten plugins are pairwise at least MIN_DISTANCE apart (CIEDE2000); a
+    plugin's colour does not depend on the order the names come in."""
     import itertools
 
-    from codabench.report.palette import MIN_DISTANCE, distance
+    from codabench.report.palette import MIN_DISTANCE, ciede2000, distance
+
+    # CIEDE2000 against pairs of Sharma, Wu and Dalal's test data (2005)
+    assert ciede2000(np.array([50, 2.6772, -79.7751]), np.array([50, 0, -82.7485])) == pytest.approx(2.0425, abs=1e-4)
+    assert ciede2000(np.array([50, 2.49, -0.001]), np.array([50, -2.49, 0.0009])) == pytest.approx(7.1792, abs=1e-4)
 
     known = ["torch-eager", "torch-compile", "coda-triton", "liger", "flashinfer", "quack", "coda-example", "hf-coda",
              "hf-liger", "hf-compile", "hf-eager", "hf-coda-lora", "hf-liger-lora", "hf-compile-lora", "hf-eager-lora"]
