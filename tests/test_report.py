@@ -239,8 +239,8 @@ def test_the_first_screen_answers_the_question_before_the_folded_details(planted
     losses, largest first, with their intervals; the run's facts and the explanations folded below."""
     html = (planted / "report.html").read_text()
     top = html.index("<h2>NVIDIA H100 80GB HBM3: coda-triton against the fastest other implementation of each row")
-    run = html.index("<details><summary><b>Run</b>: quick suite · NVIDIA H100 80GB HBM3 · started 2026-11-27T10:00 · "
-                     "20 cells (20 ok)")
+    run = html.index("<details><summary><b>Run</b>: quick suite · NVIDIA H100 80GB HBM3 · started "
+                     "2026-11-27T10:00 · 20 cells (20 ok)")
     assert top < html.index('id="glance"') < html.index("Biggest wins") < html.index("Biggest losses") < run
     assert run < html.index('<tr><th class="l">suite</th>') < html.index("</details>", run)  # the facts are folded
     assert html.index("</details>", run) < html.index("<details><summary><b>How to read this report")

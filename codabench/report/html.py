@@ -24,10 +24,10 @@ from typing import Any, Callable
 import pandas as pd
 
 from codabench.clocks import CLOCK_DIP, clock_dips, run_clock_mhz
-from codabench.matrix import BASELINE_ORDER, PLUGIN_OP, SPEED_BASELINE
+from codabench.matrix import PLUGIN_OP, SPEED_BASELINE
 from codabench.report.palette import impl_colors, impl_order
 from codabench.report.training import REFERENCES, train_step_table
-from codabench.report.summary import (COUNTED, FOCUS, cells as timed_cells, extremes, focus_impl, ratio_text,
+from codabench.report.summary import (COUNTED, cells as timed_cells, extremes, focus_impl, ratio_text,
                                       resolving_power, verdict_counts)
 from codabench.stats import MIN_PAIRS, MIN_SAMPLES, VERDICTS, timing_settings
 from codabench.timing import CPU_WALL
@@ -429,7 +429,8 @@ def _glance(df: pd.DataFrame, env: dict[str, Any], impls: list[str], focus: str 
                  _extreme_table("Biggest losses", losses, "none: no cell is slower than the fastest other beyond "
                                                           "noise"),
                  "</div></div>",
-                 f"<p class='glance'><i>faster</i> / <i>slower</i>: the 95% interval of the ratio lies above / below 1; "
+                 "<p class='glance'><i>faster</i> / <i>slower</i>: the 95% interval of the ratio lies above / "
+                 "below 1; "
                  f"<i>same</i>: it lies within &plusmn;{100 * same_within:g}%; <i>unresolved</i>: it holds 1 and "
                  "reaches beyond that margin.</p>"]
     parts.append(f"<p class='glance'>Resolving power: median half-width of the intervals against the fastest other "

@@ -88,6 +88,7 @@ def headline(df: pd.DataFrame, impl: str | None = None) -> str:
     parts = []
     for dtype, g in mine.groupby("dtype", sort=True):
         c = verdict_counts(g)
-        parts.append(f"{dtype}: " + ", ".join(f"{c[v]} {v}" for v in VERDICTS) + f" of {len(g)}")
+        parts.append(f"{dtype}: " + ", ".join(f"{c[v]} {v}" for v in VERDICTS)
+                     + (f", {c['n/a']} without an interval" if c["n/a"] else "") + f" of {len(g)}")
     hw, _ = resolving_power(ok)
     return f"{name} " + "; ".join(parts) + f"; median vs_best half-width {100 * hw:.1f}%"
