@@ -430,9 +430,8 @@ def _glance(df: pd.DataFrame, env: dict[str, Any], impls: list[str], focus: str 
                                                           "noise"),
                  "</div></div>",
                  "<p class='glance'><i>faster</i> / <i>slower</i>: the 95% interval of the ratio lies above / "
-                 "below 1; "
-                 f"<i>same</i>: it lies within &plusmn;{100 * same_within:g}%; <i>unresolved</i>: it holds 1 and "
-                 "reaches beyond that margin.</p>"]
+                 f"below 1; <i>same</i>: it lies within &plusmn;{100 * same_within:g}%; <i>unresolved</i>: it holds 1 "
+                 "and reaches beyond that margin.</p>"]
     parts.append(f"<p class='glance'>Resolving power: median half-width of the intervals against the fastest other "
                  f"<b>&plusmn;{100 * hw:.1f}%</b> (target &plusmn;{100 * precision:g}%); <b>{100 * decided:.0f}%</b> "
                  "of the cells with an interval are decided (faster, same or slower), the rest unresolved.</p>")
