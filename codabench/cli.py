@@ -1,4 +1,4 @@
-"""Command line: ``python run_bench.py [run flags]``, ``python -m codabench {merge,compare,report,history} ...``.
+"""Command line: ``python run_bench.py [run flags]``, ``python -m codabench {merge,compare,report,index,history} ...``.
 
 Call :func:`codabench.bootstrap.select_device` before importing this module (the entry points do):
 on a machine without a GPU it sets ``TRITON_INTERPRET=1``, which triton reads when imported.
@@ -24,6 +24,7 @@ from codabench.history import record_run
 from codabench.report import finalize
 from codabench.results import KEY, MARKER, RunFolderError, check_run, load_run, write_atomic
 from codabench.report.compare import compare, format_compare
+from codabench.report.index import EXIT_STALE, build_index
 from codabench.report.merge import merge
 from codabench.config import DEFAULT_CELL_TIMEOUT_S, RunConfig
 from codabench.runner import DeviceLost, Runner
@@ -39,7 +40,7 @@ from workloads.suites import SUITES, Suite, get_suite
 REPORTS = Path("reports")
 GPU_ROUNDS = 3
 """Default rounds of the blocks fallback on the GPU (a group sampled in blocks: codabench/runner.py)."""
-SUBCOMMANDS = ("merge", "compare", "report", "history")
+SUBCOMMANDS = ("merge", "compare", "report", "index", "history")
 LIST_MODELS = ["?"]
 """``--models`` given without a value: list the presets."""
 EXIT_OK, EXIT_CELL_ERRORS, EXIT_USAGE, EXIT_DEVICE_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -137,7 +138,8 @@ def run_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="run_bench.py", description="Run a codabench suite: (op x model x mode x dtype x impl) cells, "
         "each checked against a float64 reference and timed; writes reports/<run>/. Other commands: "
-        "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR', 'history' (see 'history --help').")
+        "'merge OUT SHARD_DIR...', 'compare RUN_A RUN_B', 'report RUN_DIR [--impl NAME]', "
+        "'index [FOLDER] [--check]', 'history' (see 'history --help').")
     p.add_argument("--suite", choices=list(SUITES), help="default: smoke without a GPU, quick with one")
     p.add_argument("--ops", type=_csv, help="comma-separated op names (default: the suite's)")
     p.add_argument("--models", type=_csv, nargs="?", const=LIST_MODELS,
@@ -502,7 +504,7 @@ def run_dir_arg(text: str) -> Path:
 
 
 def _subcommand(name: str, argv: list[str]) -> int:
-    """merge, compare, report or history; a run directory in use by a run, or Ctrl-C, ends it with one line."""
+    """merge, compare, report, index or history; a run directory in use by a run, or Ctrl-C, ends it with one line."""
     try:
         return _run_subcommand(name, argv)
     except RunFolderError as e:
@@ -535,8 +537,26 @@ def _run_subcommand(name: str, argv: list[str]) -> int:
         print(format_compare(m))
         if a.csv:
             write_atomic(a.csv, m.to_csv(index=False))
+    elif name == "index":
+        p.add_argument("folder", type=Path, nargs="?", default=REPO_ROOT / "reports",
+                       help="the folder of committed reports (default: the repository's reports/); its README.md "
+                            "and the results block of the README.md beside it are written")
+        p.add_argument("--check", action="store_true", help="write nothing; exit 1 if either file is stale")
+        a = p.parse_args(argv)
+        if not a.folder.is_dir():
+            raise UsageError(f"index: {a.folder}: no such directory")
+        stale = build_index(a.folder, a.check)
+        for path in stale:
+            print(f"codabench index: {'stale' if a.check else 'wrote'} {path}", file=sys.stderr if a.check else None)
+        if a.check and stale:
+            print("codabench index: run 'python -m codabench index' and commit the result", file=sys.stderr)
+            return EXIT_STALE
     else:
         p.add_argument("run_dir", type=run_dir_arg)
+        p.add_argument("--impl", help="the implementation whose verdicts the first screen counts (default: "
+                       "coda-triton where the run has it)")
         a = p.parse_args(argv)
-        print(f"codabench: report {finalize(a.run_dir)}")
+        if a.impl is not None and a.impl not in set(load_run(a.run_dir)[0]["impl"]):
+            raise UsageError(f"report: --impl {a.impl}: no such implementation in {a.run_dir}")
+        print(f"codabench: report {finalize(a.run_dir, a.impl)}")
     return EXIT_OK

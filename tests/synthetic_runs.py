@@ -40,3 +40,16 @@ def write_run(run_dir: Path, cells: dict[tuple[str, ...], list[list[float]]], ti
                                                         "samples_ms": pooled, "rounds": rounds, **grain})
     tables.write_json(run_dir / tables.ENV, {"device": "cuda" if timing != "cpu-wall" else "cpu", **(env or {})})
     return run_dir
+
+
+def planted_run(run_dir: Path, plants: dict[tuple[str, str, str, str], tuple[float, float]], env: dict[str, Any],
+                impl: str = "coda-triton", other: str = "torch-compile", sweeps: int = 40, seed: int = 0) -> Path:
+    """A GPU run sampled in sweeps where, in each group (op, model, mode, dtype) of ``plants``, ``impl`` is
+    ``speed`` times as fast as ``other`` (1 ms), both with log-normal ``noise``: ``plants[group] = (speed, noise)``."""
+    rng = np.random.default_rng(seed)
+    cells = {}
+    for group, (speed, noise) in plants.items():
+        for name, ms in ((other, 1.0), (impl, 1.0 / speed)):
+            cells[(*group, name)] = noisy_rounds(rng, ms, rounds=sweeps, per_round=1, noise=noise, drift=0.0,
+                                                 slow_share=0.0)
+    return write_run(run_dir, cells, env=env, sweeps=True)

@@ -16,6 +16,7 @@ from codabench.report import finalize
 from codabench.results import load_run
 from codabench.timing import TimingConfig
 from codabench.report.compare import compare, format_compare
+from codabench.report.index import committed_runs
 from codabench.report.palette import FIXED, impl_colors
 from codabench.report.plots import log_ticks
 from harness_helpers import PLUGINS, isolated_registry, make_runner
@@ -185,21 +186,101 @@ def test_a_gpu_report_shows_intervals_verdicts_clocks_memory_and_the_roofline(gp
 def test_the_first_screen_counts_the_verdicts_and_the_resolving_power_before_any_explanation(gpu_run):
     """coda-triton's verdicts by mode (faster in bf16, level with liger in fp8), the median half-width of the
     vs-fastest intervals and the share of decided cells, all above the folded explanations."""
-    from codabench.report.html import resolving_power
+    from codabench.report.summary import resolving_power
     from codabench.stats import Ratio
 
     html = (gpu_run / "report.html").read_text()
-    glance = html.index("<h2>Verdicts at a glance</h2>")
+    glance = html.index("<h2>coda-triton against the fastest other implementation of each row</h2>")
     assert glance < html.index("<details><summary><b>How to read this report</b>") < html.index('id="headline"')
     table = html[html.index('<table id="glance">'):html.index("</table>", glance)]
-    assert "<b>coda-triton</b> against the fastest other" in html[glance:]
-    assert '<tr><td class="l">fwd_bwd</td><td>1</td><td>1</td><td>0</td><td>0</td><td>0</td></tr>' in table
+    assert '<tr><td class="l">fwd_bwd</td><td>1</td><td>1</td><td>0</td><td>0</td><td>0</td><td>2</td></tr>' in table
+    assert "none: no cell is slower than the fastest other beyond noise" in html[glance:html.index("<details>")]
     df, _, _ = load_run(gpu_run)
     ok = df[df["status"] == "ok"]
     hw, decided = resolving_power(ok)
     assert decided == 1.0 and hw == pytest.approx(pd.Series(
         [Ratio(r["vs_best"], r["vs_best_lo"], r["vs_best_hi"]).half_width for _, r in ok.iterrows()]).median())
     assert f"<b>&plusmn;{100 * hw:.1f}%</b> (target &plusmn;1%); <b>100%</b> of the cells" in html
+
+
+PLANTS = {  # (op, model, mode, dtype): (coda-triton's speed over torch-compile's, noise)
+    ("gemm_out", "llama-1b", "fwd", "bf16"): (1.30, 0.003), ("gemm_out", "llama-7b", "fwd", "bf16"): (1.15, 0.003),
+    ("gemm_out", "llama-70b", "fwd", "bf16"): (1.05, 0.003), ("gemm_down", "llama-7b", "fwd", "fp8"): (1.08, 0.003),
+    ("gemm_down", "llama-1b", "fwd", "bf16"): (1.0, 0.003),
+    ("gemm_out", "llama-1b", "bwd", "bf16"): (0.80, 0.003), ("gemm_out", "llama-7b", "bwd", "bf16"): (0.90, 0.003),
+    ("gemm_out", "llama-70b", "bwd", "bf16"): (0.95, 0.003), ("gemm_down", "llama-1b", "bwd", "bf16"): (0.97, 0.003),
+    ("gemm_down", "llama-7b", "bwd", "bf16"): (1.0, 0.15)}
+"""fwd: 4 faster (1.30, 1.15, 1.08, 1.05), 1 same; bwd: 4 slower (0.80, 0.90, 0.95, 0.97), 1 unresolved."""
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    from synthetic_runs import planted_run
+
+    run = planted_run(tmp_path_factory.mktemp("planted") / "run", PLANTS,
+                      env={"gpu": {"name": "NVIDIA H100 80GB HBM3"}, "suite": "quick", "timestamp": "2026-11-27T10:00"})
+    finalize(run)
+    return run
+
+
+def _rows(table: str) -> list[str]:
+    """The rows of an HTML table as 'cell cell ...' text."""
+    import re
+    return [" ".join(" ".join(re.sub(r"<[^>]+>", " ", c).split()) for c in re.findall(r"<td[^>]*>(.*?)</td>", row))
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table) if "<td" in row]
+
+
+def _section(html: str, start: str) -> str:
+    i = html.index(start)
+    return html[i:html.index("</table>", i)]
+
+
+def test_the_first_screen_answers_the_question_before_the_folded_details(planted):
+    """On a run with planted speeds: per mode, the counts of coda-triton's verdicts; its three biggest wins and
+    losses, largest first, with their intervals; the run's facts and the explanations folded below."""
+    html = (planted / "report.html").read_text()
+    top = html.index("<h2>NVIDIA H100 80GB HBM3: coda-triton against the fastest other implementation of each row")
+    run = html.index("<details><summary><b>Run</b>: quick suite · NVIDIA H100 80GB HBM3 · started "
+                     "2026-11-27T10:00 · 20 cells (20 ok)")
+    assert top < html.index('id="glance"') < html.index("Biggest wins") < html.index("Biggest losses") < run
+    assert run < html.index('<tr><th class="l">suite</th>') < html.index("</details>", run)  # the facts are folded
+    assert html.index("</details>", run) < html.index("<details><summary><b>How to read this report")
+    assert html.index("<details><summary><b>How to read this report") < html.index('id="headline"')
+    assert _rows(_section(html, '<table id="glance">')) == [
+        "fwd 4 1 0 0 0 5", "bwd 0 0 4 1 0 5", "all 4 1 4 1 0 10"]
+    df, _, _ = load_run(planted)
+    by_cell = {(r["op"], r["model"], r["mode"], r["dtype"]): r for _, r in df[df["impl"] == "coda-triton"].iterrows()}
+    for title, expected in (("Biggest wins", [("gemm_out", "llama-1b", "fwd", "bf16"),
+                                               ("gemm_out", "llama-7b", "fwd", "bf16"),
+                                               ("gemm_down", "llama-7b", "fwd", "fp8")]),
+                            ("Biggest losses", [("gemm_out", "llama-1b", "bwd", "bf16"),
+                                                ("gemm_out", "llama-7b", "bwd", "bf16"),
+                                                ("gemm_out", "llama-70b", "bwd", "bf16")])):
+        shown = _rows(_section(html, title))
+        wanted = []
+        for cell in expected:
+            r = by_cell[cell]
+            wanted.append(f"{' '.join(cell)} {r['vs_best']:.2f}× [{r['vs_best_lo']:.2f}, {r['vs_best_hi']:.2f}]")
+        assert shown == wanted, title
+    assert by_cell[("gemm_out", "llama-1b", "fwd", "bf16")]["vs_best"] == pytest.approx(1.30, rel=0.01)
+
+
+def test_report_impl_chooses_whose_verdicts_the_first_screen_counts(planted, tmp_path, capsys):
+    from codabench.cli import main
+
+    copy = tmp_path / "copy"
+    shutil.copytree(planted, copy)
+    assert main(["report", str(copy), "--impl", "torch-compile"]) == 0
+    html = (copy / "report.html").read_text()
+    assert "<h2>NVIDIA H100 80GB HBM3: torch-compile against the fastest other" in html
+    assert _rows(_section(html, '<table id="glance">')) == [  # coda-triton's counts, mirrored
+        "fwd 0 1 4 0 0 5", "bwd 4 0 0 1 0 5", "all 4 1 4 1 0 10"]
+    before = (copy / "report.html").read_bytes()
+    capsys.readouterr()
+    assert main(["report", str(copy), "--impl", "no-such-impl"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--impl no-such-impl: no such implementation" in err
+    assert (copy / "report.html").read_bytes() == before  # nothing rewritten
 
 
 def test_the_wall_time_of_a_resumed_run_sums_its_sessions_and_a_merged_run_shows_its_shards():
@@ -228,8 +309,33 @@ def test_an_implementation_keeps_its_colour_in_every_plot(gpu_run):
         pixels = np.asarray(Image.open(png).convert("RGB")).reshape(-1, 3).astype(int)
         for impl, drawn in (("coda-triton", True), ("liger", True), ("flashinfer", False), ("quack", False)):
             assert ((np.abs(pixels - rgb(impl)).max(axis=1) <= 6).sum() > 20) == drawn, (png.name, impl)
+    html = (gpu_run / "report.html").read_text()
+    assert f"<span class='sw' style='background:{FIXED['liger']}'></span>liger" in html  # the table's swatch
+
+
+def test_every_implementation_of_a_run_gets_a_distinct_colour():
+    """The fixed colours and those of up to ten plugins are pairwise at least MIN_DISTANCE apart (CIEDE2000); a
+    plugin's colour does not depend on the order the names come in."""
+    import itertools
+
+    from codabench.report.palette import MIN_DISTANCE, ciede2000, distance
+
+    # CIEDE2000 against pairs of Sharma, Wu and Dalal's test data (2005)
+    assert ciede2000(np.array([50, 2.6772, -79.7751]), np.array([50, 0, -82.7485])) == pytest.approx(2.0425, abs=1e-4)
+    assert ciede2000(np.array([50, 2.49, -0.001]), np.array([50, -2.49, 0.0009])) == pytest.approx(7.1792, abs=1e-4)
+
+    known = ["torch-eager", "torch-compile", "coda-triton", "liger", "flashinfer", "quack", "coda-example", "hf-coda",
+             "hf-liger", "hf-compile", "hf-eager", "hf-coda-lora", "hf-liger-lora", "hf-compile-lora", "hf-eager-lora"]
+    assert set(known) <= set(FIXED)
+    plugins = [f"plugin-{k}" for k in range(10)]
+    colors = impl_colors(known + plugins)
+    assert len(colors) == len(known) + len(plugins)
+    pairs = [(distance(colors[a], colors[b]), a, b) for a, b in itertools.combinations(colors, 2)]
+    assert min(pairs)[0] >= MIN_DISTANCE, min(pairs)
+    assert distance(colors["hf-coda"], colors["hf-liger"]) > 2 * MIN_DISTANCE  # once two shades of red
+    assert distance("#d62728", "#d52828") < 1 < MIN_DISTANCE  # the measure tells near colours from far ones
     assert impl_colors(["my-plugin", "coda-triton", "zz"]) == impl_colors(["zz", "coda-triton", "my-plugin"])
-    assert len(set(impl_colors(list(FIXED) + ["a", "b", "c"]).values())) == len(FIXED) + 3
+    assert impl_colors(plugins[:3]) == {p: colors[p] for p in plugins[:3]}  # fixed ones do not shift a plugin's
 
 
 @pytest.mark.parametrize("lo, hi", [(2.3e-3, 2.8e-3), (1e-6, 1e-2), (0.9, 1.2), (41.0, 47.0), (0.05, 50.0)])
@@ -261,9 +367,7 @@ def test_a_run_stopped_before_its_first_cell_still_reports(run_dir, tmp_path):
 
 
 ROOT_REPORTS = Path(__file__).resolve().parents[1] / "reports"
-# the committed reports are the ones .gitignore lets through ("!/reports/NAME/")
-COMMITTED = [ROOT_REPORTS / line.strip()[len("!/reports/"):].strip("/") / "results.csv"
-             for line in (ROOT_REPORTS.parent / ".gitignore").read_text().splitlines() if line.startswith("!/reports/")]
+COMMITTED = [run / "results.csv" for run in committed_runs(ROOT_REPORTS)]  # those .gitignore lets through
 
 
 @pytest.mark.parametrize("results", COMMITTED, ids=lambda p: p.parent.name)

@@ -20,8 +20,9 @@ from codabench.writer import RunLock
 HTML, JSON, PLOTS = "report.html", "results.json", "plots"
 
 
-def finalize(run_dir: str | Path) -> Path:
-    """Rewrite results.csv/errors.csv sorted, write results.json, the plots and report.html. A run directory that
+def finalize(run_dir: str | Path, focus: str | None = None) -> Path:
+    """Rewrite results.csv/errors.csv sorted, write results.json, the plots and report.html (``focus``: the
+    implementation whose verdicts its first screen counts, :func:`codabench.report.html.render`). A run directory that
     another process writes: :class:`codabench.writer.RunLocked`."""
     run_dir = Path(run_dir)
     with RunLock(run_dir):
@@ -37,5 +38,5 @@ def finalize(run_dir: str | Path) -> Path:
         tables.write_json(run_dir / JSON, {"env": env, "results": rows, "errors": records(err)})
         plots = make_plots(df, run_dir / PLOTS, env)
         path = run_dir / HTML
-        tables.write_atomic(path, render(df, err, env, plots, run_dir))
+        tables.write_atomic(path, render(df, err, env, plots, run_dir, focus))
     return path

@@ -1,13 +1,16 @@
 """report.html: one self-contained page (inline CSS, plots embedded as base64 PNG, no scripts).
 
-Sections: the verdicts at a glance (per mode, the verdict counts of the implementation in focus, coda-triton where
-present, and the run's resolving power: the median half-width of the vs-fastest-other intervals and the share of
-decided cells), run facts (wall time, clocks), how to read (folded), headline table (speedup vs torch-compile with
-its 95% interval, the verdict against the fastest other implementation, pass/fail, per op x model x mode x dtype, one
-column per implementation), the roofline view (% of the measured GEMM ceiling), failures, per-op tables with the per-output
-errors, where the time goes (``--profile``: :mod:`codabench.report.profiles`), plots, the GPU clock trace, environment.
-A CPU run (wall times of the Triton interpreter) says so at the top and shows no speed figures or verdicts. Every
-implementation keeps the colour of :mod:`codabench.report.palette`.
+Sections: first the verdict (on the run's GPU, per mode, how many cells of the implementation in focus, coda-triton
+where present or the one ``report --impl`` names, are faster / same / slower / unresolved against the fastest other
+implementation of their row, its biggest wins and losses with their 95% intervals: :mod:`codabench.report.summary`;
+and the run's resolving power: the median half-width of the vs-fastest-other intervals and the share of decided
+cells); then, folded, the run's facts (suite, device, wall time, clocks) and how to read the report; the headline
+table (speedup vs torch-compile with its 95% interval, the verdict against the fastest other implementation,
+pass/fail, per op x model x mode x dtype, one column per implementation), the roofline view (% of the measured GEMM
+ceiling), failures, per-op tables with the per-output errors, the time to each implementation's first result
+(:mod:`codabench.report.first_result`), where the time goes (``--profile``: :mod:`codabench.report.profiles`),
+plots, the GPU clock trace, environment. A CPU run (wall times of the Triton interpreter) says so at the top and shows
+no speed figures or verdicts. Every implementation keeps the colour of :mod:`codabench.report.palette`.
 """
 from __future__ import annotations
 
@@ -22,12 +25,14 @@ from typing import Any, Callable
 import pandas as pd
 
 from codabench.clocks import CLOCK_DIP, clock_dips, run_clock_mhz
-from codabench.matrix import BASELINE_ORDER, PLUGIN_OP, SPEED_BASELINE
+from codabench.matrix import PLUGIN_OP, SPEED_BASELINE
 from codabench.report.first_result import first_result_section
 from codabench.report.palette import impl_colors, impl_order
 from codabench.report.profiles import profile_section
 from codabench.report.training import REFERENCES, train_step_table
-from codabench.stats import DECIDED, MIN_PAIRS, MIN_SAMPLES, VERDICTS, Ratio, timing_settings
+from codabench.report.summary import (COUNTED, FOCUS, cells as timed_cells, extremes, focus_impl, ratio_text,
+                                      resolving_power, verdict_counts)
+from codabench.stats import MIN_PAIRS, MIN_SAMPLES, VERDICTS, timing_settings
 from codabench.timing import CPU_WALL
 from workloads.fp8 import FP8_DTYPES
 from workloads.op import MODES
@@ -54,13 +59,12 @@ img{max-width:100%;border:1px solid #eee;margin:6px 0}details{margin:4px 0 12px}
 .v-faster{background:#1b7f3b;color:#fff;font-weight:600}.v-same{background:#d6e4f5;color:#173a63}
 .v-slower{color:#555;border:1px solid #bbb}.v-unresolved{background:#fff;color:#8a5a00;border:1px dashed #d9a441}
 .v-na{color:#888}
-#glance td,#glance th{font-size:13px;padding:3px 8px}.glance{font-size:15px}
+#glance td,#glance th,table.extreme td,table.extreme th{font-size:13px;padding:3px 8px}.glance{font-size:15px}
+.first{display:flex;flex-wrap:wrap;gap:8px 28px;align-items:flex-start}.first table{margin:4px 0}
+#glance tr.total td{font-weight:600;border-top:2px solid #999}details>summary{cursor:pointer}
 #headline{font-size:11px}#headline td.best{outline:2px solid #1b7f3b;outline-offset:-2px}
 td.bar{min-width:64px}table.perop{font-size:11px}table.perop td,table.perop th{padding:2px 4px}
 """
-
-FOCUS = "coda-triton"
-"""The implementation whose verdicts the report's first screen counts, where the run has it."""
 
 HOW_TO_READ = f"""<p>Each cell of the matrix is one implementation (<i>impl</i>) of one op, for one model size,
 mode (<code>fwd</code>, <code>bwd</code>: backward alone, <code>fwd_bwd</code>) and dtype. The headline table shows
@@ -131,15 +135,7 @@ def _num(v: Any) -> float | None:
 
 def _ratio(r: pd.Series, column: str) -> tuple[str, str]:
     """(``1.07×``, ``[1.01, 1.13]``) of a ratio column and its interval; blanks where missing."""
-    v, lo, hi = (_num(r.get(c)) for c in (column, column + "_lo", column + "_hi"))
-    if v is None:
-        return "", ""
-    if lo is None or hi is None:
-        return f"{v:.2f}×", ""
-    if lo == hi == v:  # torch-compile against itself
-        return f"{v:.2f}×", "ref"
-    d = 3 if "1.00" in (f"{lo:.2f}", f"{hi:.2f}") and 1.0 not in (lo, hi) else 2  # which side of 1 it lies
-    return f"{v:.{d}f}×", f"[{lo:.{d}f}, {hi:.{d}f}]"
+    return ratio_text(*(_num(r.get(c)) for c in (column, column + "_lo", column + "_hi")))
 
 
 def _interval(r: pd.Series, column: str) -> str:
@@ -326,7 +322,9 @@ def _columns(df: pd.DataFrame, columns: list[Column], perf: bool = True) -> list
 
 
 def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: list[tuple[str, Path]],
-           run_dir: Path) -> str:
+           run_dir: Path, focus: str | None = None) -> str:
+    """The page; ``focus``: the implementation whose verdicts the first screen counts (default:
+    :func:`codabench.report.summary.focus_impl`'s pick, coda-triton where the run has it)."""
     cells = df[df["op"] != PLUGIN_OP]
     impls = impl_order(cells["impl"])
     colors = impl_colors(df["impl"])
@@ -343,9 +341,9 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
     if cpu:
         parts.append(CPU_BANNER)
     if perf:
-        parts += _glance(ok, impls, precision, same_within)
-    parts.append(_facts(env, counts, n_pass, len(ok)))
-    parts += _clock_summary(df, dips)
+        parts += _glance(df, env, impls, focus, precision, same_within)
+    parts += [f"<details><summary><b>Run</b>: {_esc(_run_line(env, counts, dips))}</summary>",
+              _facts(env, counts, n_pass, len(ok)), *_clock_summary(df, dips), "</details>"]
     parts += ["<details><summary><b>How to read this report</b> (verdicts, statuses, columns)</summary>",
               HOW_TO_READ.replace("{margin}", f"{100 * same_within:g}%"),
               '<p class="legend"><span class="pass">pass</span><span class="fail">error above the rule</span>'
@@ -390,7 +388,7 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
             parts += [f"<details><summary>per-output errors of {_esc(op)} ({len(e)} rows)</summary>",
                       _table(e, _columns(e, ERROR_TABLE_COLUMNS), lambda r: "pass" if r["passed"] is True else "fail"),
                       "</details>"]
-    parts += profile_section(df, run_dir, FOCUS)
+    parts += profile_section(df, run_dir, focus or focus_impl(ok, impls) or FOCUS)
     parts.append("<h2>Plots</h2>")
     for title, path in plots:
         data = base64.b64encode(path.read_bytes()).decode()
@@ -403,48 +401,58 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
     return "\n".join(parts)
 
 
-def focus_impl(ok: pd.DataFrame, impls: list[str]) -> str | None:
-    """The implementation the first screen counts: :data:`FOCUS` where it has a verdict, else the first non-baseline
-    implementation (in report order) that has one; None without any."""
-    judged = set(ok.loc[ok["verdict"].isin(VERDICTS), "impl"])
-    order = [FOCUS] + [i for i in impls if i not in BASELINE_ORDER]
-    return next((i for i in order if i in judged), None)
-
-
-def resolving_power(ok: pd.DataFrame) -> tuple[float | None, float | None]:
-    """(median half-width of the vs_best intervals, share of the cells with an interval that are decided: faster,
-    same or slower) over ``ok`` rows; None where no row has an interval."""
-    judged = ok[ok["verdict"].isin(VERDICTS)]
-    if judged.empty:
-        return None, None
-    hw = [Ratio(*(float(r[c]) for c in ("vs_best", "vs_best_lo", "vs_best_hi"))).half_width
-          for _, r in judged.iterrows()]
-    return float(pd.Series(hw).median()), float(judged["verdict"].isin(DECIDED).mean())
-
-
-def _glance(ok: pd.DataFrame, impls: list[str], precision: float, same_within: float) -> list[str]:
-    """The first screen: the focus implementation's verdict counts per mode, and the run's resolving power."""
-    cells = ok[ok["op"] != PLUGIN_OP]
-    hw, decided = resolving_power(cells)
+def _glance(df: pd.DataFrame, env: dict[str, Any], impls: list[str], focus: str | None, precision: float,
+            same_within: float) -> list[str]:
+    """The first screen: on the run's GPU, per mode, how many cells of the implementation in focus (``focus``, else
+    :func:`codabench.report.summary.focus_impl`'s) are faster / same / slower / unresolved against the fastest other
+    implementation of their row, its biggest wins and losses with their intervals, and the run's resolving power."""
+    ok = timed_cells(df)
+    hw, decided = resolving_power(ok)
     if hw is None:
         return []
-    parts = ["<h2>Verdicts at a glance</h2>"]
-    impl = focus_impl(cells, impls)
-    if impl is not None:
-        mine = cells[cells["impl"] == impl]
-        head = "".join(f"<th>{_verdict(pd.Series({'verdict': v}))}</th>" for v in (*VERDICTS, "n/a"))
+    impl = focus or focus_impl(ok, impls)
+    gpu = env.get("gpu", {}).get("name") if isinstance(env.get("gpu"), dict) else None
+    where = f"{_esc(gpu)}: " if gpu else ""
+    mine = ok[ok["impl"] == impl]
+    if impl is None or not mine["verdict"].isin(VERDICTS).any():
+        parts = [f"<h2>{where}no verdicts for {_esc(impl or 'any implementation')} in this run</h2>"]
+    else:
+        head = "".join(f"<th>{_verdict(pd.Series({'verdict': v}))}</th>" for v in COUNTED)
         rows = []
-        for mode in [m for m in MODES if m in set(mine["mode"])]:
-            n = mine.loc[mine["mode"] == mode, "verdict"].value_counts()
-            rows.append(f'<tr><td class="l">{_esc(mode)}</td>'
-                        + "".join(f"<td>{n.get(v, 0)}</td>" for v in (*VERDICTS, "n/a")) + "</tr>")
-        parts.append(f"<p class='glance'><b>{_esc(impl)}</b> against the fastest other implementation of each row, "
-                     f"by mode (<i>same</i>: within &plusmn;{100 * same_within:g}%):</p>"
-                     f'<table id="glance"><tr><th class="l">mode</th>{head}</tr>{"".join(rows)}</table>')
+        modes = [m for m in MODES if m in set(mine["mode"])] + sorted(set(mine["mode"]) - set(MODES))
+        for label, g in [(m, mine[mine["mode"] == m]) for m in modes] + ([("all", mine)] if len(modes) > 1 else []):
+            n = verdict_counts(g)
+            cls = ' class="total"' if label == "all" else ""
+            rows.append(f'<tr{cls}><td class="l">{_esc(label)}</td>' + "".join(f"<td>{n[v]}</td>" for v in COUNTED)
+                        + f"<td>{len(g)}</td></tr>")
+        counts = (f'<table id="glance"><tr><th class="l">mode</th>{head}<th>cells</th></tr>{"".join(rows)}'
+                  "</table>")
+        wins, losses = extremes(mine)
+        parts = [f"<h2>{where}{_esc(impl)} against the fastest other implementation of each row</h2>",
+                 "<div class='first'>", counts, "<div>",
+                 _extreme_table("Biggest wins", wins, "none: no cell is faster than every other beyond noise"),
+                 _extreme_table("Biggest losses", losses, "none: no cell is slower than the fastest other beyond "
+                                                          "noise"),
+                 "</div></div>",
+                 "<p class='glance'><i>faster</i> / <i>slower</i>: the 95% interval of the ratio lies above / "
+                 f"below 1; <i>same</i>: it lies within &plusmn;{100 * same_within:g}%; <i>unresolved</i>: it holds 1 "
+                 "and reaches beyond that margin.</p>"]
     parts.append(f"<p class='glance'>Resolving power: median half-width of the intervals against the fastest other "
                  f"<b>&plusmn;{100 * hw:.1f}%</b> (target &plusmn;{100 * precision:g}%); <b>{100 * decided:.0f}%</b> "
                  "of the cells with an interval are decided (faster, same or slower), the rest unresolved.</p>")
     return parts
+
+
+def _extreme_table(title: str, rows: pd.DataFrame, empty: str) -> str:
+    """A small table of wins or losses: op, model, mode, dtype, the ratio to the fastest other [95% interval]."""
+    if rows.empty:
+        return f"<table class='extreme'><tr><th class='l'>{_esc(title)}</th></tr><tr><td class='l'>{_esc(empty)}" \
+               "</td></tr></table>"
+    body = "".join(f'<tr><td class="l">{_esc(r["op"])}</td><td class="l">{_esc(r["model"])}</td>'
+                   f'<td class="l">{_esc(r["mode"])}</td><td class="l">{_esc(r["dtype"])}</td>'
+                   f'<td>{_interval(r, "vs_best")}</td></tr>' for _, r in rows.iterrows())
+    return (f"<table class='extreme'><tr><th class='l' colspan='4'>{_esc(title)}</th><th>vs fastest other [95%]</th>"
+            f"</tr>{body}</table>")
 
 
 def _training(results: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], perf: bool) -> list[str]:
@@ -550,3 +558,15 @@ def _facts(env: dict[str, Any], counts: dict[str, int], n_pass: int, n_ok: int) 
     rows = "".join(f'<tr><th class="l">{_esc(k)}</th><td class="l">{_esc(_fmt(v))}</td></tr>'
                    for k, v in facts if v not in (None, ""))
     return f"<table>{rows}</table>"
+
+
+def _run_line(env: dict[str, Any], counts: dict[str, int], dips: pd.Series) -> str:
+    """The folded run details in one line: suite, device, start, cells, wall time, clock dips."""
+    gpu = env.get("gpu", {}).get("name") if isinstance(env.get("gpu"), dict) else None
+    wall = _summed(env, "wall_s")
+    said = [f"{env['suite']} suite" if env.get("suite") else None, gpu or env.get("device"),
+            f"started {env['timestamp']}" if env.get("timestamp") else None,
+            f"{sum(counts.values())} cells (" + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ")",
+            f"wall time {_hms(wall)}" if wall is not None else None,
+            f"\u26a0 {int(dips.sum())} cell(s) with a clock dip" if dips.any() else None]
+    return " \u00b7 ".join(s for s in said if s)
