@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import partial
 from types import MethodType
 from typing import Any, Callable
 
@@ -39,6 +40,8 @@ from kernels.coda.precompile import Precompiled, precompile_autograd
 from kernels.coda.rope import rope_freq_table
 from workloads.reference import IGNORE_INDEX, shifted_targets
 
+SILU_NAMES = ("silu", "swish")
+"""``hidden_act`` values that Hugging Face computes as silu (its ACT2FN maps "swish" to the same SiLU)."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE types whose cos/sin are exactly those of ``pos * inv_freq``: no attention factor, no dynamic update."""
 
@@ -49,7 +52,7 @@ _WINDOW: dict[str, Callable[[Any, nn.Module], int | None]] = {
     "Qwen2ForCausalLM": lambda config, attn: attn.sliding_window,
 }
 # Call options whose value is also the unpatched model's default behaviour. Any other option is refused.
-_NEUTRAL_OPTIONS = {"use_cache": False, "output_attentions": False, "output_hidden_states": False, "return_dict": True}
+_NEUTRAL_OPTIONS = {"output_attentions": False, "output_hidden_states": False, "return_dict": True}
 
 
 class CodaUnsupportedError(ValueError):
@@ -68,6 +71,9 @@ class _Plan:
     inv_freq: tuple[float, ...]
     windows: tuple[int | None, ...]
     qkv_bias: bool
+    watched: tuple[Any, ...]
+    """The modules and parameters the plan was made for (:func:`_watched`); held so that their ids stay theirs."""
+    watched_ids: tuple[int, ...]
 
 
 def apply_coda(model: nn.Module) -> nn.Module:
@@ -111,10 +117,18 @@ def apply_coda(model: nn.Module) -> nn.Module:
     ``output_attentions``/``output_hidden_states``, ``return_dict=False``, activation (gradient)
     checkpointing in training, any other keyword.
     """
-    if getattr(model, "_coda_plan", None) is not None:
+    target = _causal_lm(model)
+    if getattr(target, "_coda_plan", None) is not None:
         return model
-    model._coda_plan = _plan(model)
-    model.forward = MethodType(_coda_forward, model)
+    target._coda_plan = _plan(target)
+    target.forward = MethodType(_coda_forward, target)
+    return model
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The causal LM inside a PEFT model (``get_base_model()``), or the model itself."""
+    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
     return model
 
 
@@ -153,8 +167,47 @@ def _refuse(reason: str) -> CodaUnsupportedError:
     return CodaUnsupportedError(f"apply_coda: {reason}")
 
 
-def _plan(model: nn.Module) -> _Plan:
-    """Check the model against what the CODA forward computes (see :func:`apply_coda`) and read its constants."""
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def _lora_linear_type() -> type | None:
+    """PEFT's LoRA ``Linear``, if PEFT is loaded (no PEFT module exists otherwise)."""
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    return getattr(layer, "Linear", None)
+
+
+def _base(m: nn.Module) -> nn.Module:
+    """The ``nn.Linear`` that computes ``m``'s ``x W^T + b``: m itself, or a LoRA layer's base layer."""
+    return m.base_layer if type(m) is _lora_linear_type() else m
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the LM head and every layer's projections."""
+    return [("lm_head", model.lm_head)] + [
+        (f"model.layers.{i}.{part}.{name}", getattr(getattr(layer, part), name))
+        for i, layer in enumerate(model.model.layers) for part, name in _PROJECTIONS]
+
+
+def _watched(model: nn.Module) -> list[Any]:
+    """What a plan is made for: the embedding, norms and projections (LoRA layers and their base layers) and their
+    weight and bias Parameters. A forward compares their identities with the plan's (no data is read)."""
+    base = model.model
+    norms = [base.norm] + [n for layer in base.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    out: list[Any] = [base.embed_tokens, base.rotary_emb]
+    for m in norms:
+        out += (m, m.weight)
+    for _, m in _linears(model):
+        b = _base(m)
+        out += (m, b, b.weight, b.bias)
+    return out
+
+
+def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
+    """Check the model against what the CODA forward computes (see :func:`apply_coda`) and read its constants.
+
+    ``old``: the previous plan; its RoPE frequencies are reused while the model's ``rotary_emb`` is the same
+    module (reading them synchronizes with the device)."""
     arch = type(model).__name__
     if arch not in _WINDOW:
         raise _refuse(f"{arch} is not supported (supported: {', '.join(_WINDOW)})")
@@ -163,25 +216,27 @@ def _plan(model: nn.Module) -> _Plan:
     config, base = model.config, model.model
     layers = list(base.layers)
     norm_cls = f"{arch.removesuffix('ForCausalLM')}RMSNorm"
-    if config.hidden_act != "silu":
+    if config.hidden_act not in SILU_NAMES:
         raise _refuse(f"hidden_act={config.hidden_act!r}: the CODA MLP is SwiGLU with silu")
     if model.loss_function is not ForCausalLMLoss:
         raise _refuse("a custom loss_function: the fused cross-entropy computes Hugging Face's causal LM loss")
     if len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1:
         raise _refuse("the model is split across devices (device_map)")
-    linears = [model.lm_head] + [m for layer in layers for m in (
-        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    if any(type(m) is not nn.Linear for m in linears):
-        raise _refuse("a projection is not a plain nn.Linear (LoRA, quantized or otherwise replaced layers)")
+    lora = _lora_linear_type()
+    for name, m in _linears(model):
+        if type(m) is not nn.Linear and (type(m) is not lora or type(m.base_layer) is not nn.Linear):
+            raise _refuse(f"{name} is a {type(m).__name__}: the projections must be nn.Linear or PEFT LoRA on "
+                          "an nn.Linear (other adapters, quantized or otherwise replaced layers are not fused)")
     norms = [base.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if any(type(n).__name__ != norm_cls for n in norms):
         raise _refuse(f"a norm is not a {norm_cls}")
-    if any(m.bias is not None for m in [model.lm_head] + [layer.self_attn.o_proj for layer in layers]
-           + [p for layer in layers for p in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]):
-        raise _refuse("biases on the LM head, o_proj or the MLP (mlp_bias / attention_bias) are not fused")
-    has_bias = {(a.q_proj.bias is not None, a.k_proj.bias is not None, a.v_proj.bias is not None)
-                for a in (layer.self_attn for layer in layers)}
+    biased = [name for name, m in _linears(model) if _base(m).bias is not None
+              and not name.endswith(("q_proj", "k_proj", "v_proj"))]
+    if biased:
+        raise _refuse(f"{biased[0]} has a bias: biases on the LM head, o_proj or the MLP (mlp_bias / "
+                      "attention_bias) are not fused")
+    has_bias = {tuple(_base(getattr(layer.self_attn, p)).bias is not None for p in ("q_proj", "k_proj", "v_proj"))
+                for layer in layers}
     if has_bias not in ({(True,) * 3}, {(False,) * 3}):
         raise _refuse("q/k/v biases must be on all of q, k and v in every layer, or on none")
     rotary = base.rotary_emb
@@ -190,21 +245,71 @@ def _plan(model: nn.Module) -> _Plan:
         raise _refuse(f"rope_type={rotary.rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rotary.inv_freq.numel() != head_dim // 2:
         raise _refuse(f"RoPE on {2 * rotary.inv_freq.numel()} of the {head_dim} head dims (partial_rotary_factor)")
+    same_rope = old is not None and old.watched[1] is rotary
+    watched = tuple(_watched(model))
     return _Plan(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=head_dim,
                  eps=config.rms_norm_eps, theta=float(config.rope_parameters["rope_theta"]),
-                 inv_freq=tuple(rotary.inv_freq.double().tolist()),
+                 inv_freq=old.inv_freq if same_rope else tuple(rotary.inv_freq.double().tolist()),
                  windows=tuple(_WINDOW[arch](config, layer.self_attn) for layer in layers),
-                 qkv_bias=has_bias == {(True,) * 3})
+                 qkv_bias=has_bias == {(True,) * 3}, watched=watched, watched_ids=tuple(map(id, watched)))
+
+
+def _current_plan(model: nn.Module) -> _Plan:
+    """The model's plan, made again when a planned module or parameter has been replaced since (LoRA wrapped
+    around a projection, a bias given to one, ``functional_call``'s parameters): a supported change is planned
+    for, an unsupported one raises :class:`CodaUnsupportedError` naming it."""
+    plan: _Plan = model._coda_plan
+    if tuple(map(id, _watched(model))) != plan.watched_ids:
+        plan = model._coda_plan = _plan(model, plan)
+    return plan
+
+
+def _weight(m: nn.Module, name: str) -> torch.Tensor:
+    """The weight that computes ``m``'s output: an nn.Linear's own; for PEFT LoRA, in the autograd graph,
+    ``W + sum_a scaling_a B_a A_a`` over the active adapters (unless the adapters are disabled or merged into W).
+
+    Refused (:class:`CodaUnsupportedError`, naming the module): LoRA variants (DoRA, ...), a LoRA bias, and
+    lora_dropout while training (the merged form applies no dropout to the adapter's input)."""
+    if type(m) is nn.Linear:
+        return m.weight
+    w = m.base_layer.weight
+    if m.disable_adapters:
+        if m.merged:
+            m.unmerge()  # as PEFT's own forward does
+        return w
+    if m.merged:
+        return w
+    for adapter in m.active_adapters:
+        if adapter not in m.lora_A:
+            continue
+        a, b, dropout = m.lora_A[adapter], m.lora_B[adapter], m.lora_dropout[adapter]
+        if adapter in m.lora_variant:
+            raise _refuse(f"{name}: LoRA variant {type(m.lora_variant[adapter]).__name__} (DoRA, ...) is not fused")
+        if b.bias is not None:
+            raise _refuse(f"{name}: lora_bias is not fused")
+        if isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training:
+            raise _refuse(f"{name}: lora_dropout={dropout.p} in training is not fused (the merged adapter "
+                          "applies no dropout); use lora_dropout=0")
+        w = w + (b.weight @ a.weight).to(w.dtype) * m.scaling[adapter]
+    return w
 
 
 def _check_call(model: nn.Module, options: dict[str, Any]) -> None:
     for name, value in options.items():
         if value is not None and not (name in _NEUTRAL_OPTIONS and value == _NEUTRAL_OPTIONS[name]):
             shown = repr(value) if isinstance(value, (bool, int, float, str)) else type(value).__name__
-            what = "a KV cache (generation)" if name in ("cache", "past_key_values", "use_cache") else "the option"
-            raise _refuse(f"the CODA forward does not support {what}: {name}={shown}")
-    if model.training and model.is_activation_checkpointing:
-        raise _refuse("activation (gradient) checkpointing is not supported: the CODA blocks save their own tensors")
+            raise _refuse(f"the CODA forward does not support the option {name}={shown}")
+
+
+def _check_targets(targets: torch.Tensor, vocab: int) -> None:
+    """Targets are ``IGNORE_INDEX`` or in ``[0, vocab)``. On the CPU a bad one raises the IndexError of torch's
+    cross-entropy (as the unpatched model does); on a GPU a device-side assertion fails, as it does in torch's
+    cross-entropy there, without synchronizing the host."""
+    bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= vocab)
+    if targets.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"a target is out of bounds: not {IGNORE_INDEX} nor in [0, {vocab})")
+    elif bad.any():
+        raise IndexError(f"Target {int(targets[bad][0])} is out of bounds.")
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -213,24 +318,23 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _w_qkv(attn: nn.Module, plan: _Plan) -> torch.Tensor:
+def _w_qkv(attn: nn.Module, plan: _Plan, name: str) -> torch.Tensor:
     """The CODA QKV weight: ``[Wq; Wk; Wv]`` with q/k rows in adjacent RoPE pairs (in the autograd graph)."""
-    w = attn.q_proj.weight
-    return pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w.device), w, attn.k_proj.weight,
-                     attn.v_proj.weight)
+    w = [_weight(getattr(attn, p), f"{name}.{p}") for p in ("q_proj", "k_proj", "v_proj")]
+    return pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device), *w)
 
 
-def _w_gu(mlp: nn.Module) -> torch.Tensor:
+def _w_gu(mlp: nn.Module, name: str) -> torch.Tensor:
     """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph)."""
-    w = mlp.gate_proj.weight
-    return pack_rows(gate_up_index(w.shape[0], w.device), w, mlp.up_proj.weight)
+    w = [_weight(getattr(mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj")]
+    return pack_rows(gate_up_index(w[0].shape[0], w[0].device), *w)
 
 
 def _with_bias(qkv: torch.Tensor, attn: nn.Module, plan: _Plan, positions: torch.Tensor) -> torch.Tensor:
     """``R_m z + R_m b``: the kernel's rotated qkv plus the adjacent-layout bias rotated by each row's angles."""
     if not plan.qkv_bias:
         return qkv
-    b = L.qkv_rows_to_adjacent(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+    b = L.qkv_rows_to_adjacent(torch.cat([_base(getattr(attn, p)).bias for p in ("q_proj", "k_proj", "v_proj")]),
                                plan.heads, plan.kv_heads, plan.head_dim)
     f = rope_freq_table(plan.heads, plan.kv_heads, plan.head_dim, plan.theta, b.device, plan.inv_freq).sum(0)
     return qkv + L.rotate_adjacent(b, positions[:, None].to(f.dtype) * f)
@@ -255,51 +359,80 @@ def _attend(attn: nn.Module, qkv: torch.Tensor, mask: Any, window: int | None, p
     return out.reshape(batch * seq, -1).contiguous()
 
 
+def _generating(options: dict[str, Any]) -> bool:
+    """Whether a call asks for a KV cache: ``use_cache=True`` or a cache passed in (``generate()``'s calls)."""
+    return options.get("use_cache") is True or any(
+        options.get(k) is not None for k in ("cache", "past_key_values"))
+
+
 def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                   position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                   labels: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
                   num_items_in_batch: torch.Tensor | int | None = None, shift_labels: torch.Tensor | None = None,
                   **options: Any):
     """The CODA forward of :func:`apply_coda` (bound to the patched model as its ``forward``)."""
+    from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    plan = _current_plan(self)
+    if _generating(options):  # the model's own forward, with its cache (every module still the model's own)
+        loss_options = {k: v for k, v in (("num_items_in_batch", num_items_in_batch), ("shift_labels", shift_labels))
+                        if v is not None}
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
+                                  **loss_options, **options)
+    use_cache = options.pop("use_cache", None)
     _check_call(self, options)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
-    plan: _Plan = self._coda_plan
     layers = self.model.layers
     embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     batch, seq, hidden = embeds.shape
-    # The mask builder gets the caller's position_ids: given arange positions (the default below) it would look for
-    # packed sequences, find none, and synchronize the host to say so (transformers' find_packed_sequence_indices).
+    # As in the unpatched model: with use_cache (the config's when not given) it builds its masks with a new, empty
+    # cache, and then does not look for packed sequences in position_ids; without, position_ids that restart at 0
+    # inside a row (packed sequences) give each sequence its own causal mask. The mask builder gets no default
+    # arange positions: it would search them for packed sequences and synchronize the host to find none.
+    cache = DynamicCache(config=self.config) if (self.config.use_cache if use_cache is None else use_cache) else None
     masks = {w: (create_causal_mask if w is None else create_sliding_window_causal_mask)(
-        self.config, embeds, attention_mask, None, position_ids) for w in set(plan.windows)}
+        self.config, embeds, attention_mask, cache, position_ids) for w in set(plan.windows)}
     if position_ids is None:
         position_ids = torch.arange(seq, device=embeds.device)[None]
     positions = position_ids.expand(batch, seq).reshape(-1)
     rope = RoPE(positions, plan.heads, plan.kv_heads, plan.head_dim, plan.theta, plan.inv_freq)
     final: Consumer = Linear()
     if labels is not None:
-        targets = shift_labels if shift_labels is not None else shifted_targets(labels)
-        final = CrossEntropy(targets.reshape(-1).to(embeds.device), IGNORE_INDEX,
-                             "mean" if num_items_in_batch is None else "sum")
+        targets = (shift_labels if shift_labels is not None else shifted_targets(labels)).reshape(-1)
+        _check_targets(targets, _base(self.lm_head).out_features)
+        final = CrossEntropy(targets.to(embeds.device), IGNORE_INDEX, "mean" if num_items_in_batch is None else "sum")
 
-    x = embeds.reshape(batch * seq, hidden)
-    out = norm_consumer(x, _aligned(layers[0].input_layernorm.weight), _w_qkv(layers[0].self_attn, plan), rope,
-                        plan.eps)[0]
-    for i, layer in enumerate(layers):
+    def layer_step(i: int, qkv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention and the block after it: (x, qkv) of layer i + 1 (or x and the last consumer's out)."""
+        layer, name = layers[i], f"model.layers.{i}"
         attn = layer.self_attn
-        qkv = _with_bias(out, attn, plan, positions)
-        a = _attend(attn, qkv, masks[plan.windows[i]], plan.windows[i], position_ids, plan, batch, seq)
+        a = _attend(attn, _with_bias(qkv, attn, plan, positions), masks[plan.windows[i]], plan.windows[i],
+                    position_ids, plan, batch, seq)
         if i + 1 < len(layers):
             nxt = layers[i + 1]
-            gamma, w, consumer = nxt.input_layernorm.weight, _w_qkv(nxt.self_attn, plan), rope
+            gamma, w, consumer = nxt.input_layernorm.weight, _w_qkv(nxt.self_attn, plan, f"model.layers.{i + 1}.self_attn"), rope
         else:
-            gamma, w, consumer = self.model.norm.weight, _aligned(self.lm_head.weight), final
-        x, out = block(a, x, _aligned(attn.o_proj.weight), _aligned(layer.post_attention_layernorm.weight),
-                       _w_gu(layer.mlp), _aligned(layer.mlp.down_proj.weight), _aligned(gamma), w, consumer,
+            gamma, w, consumer = self.model.norm.weight, _aligned(_weight(self.lm_head, "lm_head")), final
+        x, out = block(a, x, _aligned(_weight(attn.o_proj, f"{name}.self_attn.o_proj")),
+                       _aligned(layer.post_attention_layernorm.weight), _w_gu(layer.mlp, f"{name}.mlp"),
+                       _aligned(_weight(layer.mlp.down_proj, f"{name}.mlp.down_proj")), _aligned(gamma), w, consumer,
                        plan.eps)[:2]
+        return x, out
+
+    x = embeds.reshape(batch * seq, hidden)
+    out = norm_consumer(x, _aligned(layers[0].input_layernorm.weight), _w_qkv(layers[0].self_attn, plan,
+                                                                              "model.layers.0.self_attn"), rope, plan.eps)[0]
+    for i, layer in enumerate(layers):
+        # Activation checkpointing as the model's own layers do it (its function, reentrant or not, every n layers);
+        # the last layer's block, which ends in the LM head and the loss, is not recomputed.
+        if self.training and getattr(layer, "gradient_checkpointing", False) and i + 1 < len(layers):
+            x, out = layer._gradient_checkpointing_func(partial(layer_step, i), out, x)
+        else:
+            x, out = layer_step(i, out, x)
     if labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep])
