@@ -404,6 +404,31 @@ def test_generate_greedy_tokens_equal_the_unpatched_model():
     assert ours.shape == (BATCH, SEQ + 16) and torch.equal(ours, theirs)
 
 
+def test_vocab_and_ffn_sizes_off_the_16_byte_rule():
+    """vocab 257 (like Llama-2's 32000 + a pad token) and FFN 90: rows of 1028 and 360 bytes, which the tensor
+    descriptors refuse. The loss, every gradient and the logits still equal the unpatched model's (the FFN padded
+    with zero gate/up rows and down columns, the logits buffers with an aligned row stride)."""
+    model = tiny(vocab_size=VOCAB + 1, intermediate_size=90, tie_word_embeddings=False)
+    ids, mask, labels = batch()
+    labels[0, 5] = VOCAB  # the ragged last column is a target
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ref64 = copy.deepcopy(model).double()
+    loss64, grads64, _ = loss_and_grads(ref64, **inputs)
+    loss32, grads32, _ = loss_and_grads(model, **inputs)
+    with torch.no_grad():
+        logits64, logits32 = ref64(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    apply_coda(model)
+    loss, grads, out = loss_and_grads(model, **inputs)
+    assert out.logits is None
+    assert_passes("loss", loss, loss32, loss64)
+    for name in grads64:
+        assert_passes(name, grads[name], grads32[name], grads64[name])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    assert logits.shape == (BATCH, SEQ, VOCAB + 1)
+    assert_passes("logits", logits, logits32, logits64)
+
+
 # ---- GPU: bf16 at the real shapes ----------------------------------------------------------------------
 
 GPU_SHAPES = {  # two layers each, the real vocabulary

@@ -31,6 +31,7 @@ from types import MethodType
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import layouts as L
@@ -324,10 +325,32 @@ def _w_qkv(attn: nn.Module, plan: _Plan, name: str) -> torch.Tensor:
     return pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device), *w)
 
 
+def _aligned_rows(n: int, t: torch.Tensor) -> int:
+    """n rounded up so that n elements of t's dtype are a multiple of 16 bytes (the tensor descriptors' stride rule)."""
+    per = max(1, 16 // t.element_size())
+    return -(-n // per) * per
+
+
+def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """w with zero rows appended up to ``rows`` (in the autograd graph; w itself when it has them)."""
+    return w if w.shape[0] == rows else F.pad(w, (0, 0, 0, rows - w.shape[0]))
+
+
 def _w_gu(mlp: nn.Module, name: str) -> torch.Tensor:
-    """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph)."""
+    """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph), with zero row
+    pairs appended when the FFN size is not 16-byte aligned (:func:`_w_down`)."""
     w = [_weight(getattr(mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj")]
-    return pack_rows(gate_up_index(w[0].shape[0], w[0].device), *w)
+    ffn = w[0].shape[0]
+    return _pad_rows(pack_rows(gate_up_index(ffn, w[0].device), *w), 2 * _aligned_rows(ffn, w[0]))
+
+
+def _w_down(mlp: nn.Module, name: str) -> torch.Tensor:
+    """down_proj's weight, with zero columns up to the FFN size rounded to 16 bytes. The appended gate/up rows are
+    zero too, so those SwiGLU outputs are ``silu(0) * 0 = 0`` and meet zero columns: the result is exact, and the
+    SwiGLU output [M, ffn] gets an aligned row stride."""
+    w = _weight(mlp.down_proj, f"{name}.down_proj")
+    ffn = w.shape[1]
+    return _aligned(w) if ffn == _aligned_rows(ffn, w) else F.pad(w, (0, _aligned_rows(ffn, w) - ffn))
 
 
 def _with_bias(qkv: torch.Tensor, attn: nn.Module, plan: _Plan, positions: torch.Tensor) -> torch.Tensor:
@@ -416,10 +439,13 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
             nxt = layers[i + 1]
             gamma, w, consumer = nxt.input_layernorm.weight, _w_qkv(nxt.self_attn, plan, f"model.layers.{i + 1}.self_attn"), rope
         else:
-            gamma, w, consumer = self.model.norm.weight, _aligned(_weight(self.lm_head, "lm_head")), final
+            w = _aligned(_weight(self.lm_head, "lm_head"))
+            if labels is None:  # zero rows up to an aligned vocabulary: their logits, cut below, are 0
+                w = _pad_rows(w, _aligned_rows(w.shape[0], w))
+            gamma, consumer = self.model.norm.weight, final
         x, out = block(a, x, _aligned(_weight(attn.o_proj, f"{name}.self_attn.o_proj")),
                        _aligned(layer.post_attention_layernorm.weight), _w_gu(layer.mlp, f"{name}.mlp"),
-                       _aligned(_weight(layer.mlp.down_proj, f"{name}.mlp.down_proj")), _aligned(gamma), w, consumer,
+                       _w_down(layer.mlp, f"{name}.mlp"), _aligned(gamma), w, consumer,
                        plan.eps)[:2]
         return x, out
 
@@ -435,6 +461,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
             x, out = layer_step(i, out, x)
     if labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep])
+        vocab = _base(self.lm_head).out_features
+        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep, :vocab])
     loss = out if num_items_in_batch is None else out / torch.as_tensor(num_items_in_batch, device=out.device)
     return CausalLMOutputWithPast(loss=loss)
