@@ -437,7 +437,8 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
                     position_ids, plan, batch, seq)
         if i + 1 < len(layers):
             nxt = layers[i + 1]
-            gamma, w, consumer = nxt.input_layernorm.weight, _w_qkv(nxt.self_attn, plan, f"model.layers.{i + 1}.self_attn"), rope
+            w = _w_qkv(nxt.self_attn, plan, f"model.layers.{i + 1}.self_attn")
+            gamma, consumer = nxt.input_layernorm.weight, rope
         else:
             w = _aligned(_weight(self.lm_head, "lm_head"))
             if labels is None:  # zero rows up to an aligned vocabulary: their logits, cut below, are 0
@@ -450,8 +451,8 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         return x, out
 
     x = embeds.reshape(batch * seq, hidden)
-    out = norm_consumer(x, _aligned(layers[0].input_layernorm.weight), _w_qkv(layers[0].self_attn, plan,
-                                                                              "model.layers.0.self_attn"), rope, plan.eps)[0]
+    w = _w_qkv(layers[0].self_attn, plan, "model.layers.0.self_attn")
+    out = norm_consumer(x, _aligned(layers[0].input_layernorm.weight), w, rope, plan.eps)[0]
     for i, layer in enumerate(layers):
         # Activation checkpointing as the model's own layers do it (its function, reentrant or not, every n layers);
         # the last layer's block, which ends in the LM head and the loss, is not recomputed.
