@@ -21,6 +21,34 @@ when q and k have their head dims permuted the same way. v is not permuted, so t
 Face's layout for o_proj. q/k/v biases (Qwen2): ``RoPE(z + b) = R_m z + R_m b``. The kernel writes ``R_m z``,
 and ``R_m b`` (the bias, permuted like the rows and rotated with the kernel's frequency table) is added in torch.
 Autograd carries its gradient back to the biases.
+
+PEFT LoRA (on any of the projections and the LM head, before or after ``apply_coda``): a LoRA projection
+computes ``x W^T + s B A x`` = ``x (W + s B A)^T``, so its weight in the formulas above is the merged
+``W + s B A`` (summed over the active adapters), built in the autograd graph on every forward (:func:`_weight`).
+It is exact, it keeps every kernel fused whatever projection carries the adapter (q/k inside the RoPE epilogue,
+gate/up inside SwiGLU's, o/down before the residual norm), and its gradients are autograd's: ``dA = s B^T dW``
+and ``dB = s dW A^T`` from the merged weight's gradient dW, which the fused backward computes anyway (it computes
+every weight's gradient, frozen or not): ``2 r out in`` FLOPs per projection against the ``2 M out in`` of
+each of the step's GEMMs, r/M of a GEMM (0.1% at rank 16 and 16384 tokens). It costs one [out, in] add per
+projection and step in forward and the merged copy, held for backward like the packed Wqkv / Wgu. The merged form
+cannot apply PEFT's dropout on the adapter's input, so lora_dropout > 0 is refused in training (it is the identity
+in eval, where the result is exact). A rank-r path beside the kernels, ``dA, dB`` from the GEMM's input and dz,
+would also skip the frozen W's weight gradient (a third of the step's GEMM FLOPs); the fused backward has no
+switch for that yet.
+
+The model is checked again on every forward (:func:`_current_plan`): the identities of the planned modules
+(projections, their LoRA wrappers and base layers, norms, embedding, RoPE) and of their weight and bias
+Parameters are compared with the plan's, without reading any data. A change (LoRA wrapped around a projection
+after patching, a projection replaced or given a bias, ``torch.func.functional_call``'s parameters) makes the
+plan again: a supported model runs, an unsupported one raises :class:`CodaUnsupportedError` naming the module.
+
+Sizes: an FFN size whose rows are not a multiple of 16 bytes (the tensor descriptors' stride rule; e.g. 90 in
+fp32) is padded inside this layer: zero gate/up row pairs and zero down_proj columns, exact since
+``silu(0) * 0 = 0``. A vocabulary like that (32001: Llama-2 and a pad token) needs no padding of the weights: the
+cross-entropy's logits buffer gets an aligned row stride (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`)
+and the logits path (no labels) zero rows cut off its output.
+
+Supported and refused, in full: :func:`apply_coda` and ``docs/hf-support.md``.
 """
 from __future__ import annotations
 
@@ -93,8 +121,22 @@ def apply_coda(model: nn.Module) -> nn.Module:
     logits. ``shift_labels`` (given with labels) are used as the targets unshifted, as in Hugging Face. Without
     labels, the last norm + LM head run as a CODA linear consumer and ``.logits`` is returned (``logits_to_keep``
     as in Hugging Face). ``attention_mask`` (padding) and ``position_ids`` are supported: they go to the
-    model's own mask builder and attention, and to the RoPE positions. The RoPE frequencies are the model's
-    ``rotary_emb.inv_freq``, read when the model is patched.
+    model's own mask builder and attention, and to the RoPE positions. Packed sequences (position_ids that
+    restart at 0 inside a row, no attention_mask) get the unpatched model's masks under the same config: each
+    sequence its own causal mask when ``use_cache`` (the call's, else the config's) is False, one causal mask
+    over the row when it is True (the unpatched model then builds its masks with a new cache and does not look
+    for packed sequences). The RoPE frequencies are the model's ``rotary_emb.inv_freq``, read when the model
+    is planned. A label that is neither -100 nor in [0, vocab) raises torch's ``IndexError("Target 300 is out
+    of bounds.")`` on the CPU and fails a device-side assertion on a GPU, as the unpatched loss does.
+
+    Calls that ask for a KV cache (``use_cache=True``, ``past_key_values`` / ``cache``: ``generate()``'s prefill
+    and decode steps) run the model's own forward (the same modules, adapters included), so ``generate()`` gives
+    the unpatched model's tokens; they do not run on the CODA kernels.
+
+    Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
+    training, each checkpointed layer's attention and the CODA block after it run under the layer's own
+    checkpoint function and are recomputed in backward; the last layer's (which ends in the LM head and the loss)
+    is not.
 
     Weights: the parameters stay the model's own ``nn.Parameter`` objects, in Hugging Face layout, so
     ``state_dict()``, ``save_pretrained()`` and any optimizer see the model unchanged. The packed/permuted CODA
@@ -108,15 +150,17 @@ def apply_coda(model: nn.Module) -> nn.Module:
 
     Supported: GQA, any ``head_dim``, tied or untied embeddings (a tied LM head is the embedding's parameter,
     and both gradients reach it), RoPE types default / linear / llama3, sliding windows (Mistral, Qwen2: the
-    model's own mask and attention), attention dropout (the model's attention applies it), Qwen2's q/k/v biases.
+    model's own mask and attention), attention dropout (the model's attention applies it), Qwen2's q/k/v biases,
+    ``hidden_act`` silu or swish, any vocabulary and FFN size, PEFT LoRA (``model`` may be the PEFT model: its
+    base model is patched and ``model`` returned), activation checkpointing, ``generate()``.
 
-    Refused with :class:`CodaUnsupportedError`, by this function: other architectures, ``hidden_act`` other
-    than silu, biases on o_proj or the MLP, projections that are not plain ``nn.Linear`` (LoRA, quantized
-    layers) or norms that are not the model's RMSNorm, RoPE types other than the three above (dynamic, yarn,
-    longrope, ...) or a partial rotary factor, a custom ``loss_function``, a model split across devices. By
-    a call: a KV cache (``cache``/``past_key_values``, ``use_cache=True``, so no ``generate``),
-    ``output_attentions``/``output_hidden_states``, ``return_dict=False``, activation (gradient)
-    checkpointing in training, any other keyword.
+    Refused with :class:`CodaUnsupportedError`, by this function or by a forward after the model changed (the
+    message names the module): other architectures, ``hidden_act`` other than silu/swish, biases on o_proj, the
+    MLP or the LM head, projections that are neither ``nn.Linear`` nor PEFT LoRA on one (other adapters,
+    quantized layers), norms that are not the model's RMSNorm, RoPE types other than the three above (dynamic,
+    yarn, longrope, ...) or a partial rotary factor, a custom ``loss_function``, a model split across devices.
+    By a forward: LoRA variants (DoRA, ...), ``lora_bias``, lora_dropout > 0 in training,
+    ``output_attentions``/``output_hidden_states``, ``return_dict=False``, any other keyword.
     """
     target = _causal_lm(model)
     if getattr(target, "_coda_plan", None) is not None:
