@@ -274,12 +274,14 @@ def assert_close_to(name: str, ours: torch.Tensor, theirs: torch.Tensor, tol: fl
 
 @pytest.mark.parametrize("order, config", [
     ("after", {"target_modules": ALL_PROJECTIONS, "lora_alpha": 32, "use_rslora": True}),
-    ("before", {"target_modules": ["q_proj", "v_proj", "down_proj"], "lora_alpha": 8, "lora_dropout": 0.1}),
+    ("before", {"target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "lora_alpha": 8,
+                "lora_dropout": 0.1}),
 ])
 def test_peft_lora_before_or_after_apply_coda_gives_hf_peft_loss_and_adapter_grads(order, config):
     """r=16 LoRA (random A and B, so that every term counts), PEFT applied after apply_coda or apply_coda to the
-    PEFT model: the loss and every LoRA A/B gradient equal unpatched HF + PEFT's. Dropout > 0 is exact in eval
-    mode (PEFT's dropout is then the identity); training with it is refused (next test)."""
+    PEFT model: the loss and every LoRA A/B gradient equal unpatched HF + PEFT's. With lora_dropout in training,
+    the adapters run beside the kernels (q/v rotated onto the kernel's qkv, down_proj through the split MLP) and
+    draw their dropout masks in the unpatched model's order: the same seed gives the same loss."""
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=16, init_lora_weights=False, **config)
     torch.manual_seed(3)
@@ -292,14 +294,19 @@ def test_peft_lora_before_or_after_apply_coda_gives_hf_peft_loss_and_adapter_gra
         model = peft.get_peft_model(model, lora)
         assert apply_coda(model) is model
     model.load_state_dict(ref.state_dict())
-    if config.get("lora_dropout"):
-        model.eval(), ref.eval()
+    model.train(), ref.train()
     ids, mask, labels = batch()
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    torch.manual_seed(11)
     with launches() as names:
         loss, grads = trainable_grads(model, **inputs)
     assert "gemm_cross_entropy_kernel" in names  # the CODA forward ran, with the adapters
+    torch.manual_seed(11)
     ref_loss, ref_grads = trainable_grads(ref, **inputs)
+    if config.get("lora_dropout"):
+        torch.manual_seed(12)
+        with torch.no_grad():
+            assert abs(ref(**inputs).loss - ref_loss) > 1e-4  # the dropout masks count
     assert set(grads) == set(ref_grads) and any("lora_A" in n for n in grads)
     assert_close_to("loss", loss, ref_loss)
     base_loss = tiny()(**inputs).loss.detach()
@@ -308,10 +315,10 @@ def test_peft_lora_before_or_after_apply_coda_gives_hf_peft_loss_and_adapter_gra
         assert_close_to(name, grads[name], ref_grads[name])
 
 
-def test_lora_variants_and_dropout_in_training_are_refused_naming_the_module():
+def test_lora_variants_and_lora_bias_are_refused_naming_the_module():
     peft = pytest.importorskip("peft")
     ids, _, labels = batch()
-    for config, message in [({"lora_dropout": 0.1}, r"model.layers.0.self_attn.q_proj: lora_dropout=0.1 in training"),
+    for config, message in [({"lora_bias": True}, r"model.layers.0.self_attn.q_proj: lora_bias is not fused"),
                             ({"use_dora": True}, r"model.layers.0.self_attn.q_proj: LoRA variant")]:
         model = apply_coda(peft.get_peft_model(tiny(), peft.LoraConfig(r=4, target_modules=["q_proj"], **config)))
         with pytest.raises(CodaUnsupportedError, match=message) as err:

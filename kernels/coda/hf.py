@@ -30,11 +30,18 @@ gate/up inside SwiGLU's, o/down before the residual norm), and its gradients are
 and ``dB = s dW A^T`` from the merged weight's gradient dW, which the fused backward computes anyway (it computes
 every weight's gradient, frozen or not): ``2 r out in`` FLOPs per projection against the ``2 M out in`` of
 each of the step's GEMMs, r/M of a GEMM (0.1% at rank 16 and 16384 tokens). It costs one [out, in] add per
-projection and step in forward and the merged copy, held for backward like the packed Wqkv / Wgu. The merged form
-cannot apply PEFT's dropout on the adapter's input, so lora_dropout > 0 is refused in training (it is the identity
-in eval, where the result is exact). A rank-r path beside the kernels, ``dA, dB`` from the GEMM's input and dz,
-would also skip the frozen W's weight gradient (a third of the step's GEMM FLOPs); the fused backward has no
-switch for that yet.
+projection and step in forward and the merged copy, held for backward like the packed Wqkv / Wgu.
+
+The merged form cannot apply PEFT's dropout to the adapter's input, so an adapter whose dropout is active
+(lora_dropout > 0 in training) runs beside the kernels instead, as PEFT computes it, ``s B A dropout(x)`` on the
+projection's input, exact too: q/k/v's on the normalized input (the model's own norm on the residual stream),
+rotated like the bias (``RoPE`` is linear) and added to the kernel's qkv; o_proj's added to the residual that
+enters the out-proj + residual + norm kernel; gate/up's and down_proj's need SwiGLU's pre-activation and input,
+which the fused block keeps inside, so that layer's MLP runs split: out-proj + residual + norm + the gate/up GEMM
+(a linear consumer), the adapters and SwiGLU in torch, then down-proj + residual + norm + the next consumer. The
+adapters draw their dropout masks in the unpatched model's order. A rank-r path like that for every adapter would
+also skip the frozen W's weight gradient (a third of the step's GEMM FLOPs); the fused backward computes every
+weight's gradient.
 
 The model is checked again on every forward (:func:`_current_plan`): the identities of the planned modules
 (projections, their LoRA wrappers and base layers, norms, embedding, RoPE) and of their weight and bias
@@ -63,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import layouts as L
-from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer
+from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer, producer_consumer
 from kernels.coda.pack import gate_up_index, pack_rows, qkv_index
 from kernels.coda.precompile import Precompiled, precompile_autograd
 from kernels.coda.rope import rope_freq_table
@@ -159,7 +166,7 @@ def apply_coda(model: nn.Module) -> nn.Module:
     MLP or the LM head, projections that are neither ``nn.Linear`` nor PEFT LoRA on one (other adapters,
     quantized layers), norms that are not the model's RMSNorm, RoPE types other than the three above (dynamic,
     yarn, longrope, ...) or a partial rotary factor, a custom ``loss_function``, a model split across devices.
-    By a forward: LoRA variants (DoRA, ...), ``lora_bias``, lora_dropout > 0 in training,
+    By a forward: LoRA variants (DoRA, ...), ``lora_bias``, lora_dropout > 0 in training on the LM head,
     ``output_attentions``/``output_hidden_states``, ``return_dict=False``, any other keyword.
     """
     target = _causal_lm(model)
@@ -309,21 +316,29 @@ def _current_plan(model: nn.Module) -> _Plan:
     return plan
 
 
-def _weight(m: nn.Module, name: str) -> torch.Tensor:
-    """The weight that computes ``m``'s output: an nn.Linear's own; for PEFT LoRA, in the autograd graph,
-    ``W + sum_a scaling_a B_a A_a`` over the active adapters (unless the adapters are disabled or merged into W).
+Side = Callable[[torch.Tensor], torch.Tensor]
+"""A LoRA term computed beside a kernel: the projection's input -> ``sum_a s_a B_a A_a dropout_a(x)``."""
 
-    Refused (:class:`CodaUnsupportedError`, naming the module): LoRA variants (DoRA, ...), a LoRA bias, and
-    lora_dropout while training (the merged form applies no dropout to the adapter's input)."""
+
+def _weight(m: nn.Module, name: str) -> tuple[torch.Tensor, Side | None]:
+    """``(W, side)``: the weight a kernel uses for ``m``'s output, and the LoRA term beside it (None: none).
+
+    nn.Linear: its own weight. PEFT LoRA (unless its adapters are disabled or merged into W): each active adapter
+    whose dropout is the identity (p = 0, or eval mode) is merged, ``W + s B A`` in the autograd graph; one whose
+    dropout is active (training, p > 0) is left to ``side``, which applies it on the projection's input as PEFT
+    does, adapter by adapter in PEFT's order (so the dropout masks are those of the unpatched model's forward
+    under the same seed). Refused (:class:`CodaUnsupportedError`, naming the module): LoRA variants (DoRA, ...)
+    and a LoRA bias."""
     if type(m) is nn.Linear:
-        return m.weight
+        return m.weight, None
     w = m.base_layer.weight
     if m.disable_adapters:
         if m.merged:
             m.unmerge()  # as PEFT's own forward does
-        return w
+        return w, None
     if m.merged:
-        return w
+        return w, None
+    beside = []
     for adapter in m.active_adapters:
         if adapter not in m.lora_A:
             continue
@@ -333,10 +348,16 @@ def _weight(m: nn.Module, name: str) -> torch.Tensor:
         if b.bias is not None:
             raise _refuse(f"{name}: lora_bias is not fused")
         if isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training:
-            raise _refuse(f"{name}: lora_dropout={dropout.p} in training is not fused (the merged adapter "
-                          "applies no dropout); use lora_dropout=0")
-        w = w + (b.weight @ a.weight).to(w.dtype) * m.scaling[adapter]
-    return w
+            beside.append(adapter)
+        else:
+            w = w + (b.weight @ a.weight).to(w.dtype) * m.scaling[adapter]
+
+    def side(x: torch.Tensor) -> torch.Tensor:
+        terms = [m.lora_B[k](m.lora_A[k](m.lora_dropout[k](x.to(m.lora_A[k].weight.dtype)))) * m.scaling[k]
+                 for k in beside]
+        return sum(terms[1:], terms[0]).to(x.dtype)
+
+    return w, (side if beside else None)
 
 
 def _check_call(model: nn.Module, options: dict[str, Any]) -> None:
@@ -363,10 +384,28 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _w_qkv(attn: nn.Module, plan: _Plan, name: str) -> torch.Tensor:
-    """The CODA QKV weight: ``[Wq; Wk; Wv]`` with q/k rows in adjacent RoPE pairs (in the autograd graph)."""
-    w = [_weight(getattr(attn, p), f"{name}.{p}") for p in ("q_proj", "k_proj", "v_proj")]
-    return pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device), *w)
+def _w_qkv(attn: nn.Module, plan: _Plan, name: str) -> tuple[torch.Tensor, Side | None]:
+    """The CODA QKV weight: ``[Wq; Wk; Wv]`` with q/k rows in adjacent RoPE pairs (in the autograd graph), and the
+    LoRA terms beside it (:func:`_weight`) as one function of the normalized input: their [M, q + k + v]
+    output in half-split column order (zeros for a projection without one), or None."""
+    pairs = [_weight(getattr(attn, p), f"{name}.{p}") for p in ("q_proj", "k_proj", "v_proj")]
+    w = [p[0] for p in pairs]
+    packed = pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device), *w)
+    if all(side is None for _, side in pairs):
+        return packed, None
+
+    def side(h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([f(h) if f is not None else h.new_zeros(h.shape[0], wt.shape[0]) for wt, f in pairs], -1)
+
+    return packed, side
+
+
+def _rotated(delta: torch.Tensor, plan: _Plan, positions: torch.Tensor) -> torch.Tensor:
+    """``R_m delta``: a half-split [M, q + k + v] term (a bias, LoRA's output) in the kernel's adjacent-pair columns,
+    rotated by each row's RoPE angles with the kernel's frequency table (v's columns have zero frequency)."""
+    d = L.qkv_cols_to_adjacent(delta, plan.heads, plan.kv_heads, plan.head_dim)
+    f = rope_freq_table(plan.heads, plan.kv_heads, plan.head_dim, plan.theta, d.device, plan.inv_freq).sum(0)
+    return L.rotate_adjacent(d, positions[:, None].to(f.dtype) * f)
 
 
 def _aligned_rows(n: int, t: torch.Tensor) -> int:
@@ -380,19 +419,17 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return w if w.shape[0] == rows else F.pad(w, (0, 0, 0, rows - w.shape[0]))
 
 
-def _w_gu(mlp: nn.Module, name: str) -> torch.Tensor:
+def _w_gu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph), with zero row
     pairs appended when the FFN size is not 16-byte aligned (:func:`_w_down`)."""
-    w = [_weight(getattr(mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj")]
-    ffn = w[0].shape[0]
-    return _pad_rows(pack_rows(gate_up_index(ffn, w[0].device), *w), 2 * _aligned_rows(ffn, w[0]))
+    ffn = gate.shape[0]
+    return _pad_rows(pack_rows(gate_up_index(ffn, gate.device), gate, up), 2 * _aligned_rows(ffn, gate))
 
 
-def _w_down(mlp: nn.Module, name: str) -> torch.Tensor:
-    """down_proj's weight, with zero columns up to the FFN size rounded to 16 bytes. The appended gate/up rows are
-    zero too, so those SwiGLU outputs are ``silu(0) * 0 = 0`` and meet zero columns: the result is exact, and the
-    SwiGLU output [M, ffn] gets an aligned row stride."""
-    w = _weight(mlp.down_proj, f"{name}.down_proj")
+def _w_down(w: torch.Tensor) -> torch.Tensor:
+    """down_proj's weight w, with zero columns up to the FFN size rounded to 16 bytes. The appended gate/up rows
+    are zero too, so those SwiGLU outputs are ``silu(0) * 0 = 0`` and meet zero columns: the result is exact, and
+    the SwiGLU output [M, ffn] gets an aligned row stride."""
     ffn = w.shape[1]
     return _aligned(w) if ffn == _aligned_rows(ffn, w) else F.pad(w, (0, _aligned_rows(ffn, w) - ffn))
 
@@ -401,10 +438,8 @@ def _with_bias(qkv: torch.Tensor, attn: nn.Module, plan: _Plan, positions: torch
     """``R_m z + R_m b``: the kernel's rotated qkv plus the adjacent-layout bias rotated by each row's angles."""
     if not plan.qkv_bias:
         return qkv
-    b = L.qkv_rows_to_adjacent(torch.cat([_base(getattr(attn, p)).bias for p in ("q_proj", "k_proj", "v_proj")]),
-                               plan.heads, plan.kv_heads, plan.head_dim)
-    f = rope_freq_table(plan.heads, plan.kv_heads, plan.head_dim, plan.theta, b.device, plan.inv_freq).sum(0)
-    return qkv + L.rotate_adjacent(b, positions[:, None].to(f.dtype) * f)
+    b = torch.cat([_base(getattr(attn, p)).bias for p in ("q_proj", "k_proj", "v_proj")])
+    return qkv + _rotated(b, plan, positions)
 
 
 def _attend(attn: nn.Module, qkv: torch.Tensor, mask: Any, window: int | None, position_ids: torch.Tensor,
@@ -473,30 +508,63 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         _check_targets(targets, _base(self.lm_head).out_features)
         final = CrossEntropy(targets.to(embeds.device), IGNORE_INDEX, "mean" if num_items_in_batch is None else "sum")
 
+    def next_qkv(j: int, out: torch.Tensor, x: torch.Tensor, side: Side | None) -> torch.Tensor:
+        """Layer j's rotated qkv: the kernel's ``out`` plus its LoRA terms beside the kernel, on the normalized x
+        (the model's own norm) and rotated like the kernel's output."""
+        return out if side is None else out + _rotated(side(layers[j].input_layernorm(x)), plan, positions)
+
+    def mlp(i: int, a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma: torch.Tensor,
+            w: torch.Tensor, consumer: Consumer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's block after attention: (x, consumer's out). One fused block, or, with a LoRA term beside
+        gate/up/down (SwiGLU's pre-activation and the down projection's input are inside the block), the split
+        form: out-proj + residual + norm + gate/up GEMM, the adapters' terms and SwiGLU in torch, then
+        down-proj + residual + norm + the consumer."""
+        layer, name = layers[i], f"model.layers.{i}.mlp"
+        (w_gate, s_gate), (w_up, s_up), (w_d, s_d) = (
+            _weight(getattr(layer.mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
+        w_gu, w_down = _w_gu(w_gate, w_up), _w_down(w_d)
+        gamma_mlp = _aligned(layer.post_attention_layernorm.weight)
+        if s_gate is None and s_up is None and s_d is None:
+            return block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, plan.eps)[:2]
+        x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), plan.eps)[:2]
+        ffn = w_gate.shape[0]
+        gate, up = z[:, 0::2][:, :ffn], z[:, 1::2][:, :ffn]
+        if s_gate is not None or s_up is not None:
+            h = layer.post_attention_layernorm(x1)
+            gate = gate if s_gate is None else gate + s_gate(h)
+            up = up if s_up is None else up + s_up(h)
+        y = layer.mlp.act_fn(gate) * up
+        residual = x1 if s_d is None else x1 + s_d(y)
+        y = F.pad(y, (0, w_down.shape[1] - ffn))  # to the padded down_proj: an aligned row stride
+        return producer_consumer(y, residual, w_down, gamma, w, consumer, plan.eps)[:2]
+
     def layer_step(i: int, qkv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's attention and the block after it: (x, qkv) of layer i + 1 (or x and the last consumer's out)."""
         layer, name = layers[i], f"model.layers.{i}"
         attn = layer.self_attn
         a = _attend(attn, _with_bias(qkv, attn, plan, positions), masks[plan.windows[i]], plan.windows[i],
                     position_ids, plan, batch, seq)
+        w_o, s_o = _weight(attn.o_proj, f"{name}.self_attn.o_proj")
+        residual = x if s_o is None else x + s_o(a)
+        side = None
         if i + 1 < len(layers):
-            nxt = layers[i + 1]
-            w = _w_qkv(nxt.self_attn, plan, f"model.layers.{i + 1}.self_attn")
-            gamma, consumer = nxt.input_layernorm.weight, rope
+            w, side = _w_qkv(layers[i + 1].self_attn, plan, f"model.layers.{i + 1}.self_attn")
+            gamma, consumer = layers[i + 1].input_layernorm.weight, rope
         else:
-            w = _aligned(_weight(self.lm_head, "lm_head"))
+            w, s_lm = _weight(self.lm_head, "lm_head")
+            if s_lm is not None:
+                raise _refuse("lm_head: lora_dropout > 0 in training is not supported on the LM head (fused with "
+                              "the loss)")
+            w = _aligned(w)
             if labels is None:  # zero rows up to an aligned vocabulary: their logits, cut below, are 0
                 w = _pad_rows(w, _aligned_rows(w.shape[0], w))
             gamma, consumer = self.model.norm.weight, final
-        x, out = block(a, x, _aligned(_weight(attn.o_proj, f"{name}.self_attn.o_proj")),
-                       _aligned(layer.post_attention_layernorm.weight), _w_gu(layer.mlp, f"{name}.mlp"),
-                       _w_down(layer.mlp, f"{name}.mlp"), _aligned(gamma), w, consumer,
-                       plan.eps)[:2]
-        return x, out
+        x, out = mlp(i, a, residual, _aligned(w_o), _aligned(gamma), w, consumer)
+        return x, (out if side is None else next_qkv(i + 1, out, x, side))
 
     x = embeds.reshape(batch * seq, hidden)
-    w = _w_qkv(layers[0].self_attn, plan, "model.layers.0.self_attn")
-    out = norm_consumer(x, _aligned(layers[0].input_layernorm.weight), w, rope, plan.eps)[0]
+    w, side = _w_qkv(layers[0].self_attn, plan, "model.layers.0.self_attn")
+    out = next_qkv(0, norm_consumer(x, _aligned(layers[0].input_layernorm.weight), w, rope, plan.eps)[0], x, side)
     for i, layer in enumerate(layers):
         # Activation checkpointing as the model's own layers do it (its function, reentrant or not, every n layers);
         # the last layer's block, which ends in the LM head and the loss, is not recomputed.
