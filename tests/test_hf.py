@@ -315,6 +315,25 @@ def test_peft_lora_before_or_after_apply_coda_gives_hf_peft_loss_and_adapter_gra
         assert_close_to(name, grads[name], ref_grads[name])
 
 
+def test_lora_disabled_and_merged_adapters_follow_peft():
+    """disable_adapter() gives the base model's loss; merge_adapter() (W holds the adapter) the adapter's, once."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "up_proj"], init_lora_weights=False)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(tiny(), lora)
+    model = apply_coda(peft.get_peft_model(tiny(), lora))
+    model.load_state_dict(ref.state_dict())
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with torch.no_grad():
+        with_adapter = ref(**inputs).loss
+        with model.disable_adapter(), ref.disable_adapter():
+            assert_close_to("disabled", model(**inputs).loss, ref(**inputs).loss)
+        model.merge_adapter()
+        assert_close_to("merged", model(**inputs).loss, with_adapter)
+        assert abs(with_adapter - tiny()(**inputs).loss) > 1e-3
+
+
 def test_lora_variants_and_lora_bias_are_refused_naming_the_module():
     peft = pytest.importorskip("peft")
     ids, _, labels = batch()
