@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 
 import pytest
 import torch
@@ -362,6 +363,20 @@ def test_a_projection_replaced_after_apply_coda_is_planned_for_or_refused():
         with pytest.raises(CodaUnsupportedError, match="model.layers.0.self_attn.o_proj has a bias") as err:
             model(ids, labels=labels)
     assert "\n" not in str(err.value)
+
+
+def test_the_plan_keeps_no_replaced_weights_alive():
+    """functional_call's weights (the train suite hands fresh ones every step) make a new plan, which holds only
+    weak references: once the caller drops them they are freed."""
+    model = apply_coda(tiny())
+    ids, _, labels = batch()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        loss = torch.func.functional_call(model, weights, (ids,), {"labels": labels}).loss
+        assert torch.equal(loss, model(ids, labels=labels).loss)
+    freed = weakref.ref(weights["model.layers.0.self_attn.q_proj.weight"])
+    del weights
+    assert freed() is None
 
 
 @pytest.mark.parametrize("bad", [VOCAB, VOCAB + 44, -5])

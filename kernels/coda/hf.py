@@ -60,6 +60,7 @@ Supported and refused, in full: :func:`apply_coda` and ``docs/hf-support.md``.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from types import MethodType
@@ -107,9 +108,9 @@ class _Plan:
     inv_freq: tuple[float, ...]
     windows: tuple[int | None, ...]
     qkv_bias: bool
-    watched: tuple[Any, ...]
-    """The modules and parameters the plan was made for (:func:`_watched`); held so that their ids stay theirs."""
-    watched_ids: tuple[int, ...]
+    watched: tuple[weakref.ref | None, ...]
+    """Weak references to the modules and parameters the plan was made for (:func:`_watched`; None for a missing
+    bias): the plan keeps none of them alive (``functional_call``'s weights go when the call's caller drops them)."""
 
 
 def apply_coda(model: nn.Module) -> nn.Module:
@@ -297,13 +298,13 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
         raise _refuse(f"rope_type={rotary.rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rotary.inv_freq.numel() != head_dim // 2:
         raise _refuse(f"RoPE on {2 * rotary.inv_freq.numel()} of the {head_dim} head dims (partial_rotary_factor)")
-    same_rope = old is not None and old.watched[1] is rotary
-    watched = tuple(_watched(model))
+    same_rope = old is not None and old.watched[1]() is rotary
     return _Plan(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=head_dim,
                  eps=config.rms_norm_eps, theta=float(config.rope_parameters["rope_theta"]),
                  inv_freq=old.inv_freq if same_rope else tuple(rotary.inv_freq.double().tolist()),
                  windows=tuple(_WINDOW[arch](config, layer.self_attn) for layer in layers),
-                 qkv_bias=has_bias == {(True,) * 3}, watched=watched, watched_ids=tuple(map(id, watched)))
+                 qkv_bias=has_bias == {(True,) * 3},
+                 watched=tuple(None if o is None else weakref.ref(o) for o in _watched(model)))
 
 
 def _current_plan(model: nn.Module) -> _Plan:
@@ -311,7 +312,9 @@ def _current_plan(model: nn.Module) -> _Plan:
     around a projection, a bias given to one, ``functional_call``'s parameters): a supported change is planned
     for, an unsupported one raises :class:`CodaUnsupportedError` naming it."""
     plan: _Plan = model._coda_plan
-    if tuple(map(id, _watched(model))) != plan.watched_ids:
+    now = _watched(model)
+    if len(now) != len(plan.watched) or any((o is not None if r is None else r() is not o)
+                                            for r, o in zip(plan.watched, now)):
         plan = model._coda_plan = _plan(model, plan)
     return plan
 
