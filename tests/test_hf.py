@@ -435,14 +435,26 @@ def test_packed_sequences_follow_the_unpatched_model(use_cache):
     assert (rel_err(ours[:, 10:], alone) < 1e-5) == (not use_cache)
 
 
-def test_generate_greedy_tokens_equal_the_unpatched_model():
-    """generate() with the KV cache (its calls pass use_cache / a cache: the model's own forward runs them)."""
-    model, ref = apply_coda(tiny().eval()), tiny().eval()
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_generate_greedy_tokens_equal_the_unpatched_model(arch):
+    """generate() with the KV cache, left padding (and Mistral's sliding window): the prefill runs on the CODA
+    kernels and fills the cache with Hugging Face's keys and values, the decode steps run the model's own forward
+    from it; the greedy tokens are the unpatched model's."""
+    model, ref = apply_coda(tiny(arch).eval()), tiny(arch).eval()
     ids, mask, _ = batch()
     args = {"attention_mask": mask, "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
-        ours, theirs = model.generate(ids, **args), ref.generate(ids, **args)
+        with launches() as names:
+            ours = model.generate(ids, **args)
+        theirs = ref.generate(ids, **args)
+    assert names.count("gemm_rope_kernel") == 2  # the prefill's two layers, and no decode step
     assert ours.shape == (BATCH, SEQ + 16) and torch.equal(ours, theirs)
+    with torch.no_grad():
+        mine, hf = model(ids, attention_mask=mask, use_cache=True), ref(ids, attention_mask=mask, use_cache=True)
+    assert_close_to("prefill logits", mine.logits, hf.logits)
+    for a, b in zip(mine.cache.layers, hf.cache.layers, strict=True):
+        assert_close_to("cached keys", a.keys, b.keys)
+        assert_close_to("cached values", a.values, b.values)
 
 
 def test_vocab_and_ffn_sizes_off_the_16_byte_rule():

@@ -137,9 +137,11 @@ def apply_coda(model: nn.Module) -> nn.Module:
     is planned. A label that is neither -100 nor in [0, vocab) raises torch's ``IndexError("Target 300 is out
     of bounds.")`` on the CPU and fails a device-side assertion on a GPU, as the unpatched loss does.
 
-    Calls that ask for a KV cache (``use_cache=True``, ``past_key_values`` / ``cache``: ``generate()``'s prefill
-    and decode steps) run the model's own forward (the same modules, adapters included), so ``generate()`` gives
-    the unpatched model's tokens; they do not run on the CODA kernels.
+    Calls with a KV cache (``use_cache=True``, ``past_key_values`` / ``cache``: ``generate()``): an inference
+    prefill (an empty cache, no labels, eval mode) runs on the CODA kernels and fills the cache with the keys and
+    values the unpatched model would (q/k back in Hugging Face's head-dim order) and returns it as ``.cache``;
+    decode steps (a filled cache) and cached calls in training or with labels run the model's own forward (the same
+    modules, adapters included). ``generate()`` then gives the unpatched model's tokens.
 
     Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
     training, each checkpointed layer's attention and the CODA block after it run under the layer's own
@@ -446,28 +448,31 @@ def _with_bias(qkv: torch.Tensor, attn: nn.Module, plan: _Plan, positions: torch
 
 
 def _attend(attn: nn.Module, qkv: torch.Tensor, mask: Any, window: int | None, position_ids: torch.Tensor,
-            plan: _Plan, batch: int, seq: int) -> torch.Tensor:
-    """The model's own attention function on the packed qkv rows; returns [batch * seq, heads * head_dim]."""
+            plan: _Plan, batch: int, seq: int, cache: Any = None) -> torch.Tensor:
+    """The model's own attention function on the packed qkv rows; returns [batch * seq, heads * head_dim].
+
+    ``cache`` (a prefill for generation): q and k are put back in Hugging Face's half-split head-dim order first,
+    so that the keys the cache keeps (``cache.update``, as the model's attention calls it) are the unpatched
+    model's and its own forward can decode from them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     eager = sys.modules[type(attn).__module__].eager_attention_forward
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+    if cache is not None:
+        qkv = qkv[:, torch.argsort(L.qkv_perm(plan.heads, plan.kv_heads, plan.head_dim, qkv.device))]
     q, k, v = qkv.split([plan.heads * plan.head_dim, plan.kv_heads * plan.head_dim, plan.kv_heads * plan.head_dim],
                         -1)
 
     def heads_first(t: torch.Tensor) -> torch.Tensor:
         return t.view(batch, seq, -1, plan.head_dim).transpose(1, 2)
 
-    out, _ = fn(attn, heads_first(q), heads_first(k), heads_first(v), mask,
+    q, k, v = heads_first(q), heads_first(k), heads_first(v)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx)
+    out, _ = fn(attn, q, k, v, mask,
                 dropout=attn.attention_dropout if attn.training else 0.0, scaling=attn.scaling,
                 sliding_window=window, position_ids=position_ids)
     return out.reshape(batch * seq, -1).contiguous()
-
-
-def _generating(options: dict[str, Any]) -> bool:
-    """Whether a call asks for a KV cache: ``use_cache=True`` or a cache passed in (``generate()``'s calls)."""
-    return options.get("use_cache") is True or any(
-        options.get(k) is not None for k in ("cache", "past_key_values"))
 
 
 def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -481,13 +486,19 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     plan = _current_plan(self)
-    if _generating(options):  # the model's own forward, with its cache (every module still the model's own)
+    use_cache = options.pop("use_cache", None)
+    cache, legacy = options.pop("cache", None), options.pop("past_key_values", None)
+    cache = legacy if cache is None else cache
+    if use_cache and cache is None:
+        cache = DynamicCache(config=self.config)  # as the unpatched model makes one
+    if cache is not None and (cache.get_seq_length() > 0 or labels is not None or self.training):
+        # Decoding (and any cached call but an inference prefill): the model's own forward, with the cache (every
+        # module is still the model's own, adapters included).
         loss_options = {k: v for k, v in (("num_items_in_batch", num_items_in_batch), ("shift_labels", shift_labels))
                         if v is not None}
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
-                                  **loss_options, **options)
-    use_cache = options.pop("use_cache", None)
+                                  cache=cache, use_cache=use_cache, **loss_options, **options)
     _check_call(self, options)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
@@ -498,9 +509,10 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     # cache, and then does not look for packed sequences in position_ids; without, position_ids that restart at 0
     # inside a row (packed sequences) give each sequence its own causal mask. The mask builder gets no default
     # arange positions: it would search them for packed sequences and synchronize the host to find none.
-    cache = DynamicCache(config=self.config) if (self.config.use_cache if use_cache is None else use_cache) else None
+    mask_cache = cache if cache is not None else DynamicCache(config=self.config) if (
+        self.config.use_cache if use_cache is None else use_cache) else None
     masks = {w: (create_causal_mask if w is None else create_sliding_window_causal_mask)(
-        self.config, embeds, attention_mask, cache, position_ids) for w in set(plan.windows)}
+        self.config, embeds, attention_mask, mask_cache, position_ids) for w in set(plan.windows)}
     if position_ids is None:
         position_ids = torch.arange(seq, device=embeds.device)[None]
     positions = position_ids.expand(batch, seq).reshape(-1)
@@ -546,7 +558,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         layer, name = layers[i], f"model.layers.{i}"
         attn = layer.self_attn
         a = _attend(attn, _with_bias(qkv, attn, plan, positions), masks[plan.windows[i]], plan.windows[i],
-                    position_ids, plan, batch, seq)
+                    position_ids, plan, batch, seq, cache)
         w_o, s_o = _weight(attn.o_proj, f"{name}.self_attn.o_proj")
         residual = x if s_o is None else x + s_o(a)
         side = None
@@ -578,6 +590,6 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     if labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         vocab = _base(self.lm_head).out_features
-        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep, :vocab])
+        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep, :vocab], cache=cache)
     loss = out if num_items_in_batch is None else out / torch.as_tensor(num_items_in_batch, device=out.device)
     return CausalLMOutputWithPast(loss=loss)
