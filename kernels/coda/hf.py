@@ -143,6 +143,10 @@ def apply_coda(model: nn.Module) -> nn.Module:
     decode steps (a filled cache) and cached calls in training or with labels run the model's own forward (the same
     modules, adapters included). ``generate()`` then gives the unpatched model's tokens.
 
+    ``torch.compile(model)`` runs: Dynamo leaves the CODA forward to run eagerly (it is marked
+    ``torch.compiler.disable``; its Triton launches are not registered as custom ops), so nothing of it is
+    compiled, and ``fullgraph=True`` fails with Dynamo's error.
+
     Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
     training, each checkpointed layer's attention and the CODA block after it run under the layer's own
     checkpoint function and are recomputed in backward; the last layer's (which ends in the LM head and the loss)
@@ -176,7 +180,9 @@ def apply_coda(model: nn.Module) -> nn.Module:
     if getattr(target, "_coda_plan", None) is not None:
         return model
     target._coda_plan = _plan(target)
-    target.forward = MethodType(_coda_forward, target)
+    # torch.compile: Dynamo cannot trace the Triton launches (the CODA ops are not registered as custom ops with
+    # fake-tensor rules), so it leaves this forward to run eagerly (a graph break around it) instead of failing.
+    target.forward = MethodType(torch.compiler.disable(_coda_forward), target)
     return model
 
 
