@@ -55,7 +55,20 @@ fp32) is padded inside this layer: zero gate/up row pairs and zero down_proj col
 cross-entropy's logits buffer gets an aligned row stride (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`)
 and the logits path (no labels) zero rows cut off its output.
 
-Supported and refused, in full: :func:`apply_coda` and ``docs/hf-support.md``.
+Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf-support.md``): Llama, Mistral,
+Qwen2; GQA/MQA, any head_dim; tied or untied embeddings; RoPE default / linear / llama3; padding, position_ids,
+packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary and FFN
+size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
+state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching,
+dropout included, disable_adapter / merge_adapter; gradient checkpointing (reentrant or not); generate() (prefill
+on the CODA kernels, decode through the model's own forward); torch.compile(model) (the CODA forward not compiled);
+a model changed after patching (planned again).
+
+Refused in one line (:class:`CodaUnsupportedError`): other architectures, activations, RoPE types or a partial
+rotary factor; biases on o_proj, the MLP or the LM head; projections that are neither nn.Linear nor PEFT LoRA on
+one (other PEFT methods, quantized layers); other norms; a custom loss_function; a model split across devices;
+LoRA variants (DoRA, ...), lora_bias, LoRA dropout in training on the LM head; output_attentions,
+output_hidden_states, return_dict=False and any other call option.
 """
 from __future__ import annotations
 
