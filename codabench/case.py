@@ -24,6 +24,8 @@ class Case:
     """Canonical-layout inputs (weights, activations and consts)."""
     fp8_accum: str = "fast"
     """fp8 tensor-core accumulation of the run (``--fp8-accum``): ``fast`` or ``promoted``."""
+    checkpointing: bool = False
+    """Activation checkpointing in the whole-model training steps (``--checkpointing``)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -159,6 +159,8 @@ def run_parser() -> argparse.ArgumentParser:
                    "for llama-*)")
     p.add_argument("--layers", type=LAYERS, help=f"decoder layers of the whole-model ops, e.g. train_step, "
                    f"1-{LIMITS['layers']} (default: the preset's, 4; tiny: 2)")
+    p.add_argument("--checkpointing", action="store_true", help="activation (gradient) checkpointing in the "
+                   "Hugging Face training steps (train_step's hf-* implementations)")
     p.add_argument("--check-tokens", type=TOKENS, help=f"tokens of the correctness pass, 1-{LIMITS['tokens']} "
                    "(default: the suite's, 2048 for full; else as timing)")
     p.add_argument("--out", type=_out_dir, help="run directory (default: reports/<suite>-<date>-<time>)")
@@ -440,7 +442,7 @@ def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: t
                models: dict[str, ModelShape] | None = None) -> RunConfig:
     """The runner's settings from the flags; flags left out take the suite's defaults, then the device's."""
     return RunConfig(out_dir=out, selection=sel, device=device, suite=suite.name, tokens=args.tokens,
-                     vocab=args.vocab, layers=args.layers, models=models or {},
+                     vocab=args.vocab, layers=args.layers, models=models or {}, checkpointing=args.checkpointing,
                      check_tokens=args.check_tokens or suite.check_tokens,
                      cuda_graph=args.cuda_graph, resume=args.resume, shard=args.shard,
                      show_progress=not args.quiet, fp8_accum=args.fp8_accum, cell_timeout_s=args.cell_timeout,

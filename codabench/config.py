@@ -26,6 +26,8 @@ class RunConfig:
     vocab: int | None = None
     layers: int | None = None
     """Decoder layers of the whole-model ops (``--layers``; default: the model's)."""
+    checkpointing: bool = False
+    """Activation checkpointing in the whole-model training steps (``--checkpointing``), passed to each Case."""
     check_tokens: int | None = None
     """Tokens of the correctness pass (default: the timing's)."""
     timing: TimingConfig = field(default_factory=TimingConfig)

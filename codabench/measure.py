@@ -533,7 +533,7 @@ class Measurer:
         op = OPS[cell.op]
         model = self.cfg.model(cell.model, check=check and self.cfg.check_tokens is not None)
         inputs = op.inputs(model, cell.dtype, self.device, seed) if seed is not None else {}
-        return Case(op, model, cell.mode, cell.dtype, self.device, inputs, self.cfg.fp8_accum)
+        return Case(op, model, cell.mode, cell.dtype, self.device, inputs, self.cfg.fp8_accum, self.cfg.checkpointing)
 
     def _failed(self, result: CellResult) -> CellResult:
         self._after_error()

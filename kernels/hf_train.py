@@ -10,6 +10,21 @@ labels=labels).loss`` in ``run``; the harness times that call and the backward f
               cross-entropy as Liger's Triton kernels, pinned to Triton as in :mod:`kernels.liger`
   hf-coda     ``kernels.coda.hf.apply_coda(model)``: the model's norms, projections and loss on the CODA kernels;
               a cell's first step starts with ``precompile_step``'s dry pass (kernels compiled in parallel)
+  hf-liger-lora, hf-coda-lora
+              hf-liger and hf-coda with PEFT LoRA on the 7 projections of every layer (:func:`add_lora`: rank 16,
+              alpha 32, no dropout), as a LoRA fine-tune runs them
+
+LoRA cells: the op's outputs are the loss and the base weights' gradients, so the base weights stay trainable
+leaves (unlike a LoRA fine-tune, which freezes them) and B starts at zero (PEFT's initialization): the loss and the
+gradients are the plain model's, checked against the same reference, while every step also computes the adapters'
+gradients (into their ``.grad``, which the harness does not read). PEFT renames a wrapped projection's weight
+``...q_proj.base_layer.weight``; ``run`` hands the harness's leaves to the model under those names.
+
+``--checkpointing`` (:attr:`codabench.case.Case.checkpointing`): every implementation here calls the model's
+``gradient_checkpointing_enable()`` (non-reentrant), so that a cell measures the step with activation
+checkpointing, its peak memory included. The layers' recomputation in backward reads the module's weights after
+the call, so then ``run`` sets the leaves as the model's parameters and leaves them there until the next call
+(instead of ``functional_call``, which puts the meta ones back when the forward returns).
 
 Weights: the harness hands ``run`` the weights as fresh leaf tensors on every call and reads the gradients from
 those leaves. So the model holds no weights of its own: it is built on the meta device (its RoPE table, a buffer,
@@ -46,6 +61,8 @@ from workloads.models import ModelShape
 from workloads.ops.train_step import TrainStep
 
 BATCH = ("input_ids", "labels")
+LORA_RANK, LORA_ALPHA = 16, 32
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def llama_config(shape: ModelShape) -> Any:
@@ -73,6 +90,28 @@ def build_llama(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> 
     return model.train()
 
 
+def add_lora(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
+    """PEFT LoRA on ``LORA_TARGETS`` of every layer of ``model`` (in place; rank ``LORA_RANK``, alpha
+    ``LORA_ALPHA``, no dropout), its A and B real trainable tensors of ``dtype`` on ``device`` (the base weights
+    may be on the meta device): A random (std 1 / sqrt(in_features)), B zero as PEFT initializes it. Returns each
+    wrapped base weight's name in the plain model -> its name in the LoRA model."""
+    import peft
+
+    peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                               target_modules=list(LORA_TARGETS)))
+    gen = torch.Generator(device=device).manual_seed(0)
+    renamed = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+            renamed[f"{name}.weight"] = f"{name}.base_layer.weight"
+            for a in module.lora_A.values():
+                a.weight = nn.Parameter(torch.randn(a.weight.shape, generator=gen, device=device, dtype=dtype)
+                                        * a.weight.shape[1] ** -0.5)
+            for b in module.lora_B.values():
+                b.weight = nn.Parameter(torch.zeros(b.weight.shape, device=device, dtype=dtype))
+    return renamed
+
+
 def _weights_and_batch(native: Tensors) -> tuple[Tensors, Tensors]:
     """A cell's native tensors split into the model's weights (by state-dict name) and the batch."""
     weights = {k: v for k, v in native.items() if isinstance(v, torch.Tensor) and k not in BATCH}
@@ -86,23 +125,39 @@ class HFTrainStep(Implementation):
     modes = ("fwd_bwd",)
     dtypes = ("fp32", "fp16", "bf16")
     requires: tuple[str, ...] = ("pkg:transformers",)
+    lora = False
+    """Whether the model gets PEFT LoRA (:func:`add_lora`) after :meth:`patch`."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._model: nn.Module | None = None
+        self._renamed: dict[str, str] = {}
 
     def patch(self, model: nn.Module) -> nn.Module:
         """The model as this implementation runs it (hf-eager: unchanged)."""
         return model
 
     def prepare(self, case: Case) -> Tensors:
-        key = (replace(case.model, tokens=0), case.torch_dtype, case.device)
+        key = (replace(case.model, tokens=0), case.torch_dtype, case.device, case.checkpointing)
         if key != self._key:
-            self._model, self._key = self.patch(build_llama(case.model, case.torch_dtype, case.device)), key
+            model = build_llama(case.model, case.torch_dtype, case.device)
+            if case.checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model = self.patch(model)
+            self._renamed = add_lora(model, case.torch_dtype, case.device) if self.lora else {}
+            self._model, self._key = model, key
         return {**case.inputs, "hf_model": self._model}
 
     def forward(self, model: nn.Module, weights: Tensors, batch: Tensors) -> torch.Tensor:
-        return functional_call(model, weights, (), batch).loss
+        weights = {self._renamed.get(k, k): v for k, v in weights.items()}
+        if not model.is_activation_checkpointing:
+            return functional_call(model, weights, (), batch).loss
+        # Checkpointed layers run again in backward, after functional_call would have put the meta weights back:
+        # the leaves are set as the model's parameters and stay there until the next call replaces them.
+        for name, leaf in weights.items():
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._parameters[attr] = leaf
+        return model(**batch).loss
 
     def run(self, native: Tensors) -> Tensors:
         weights, batch = _weights_and_batch(native)
@@ -197,11 +252,24 @@ class HFLiger(HFTrainStep):
                 "liger_resolved_impl": pin_triton()}
 
 
+class HFLigerLoRA(HFLiger):
+    requires = HFLiger.requires + ("pkg:peft",)
+    lora = True
+
+
+class HFCodaLoRA(HFCoda):
+    requires = HFCoda.requires + ("pkg:peft",)
+    lora = True
+
+
 for _name, _cls, _label, _desc in [
     ("hf-eager", HFTrainStep, "baseline", "Hugging Face LlamaForCausalLM, eager, SDPA attention"),
     ("hf-compile", HFCompile, "baseline", "Hugging Face LlamaForCausalLM under torch.compile (default mode)"),
     ("hf-liger", HFLiger, "baseline", "Hugging Face LlamaForCausalLM + Liger's apply_liger_kernel_to_llama (Triton)"),
     ("hf-coda", HFCoda, "fused", "Hugging Face LlamaForCausalLM + apply_coda (CODA kernels, the model's SDPA)"),
+    ("hf-liger-lora", HFLigerLoRA, "baseline", "hf-liger + PEFT LoRA rank 16 on the 7 projections of every layer"),
+    ("hf-coda-lora", HFCodaLoRA, "fused", "hf-coda + PEFT LoRA rank 16 on the 7 projections of every layer (merged "
+                                          "into the fused GEMMs' weights)"),
 ]:
     _impl = _cls()
     _impl.name, _impl.label, _impl.description, _impl.source = _name, _label, _desc, __name__

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 
 import pytest
 import torch
@@ -225,7 +226,7 @@ class LoRALinear(nn.Linear):
     (lambda: tiny(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}), apply_coda,
      "rope_type='dynamic'"),
     (lambda: _with(tiny(), "model.layers.1.self_attn.q_proj", LoRALinear(64, 64, bias=False)), apply_coda,
-     "not a plain nn.Linear"),
+     "model.layers.1.self_attn.q_proj is a LoRALinear: the projections must be nn.Linear or PEFT LoRA"),
     (lambda: _with(tiny(), "loss_function", lambda **kwargs: 0.0), apply_coda, "a custom loss_function"),
     (lambda: _with(tiny(), "model.norm", nn.LayerNorm(64)), apply_coda, "a norm is not a LlamaRMSNorm"),
 ])
@@ -238,8 +239,6 @@ def test_unsupported_models_are_refused_with_one_line(make, apply, message):
 
 
 @pytest.mark.parametrize("call, message", [
-    ({"use_cache": True}, "a KV cache"),
-    ({"past_key_values": transformers.DynamicCache()}, "a KV cache"),
     ({"output_hidden_states": True}, "output_hidden_states=True"),
     ({"return_dict": False}, "return_dict=False"),
 ])
@@ -251,19 +250,248 @@ def test_unsupported_calls_are_refused_with_one_line(call, message):
     assert "\n" not in str(err.value)
 
 
-def test_activation_checkpointing_is_refused_in_training():
-    model = apply_coda(tiny())
-    model.activation_checkpointing_enable()
-    ids, _, labels = batch()
-    with pytest.raises(CodaUnsupportedError, match=r"activation \(gradient\) checkpointing"):
-        model.train()(ids, labels=labels)
-
-
 def test_qwen2_alias_patches_qwen2_once():
     model = tiny("qwen2")
     assert apply_coda_to_qwen2(model) is model and model._coda_plan.qkv_bias
     plan, forward = model._coda_plan, model.forward
     assert apply_coda(model) is model and model._coda_plan is plan and model.forward == forward
+
+
+# ---- a model changed after apply_coda, PEFT LoRA, checkpointing, packed sequences, generate() ----------------
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def trainable_grads(model: nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    out = model(**inputs)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_close_to(name: str, ours: torch.Tensor, theirs: torch.Tensor, tol: float = 1e-5) -> None:
+    err = rel_err(ours, theirs)
+    assert err <= tol, f"{name}: rel_err {err:.2e} against the unpatched model"
+
+
+@pytest.mark.parametrize("order, config", [
+    ("after", {"target_modules": ALL_PROJECTIONS, "lora_alpha": 32, "use_rslora": True}),
+    ("before", {"target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "lora_alpha": 8,
+                "lora_dropout": 0.1}),
+])
+def test_peft_lora_before_or_after_apply_coda_gives_hf_peft_loss_and_adapter_grads(order, config):
+    """r=16 LoRA (random A and B, so that every term counts), PEFT applied after apply_coda or apply_coda to the
+    PEFT model: the loss and every LoRA A/B gradient equal unpatched HF + PEFT's. With lora_dropout in training,
+    the adapters run beside the kernels (q/v rotated onto the kernel's qkv, down_proj through the split MLP) and
+    draw their dropout masks in the unpatched model's order: the same seed gives the same loss."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=16, init_lora_weights=False, **config)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(tiny(), lora)
+    model = tiny()
+    if order == "before":
+        apply_coda(model)
+        model = peft.get_peft_model(model, lora)
+    else:
+        model = peft.get_peft_model(model, lora)
+        assert apply_coda(model) is model
+    model.load_state_dict(ref.state_dict())
+    model.train(), ref.train()
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    torch.manual_seed(11)
+    with launches() as names:
+        loss, grads = trainable_grads(model, **inputs)
+    assert "gemm_cross_entropy_kernel" in names  # the CODA forward ran, with the adapters
+    torch.manual_seed(11)
+    ref_loss, ref_grads = trainable_grads(ref, **inputs)
+    if config.get("lora_dropout"):
+        torch.manual_seed(12)
+        with torch.no_grad():
+            assert abs(ref(**inputs).loss - ref_loss) > 1e-4  # the dropout masks count
+    assert set(grads) == set(ref_grads) and any("lora_A" in n for n in grads)
+    assert_close_to("loss", loss, ref_loss)
+    base_loss = tiny()(**inputs).loss.detach()
+    assert abs(loss - base_loss) > 1e-3  # the adapters changed the loss
+    for name in ref_grads:
+        assert_close_to(name, grads[name], ref_grads[name])
+
+
+def test_lora_disabled_and_merged_adapters_follow_peft():
+    """disable_adapter() gives the base model's loss; merge_adapter() (W holds the adapter) the adapter's, once."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "up_proj"], init_lora_weights=False)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(tiny(), lora)
+    model = apply_coda(peft.get_peft_model(tiny(), lora))
+    model.load_state_dict(ref.state_dict())
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with torch.no_grad():
+        with_adapter = ref(**inputs).loss
+        with model.disable_adapter(), ref.disable_adapter():
+            assert_close_to("disabled", model(**inputs).loss, ref(**inputs).loss)
+        model.merge_adapter()
+        assert_close_to("merged", model(**inputs).loss, with_adapter)
+        assert abs(with_adapter - tiny()(**inputs).loss) > 1e-3
+
+
+def test_lora_variants_and_lora_bias_are_refused_naming_the_module():
+    peft = pytest.importorskip("peft")
+    ids, _, labels = batch()
+    for config, message in [({"lora_bias": True}, r"model.layers.0.self_attn.q_proj: lora_bias is not fused"),
+                            ({"use_dora": True}, r"model.layers.0.self_attn.q_proj: LoRA variant")]:
+        model = apply_coda(peft.get_peft_model(tiny(), peft.LoraConfig(r=4, target_modules=["q_proj"], **config)))
+        with pytest.raises(CodaUnsupportedError, match=message) as err:
+            model.train()(input_ids=ids, labels=labels)
+        assert "\n" not in str(err.value)
+
+
+def test_a_projection_replaced_after_apply_coda_is_planned_for_or_refused():
+    """Every forward checks the planned modules and parameters: a new plain projection is used (the loss follows
+    the unpatched model's), a bias on o_proj is refused naming the module, and nothing is silently ignored."""
+    model = apply_coda(tiny())
+    ref = tiny()
+    ids, mask, labels = batch()
+    torch.manual_seed(5)
+    for m in (model, ref):
+        torch.manual_seed(5)
+        m.model.layers[1].self_attn.q_proj = nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        assert_close_to("loss", model(ids, attention_mask=mask, labels=labels).loss,
+                        ref(ids, attention_mask=mask, labels=labels).loss)
+        model.model.layers[0].self_attn.o_proj = nn.Linear(64, 64, bias=True)
+        with pytest.raises(CodaUnsupportedError, match="model.layers.0.self_attn.o_proj has a bias") as err:
+            model(ids, labels=labels)
+    assert "\n" not in str(err.value)
+
+
+def test_the_plan_keeps_no_replaced_weights_alive():
+    """functional_call's weights (the train suite hands fresh ones every step) make a new plan, which holds only
+    weak references: once the caller drops them they are freed."""
+    model = apply_coda(tiny())
+    ids, _, labels = batch()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        loss = torch.func.functional_call(model, weights, (ids,), {"labels": labels}).loss
+        assert torch.equal(loss, model(ids, labels=labels).loss)
+    freed = weakref.ref(weights["model.layers.0.self_attn.q_proj.weight"])
+    del weights
+    assert freed() is None
+
+
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 44, -5])
+def test_bad_labels_raise_as_the_unpatched_model_does(bad):
+    model, ref = apply_coda(tiny()), tiny()
+    ids, _, labels = batch()
+    labels[0, 7] = bad
+    errors = []
+    for m in (ref, model):
+        with pytest.raises(Exception) as err:
+            m(ids, labels=labels)
+        errors.append((type(err.value), str(err.value)))
+    assert errors[0] == errors[1] == (IndexError, f"Target {bad} is out of bounds.")
+
+
+def test_swish_is_silu():
+    model, ref = apply_coda(tiny(hidden_act="swish")), tiny(hidden_act="swish")
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        assert_close_to("loss", model(ids, attention_mask=mask, labels=labels).loss,
+                        ref(ids, attention_mask=mask, labels=labels).loss)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_matches_the_unpatched_model(reentrant):
+    """gradient_checkpointing_enable() (reentrant or not): the same loss and gradients as unpatched HF with it, and
+    the checkpointed layer's block runs twice (recomputed in backward)."""
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    model, ref = tiny(), tiny()
+    for m in (model, ref):
+        m.train().gradient_checkpointing_enable(**kwargs)
+    apply_coda(model)
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with launches() as names:
+        loss, grads = trainable_grads(model, **inputs)
+    assert names.count("gemm_swiglu_kernel") == 3  # two layers, the first one's block recomputed
+    ref_loss, ref_grads = trainable_grads(ref, **inputs)
+    assert_close_to("loss", loss, ref_loss)
+    for name in ref_grads:
+        assert_close_to(name, grads[name], ref_grads[name], 1e-4)
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_packed_sequences_follow_the_unpatched_model(use_cache):
+    """position_ids restarting at 0 inside a row, no attention_mask: with use_cache=False each sequence attends to
+    itself only (HF's packed-sequence mask), with the config's use_cache=True (a cache, no packing detection) the
+    whole row is causal -- as in the unpatched model under the same config."""
+    model, ref = apply_coda(tiny(use_cache=use_cache)), tiny(use_cache=use_cache)
+    ids, _, _ = batch()
+    pos = torch.cat([torch.arange(10), torch.arange(SEQ - 10)])[None].expand(BATCH, SEQ)
+    with torch.no_grad():
+        ours, theirs = model(ids, position_ids=pos).logits, ref(ids, position_ids=pos).logits
+        alone = ref(ids[:, 10:]).logits  # the second sequence on its own
+    assert_close_to("logits", ours, theirs)
+    assert (rel_err(ours[:, 10:], alone) < 1e-5) == (not use_cache)
+
+
+def test_torch_compile_of_the_patched_model_runs_its_coda_forward_eagerly():
+    """torch.compile(model) does not fail: Dynamo leaves the CODA forward (its Triton launches) to run eagerly, so
+    the compiled model's loss is the patched model's, bit for bit, from the CODA kernels."""
+    model = apply_coda(tiny())
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask, labels=labels).loss
+        with launches() as names:
+            compiled = torch.compile(model, backend="eager")(ids, attention_mask=mask, labels=labels).loss
+    assert "gemm_cross_entropy_kernel" in names and torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_generate_greedy_tokens_equal_the_unpatched_model(arch):
+    """generate() with the KV cache, left padding (and Mistral's sliding window): the prefill runs on the CODA
+    kernels and fills the cache with Hugging Face's keys and values, the decode steps run the model's own forward
+    from it; the greedy tokens are the unpatched model's."""
+    model, ref = apply_coda(tiny(arch).eval()), tiny(arch).eval()
+    ids, mask, _ = batch()
+    args = {"attention_mask": mask, "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        with launches() as names:
+            ours = model.generate(ids, **args)
+        theirs = ref.generate(ids, **args)
+    assert names.count("gemm_rope_kernel") == 2  # the prefill's two layers, and no decode step
+    assert ours.shape == (BATCH, SEQ + 16) and torch.equal(ours, theirs)
+    with torch.no_grad():
+        mine, hf = model(ids, attention_mask=mask, use_cache=True), ref(ids, attention_mask=mask, use_cache=True)
+    assert_close_to("prefill logits", mine.logits, hf.logits)
+    for a, b in zip(mine.cache.layers, hf.cache.layers, strict=True):
+        assert_close_to("cached keys", a.keys, b.keys)
+        assert_close_to("cached values", a.values, b.values)
+
+
+def test_vocab_and_ffn_sizes_off_the_16_byte_rule():
+    """vocab 257 (like Llama-2's 32000 + a pad token) and FFN 90: rows of 1028 and 360 bytes, which the tensor
+    descriptors refuse. The loss, every gradient and the logits still equal the unpatched model's (the FFN padded
+    with zero gate/up rows and down columns, the logits buffers with an aligned row stride)."""
+    model = tiny(vocab_size=VOCAB + 1, intermediate_size=90, tie_word_embeddings=False)
+    ids, mask, labels = batch()
+    labels[0, 5] = VOCAB  # the ragged last column is a target
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ref64 = copy.deepcopy(model).double()
+    loss64, grads64, _ = loss_and_grads(ref64, **inputs)
+    loss32, grads32, _ = loss_and_grads(model, **inputs)
+    with torch.no_grad():
+        logits64, logits32 = ref64(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    apply_coda(model)
+    loss, grads, out = loss_and_grads(model, **inputs)
+    assert out.logits is None
+    assert_passes("loss", loss, loss32, loss64)
+    for name in grads64:
+        assert_passes(name, grads[name], grads32[name], grads64[name])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    assert logits.shape == (BATCH, SEQ, VOCAB + 1)
+    assert_passes("logits", logits, logits32, logits64)
 
 
 # ---- GPU: bf16 at the real shapes ----------------------------------------------------------------------

@@ -6,6 +6,8 @@ passing the error rule.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pandas as pd
 import pytest
 import torch
@@ -100,9 +102,10 @@ def test_flops_are_the_gemms_and_causal_attention():
     assert OP.flops(SMALL, "fwd_bwd") == counts["aten.mm"] + counts["aten.bmm"] * (seq + 1) // (2 * seq)
 
 
-def check(impl, shape: ModelShape = PRESETS["tiny"]):
+def check(impl, shape: ModelShape = PRESETS["tiny"], checkpointing: bool = False):
     """The harness's correctness pass of one implementation (float64 reference, PyTorch's fp32 error, the rule)."""
-    case = Case(OP, shape, "fwd_bwd", "fp32", CPU, OP.inputs(shape, "fp32", CPU, CHECK_SEED))
+    case = Case(OP, shape, "fwd_bwd", "fp32", CPU, OP.inputs(shape, "fp32", CPU, CHECK_SEED),
+                checkpointing=checkpointing)
     outcome = check_impl(build_reference(OP, case), impl)
     assert outcome.correct, (outcome.errors, [(c.output, c.stats.rel_err, c.torch_rel_err) for c in outcome.checks])
     assert len(outcome.checks) == 1 + len(weights(case.inputs))  # the loss and every weight's gradient
@@ -114,6 +117,42 @@ def test_hf_eager_and_hf_coda_pass_the_error_rule():
     with launches() as names:
         check(hf_train.HFCoda())
     assert {"gemm_rope_kernel", "gemm_residual_norm_kernel", "gemm_cross_entropy_kernel"} <= set(names)
+
+
+def lora_grads(impl) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in impl._model.named_parameters() if "lora_" in n}
+
+
+def test_hf_coda_lora_passes_the_error_rule_and_trains_the_adapters():
+    """PEFT LoRA (B = 0 at the start, as PEFT initializes it) leaves the loss and the base weights' gradients the
+    plain model's, which the harness checks; the adapters' B matrices get their gradients, through the merged
+    weights of the fused kernels."""
+    pytest.importorskip("peft")
+    impl = hf_train.HFCodaLoRA()
+    with launches() as names:
+        check(impl)
+    assert {"gemm_rope_kernel", "gemm_swiglu_kernel", "gemm_cross_entropy_kernel"} <= set(names)
+    grads = lora_grads(impl)
+    layers = PRESETS["tiny"].layers
+    assert len(grads) == 2 * len(hf_train.LORA_TARGETS) * layers
+    assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+
+
+@pytest.mark.parametrize("name", ["hf-eager", "hf-coda"])
+def test_checkpointing_reaches_the_model_and_passes_the_error_rule(name, tmp_path):
+    """``--checkpointing`` sets the run's and so each Case's flag; the model then recomputes each checkpointed layer
+    in backward (hf-coda: every layer's block but the last one's runs twice) and still passes the rule."""
+    suite = get_suite("train")
+    cfg = run_config(run_parser().parse_args(["--checkpointing"]), suite, Selection.from_suite(suite), CPU, tmp_path)
+    assert cfg.checkpointing and not run_config(run_parser().parse_args([]), suite, Selection.from_suite(suite), CPU,
+                                                tmp_path).checkpointing
+    impl = {"hf-eager": hf_train.HFTrainStep, "hf-coda": hf_train.HFCoda}[name]()
+    with launches() as names:
+        check(impl, checkpointing=True)
+    assert impl._model.is_activation_checkpointing
+    if name == "hf-coda":
+        layers = PRESETS["tiny"].layers
+        assert names.count("gemm_swiglu_kernel") == 2 * layers - 1
 
 
 @pytest.mark.slow
@@ -163,6 +202,10 @@ def test_hf_liger_runs_liger_and_leaves_transformers_unpatched(monkeypatch):
     with launches() as names:
         check(hf_train.HFLiger())
     assert {"_triton_rope", "liger_cross_entropy_kernel"} <= set(names), sorted(set(names))
+    if importlib.util.find_spec("peft"):  # hf-liger-lora: Liger's model with PEFT's adapters, which get gradients
+        lora = hf_train.HFLigerLoRA()
+        check(lora)
+        assert all(g is not None and g.abs().sum() > 0 for n, g in lora_grads(lora).items() if "lora_B" in n)
     assert {k: getattr(modeling_llama, k) for k in hf_train.LIGER_GLOBALS} == before
     model = hf_train.build_llama(PRESETS["tiny"], torch.float32, CPU)
     assert type(model.model.norm).__name__ == "LlamaRMSNorm" and type(model.model.layers[0].mlp).__name__ == "LlamaMLP"

@@ -122,9 +122,9 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     loss: fp32 scalar ("mean" over non-ignored rows, or "sum"); lse: fp32 [M]. With ``with_grad``:
     dlogits [M, V] in h's dtype, ``s * (softmax - onehot)`` (zero rows where ignored; s: ``grad_scale``, an fp32
     one-element device tensor such as the loss scale of :func:`kernels.coda.cross_entropy_bwd.ce_grad_scale`, or
-    1), written into ``out`` when given (a contiguous [M, V] buffer in h's dtype, which a caller going over chunks
-    of rows reuses), and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the logits are never written and
-    both are None.
+    1), written into ``out`` when given (a row-major [M, V] buffer in h's dtype, its row stride a multiple of 16
+    bytes, which a caller going over chunks of rows reuses), and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``;
+    otherwise the logits are never written and both are None.
     """
     gemm = FusedGemm(h, w_lm.T, promote)
     M, V = gemm.M, gemm.N
@@ -132,8 +132,8 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     kernel = gemm_cross_entropy_kernel
     lse_part = row_partials(kernel, M, V, gemm.device)
     tgt_logit = torch.zeros(M, device=gemm.device, dtype=torch.float32)
-    if out is not None and (out.shape != (M, V) or out.dtype != gemm.out_dtype or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous {(M, V)} {gemm.out_dtype} tensor, got {tuple(out.shape)}, "
+    if out is not None and (out.shape != (M, V) or out.dtype != gemm.out_dtype or out.stride(1) != 1):
+        raise ValueError(f"out must be a row-major {(M, V)} {gemm.out_dtype} tensor, got {tuple(out.shape)}, "
                          f"{out.dtype}")
     logits = (gemm.empty() if out is None else out) if with_grad else None
     gemm.launch(kernel, rstd_ptr=rstd, target_ptr=target, logits_ptr=logits if with_grad else tgt_logit,

@@ -131,7 +131,9 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
     rows = chunk_rows or ce_chunk_rows(M, V, h.element_size())
     s = ce_grad_scale(torch.ones((), device=h.device, dtype=torch.float32), target, ignore_index, reduction)
     gamma32 = gamma.float()  # dgamma of each chunk in fp32, summed over the chunks before rounding
-    buf = torch.empty(min(rows, M), V, device=h.device, dtype=h.dtype)
+    # Row stride rounded up to 16 bytes (the tensor descriptors' rule), so that any V works: a view of a wider buffer.
+    per = max(1, 16 // h.element_size())
+    buf = torch.empty(min(rows, M), -(-V // per) * per, device=h.device, dtype=h.dtype)[:, :V]
     dx = torch.zeros_like(x)  # each chunk's dgrad adds its rows in place
     losses, lses, dgammas, dw = [], [], [], None
     for r0 in range(0, M, rows):

@@ -21,24 +21,77 @@ when q and k have their head dims permuted the same way. v is not permuted, so t
 Face's layout for o_proj. q/k/v biases (Qwen2): ``RoPE(z + b) = R_m z + R_m b``. The kernel writes ``R_m z``,
 and ``R_m b`` (the bias, permuted like the rows and rotated with the kernel's frequency table) is added in torch.
 Autograd carries its gradient back to the biases.
+
+PEFT LoRA (on any of the projections and the LM head, before or after ``apply_coda``): a LoRA projection
+computes ``x W^T + s B A x`` = ``x (W + s B A)^T``, so its weight in the formulas above is the merged
+``W + s B A`` (summed over the active adapters), built in the autograd graph on every forward (:func:`_weight`).
+It is exact, it keeps every kernel fused whatever projection carries the adapter (q/k inside the RoPE epilogue,
+gate/up inside SwiGLU's, o/down before the residual norm), and its gradients are autograd's: ``dA = s B^T dW``
+and ``dB = s dW A^T`` from the merged weight's gradient dW, which the fused backward computes anyway (it computes
+every weight's gradient, frozen or not): ``2 r out in`` FLOPs per projection against the ``2 M out in`` of
+each of the step's GEMMs, r/M of a GEMM (0.1% at rank 16 and 16384 tokens). It costs one [out, in] add per
+projection and step in forward and the merged copy, held for backward like the packed Wqkv / Wgu.
+
+The merged form cannot apply PEFT's dropout to the adapter's input, so an adapter whose dropout is active
+(lora_dropout > 0 in training) runs beside the kernels instead, as PEFT computes it, ``s B A dropout(x)`` on the
+projection's input, exact too: q/k/v's on the normalized input (the model's own norm on the residual stream),
+rotated like the bias (``RoPE`` is linear) and added to the kernel's qkv; o_proj's added to the residual that
+enters the out-proj + residual + norm kernel; gate/up's and down_proj's need SwiGLU's pre-activation and input,
+which the fused block keeps inside, so that layer's MLP runs split: out-proj + residual + norm + the gate/up GEMM
+(a linear consumer), the adapters and SwiGLU in torch, then down-proj + residual + norm + the next consumer. The
+adapters draw their dropout masks in the unpatched model's order. A rank-r path like that for every adapter would
+also skip the frozen W's weight gradient (a third of the step's GEMM FLOPs); the fused backward computes every
+weight's gradient.
+
+The model is checked again on every forward (:func:`_current_plan`): the identities of the planned modules
+(projections, their LoRA wrappers and base layers, norms, embedding, RoPE) and of their weight and bias
+Parameters are compared with the plan's, without reading any data. A change (LoRA wrapped around a projection
+after patching, a projection replaced or given a bias, ``torch.func.functional_call``'s parameters) makes the
+plan again: a supported model runs, an unsupported one raises :class:`CodaUnsupportedError` naming the module.
+
+Sizes: an FFN size whose rows are not a multiple of 16 bytes (the tensor descriptors' stride rule; e.g. 90 in
+fp32) is padded inside this layer: zero gate/up row pairs and zero down_proj columns, exact since
+``silu(0) * 0 = 0``. A vocabulary like that (32001: Llama-2 and a pad token) needs no padding of the weights: the
+cross-entropy's logits buffer gets an aligned row stride (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`)
+and the logits path (no labels) zero rows cut off its output.
+
+Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf-support.md``): Llama, Mistral,
+Qwen2; GQA/MQA, any head_dim; tied or untied embeddings; RoPE default / linear / llama3; padding, position_ids,
+packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary and FFN
+size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
+state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching,
+dropout included, disable_adapter / merge_adapter; gradient checkpointing (reentrant or not); generate() (prefill
+on the CODA kernels, decode through the model's own forward); torch.compile(model) (the CODA forward not compiled);
+a model changed after patching (planned again).
+
+Refused in one line (:class:`CodaUnsupportedError`): other architectures, activations, RoPE types or a partial
+rotary factor; biases on o_proj, the MLP or the LM head; projections that are neither nn.Linear nor PEFT LoRA on
+one (other PEFT methods, quantized layers); other norms; a custom loss_function; a model split across devices;
+LoRA variants (DoRA, ...), lora_bias, LoRA dropout in training on the LM head; output_attentions,
+output_hidden_states, return_dict=False and any other call option.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
+from functools import partial
 from types import MethodType
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import layouts as L
-from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer
+from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer, producer_consumer
 from kernels.coda.pack import gate_up_index, pack_rows, qkv_index
 from kernels.coda.precompile import Precompiled, precompile_autograd
 from kernels.coda.rope import rope_freq_table
 from workloads.reference import IGNORE_INDEX, shifted_targets
 
+SILU_NAMES = ("silu", "swish")
+"""``hidden_act`` values that Hugging Face computes as silu (its ACT2FN maps "swish" to the same SiLU)."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE types whose cos/sin are exactly those of ``pos * inv_freq``: no attention factor, no dynamic update."""
 
@@ -49,7 +102,7 @@ _WINDOW: dict[str, Callable[[Any, nn.Module], int | None]] = {
     "Qwen2ForCausalLM": lambda config, attn: attn.sliding_window,
 }
 # Call options whose value is also the unpatched model's default behaviour. Any other option is refused.
-_NEUTRAL_OPTIONS = {"use_cache": False, "output_attentions": False, "output_hidden_states": False, "return_dict": True}
+_NEUTRAL_OPTIONS = {"output_attentions": False, "output_hidden_states": False, "return_dict": True}
 
 
 class CodaUnsupportedError(ValueError):
@@ -68,6 +121,9 @@ class _Plan:
     inv_freq: tuple[float, ...]
     windows: tuple[int | None, ...]
     qkv_bias: bool
+    watched: tuple[weakref.ref | None, ...]
+    """Weak references to the modules and parameters the plan was made for (:func:`_watched`; None for a missing
+    bias): the plan keeps none of them alive (``functional_call``'s weights go when the call's caller drops them)."""
 
 
 def apply_coda(model: nn.Module) -> nn.Module:
@@ -86,8 +142,28 @@ def apply_coda(model: nn.Module) -> nn.Module:
     logits. ``shift_labels`` (given with labels) are used as the targets unshifted, as in Hugging Face. Without
     labels, the last norm + LM head run as a CODA linear consumer and ``.logits`` is returned (``logits_to_keep``
     as in Hugging Face). ``attention_mask`` (padding) and ``position_ids`` are supported: they go to the
-    model's own mask builder and attention, and to the RoPE positions. The RoPE frequencies are the model's
-    ``rotary_emb.inv_freq``, read when the model is patched.
+    model's own mask builder and attention, and to the RoPE positions. Packed sequences (position_ids that
+    restart at 0 inside a row, no attention_mask) get the unpatched model's masks under the same config: each
+    sequence its own causal mask when ``use_cache`` (the call's, else the config's) is False, one causal mask
+    over the row when it is True (the unpatched model then builds its masks with a new cache and does not look
+    for packed sequences). The RoPE frequencies are the model's ``rotary_emb.inv_freq``, read when the model
+    is planned. A label that is neither -100 nor in [0, vocab) raises torch's ``IndexError("Target 300 is out
+    of bounds.")`` on the CPU and fails a device-side assertion on a GPU, as the unpatched loss does.
+
+    Calls with a KV cache (``use_cache=True``, ``past_key_values`` / ``cache``: ``generate()``): an inference
+    prefill (an empty cache, no labels, eval mode) runs on the CODA kernels and fills the cache with the keys and
+    values the unpatched model would (q/k back in Hugging Face's head-dim order) and returns it as ``.cache``;
+    decode steps (a filled cache) and cached calls in training or with labels run the model's own forward (the same
+    modules, adapters included). ``generate()`` then gives the unpatched model's tokens.
+
+    ``torch.compile(model)`` runs: Dynamo leaves the CODA forward to run eagerly (it is marked
+    ``torch.compiler.disable``; its Triton launches are not registered as custom ops), so nothing of it is
+    compiled, and ``fullgraph=True`` fails with Dynamo's error.
+
+    Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
+    training, each checkpointed layer's attention and the CODA block after it run under the layer's own
+    checkpoint function and are recomputed in backward; the last layer's (which ends in the LM head and the loss)
+    is not.
 
     Weights: the parameters stay the model's own ``nn.Parameter`` objects, in Hugging Face layout, so
     ``state_dict()``, ``save_pretrained()`` and any optimizer see the model unchanged. The packed/permuted CODA
@@ -101,20 +177,32 @@ def apply_coda(model: nn.Module) -> nn.Module:
 
     Supported: GQA, any ``head_dim``, tied or untied embeddings (a tied LM head is the embedding's parameter,
     and both gradients reach it), RoPE types default / linear / llama3, sliding windows (Mistral, Qwen2: the
-    model's own mask and attention), attention dropout (the model's attention applies it), Qwen2's q/k/v biases.
+    model's own mask and attention), attention dropout (the model's attention applies it), Qwen2's q/k/v biases,
+    ``hidden_act`` silu or swish, any vocabulary and FFN size, PEFT LoRA (``model`` may be the PEFT model: its
+    base model is patched and ``model`` returned), activation checkpointing, ``generate()``.
 
-    Refused with :class:`CodaUnsupportedError`, by this function: other architectures, ``hidden_act`` other
-    than silu, biases on o_proj or the MLP, projections that are not plain ``nn.Linear`` (LoRA, quantized
-    layers) or norms that are not the model's RMSNorm, RoPE types other than the three above (dynamic, yarn,
-    longrope, ...) or a partial rotary factor, a custom ``loss_function``, a model split across devices. By
-    a call: a KV cache (``cache``/``past_key_values``, ``use_cache=True``, so no ``generate``),
-    ``output_attentions``/``output_hidden_states``, ``return_dict=False``, activation (gradient)
-    checkpointing in training, any other keyword.
+    Refused with :class:`CodaUnsupportedError`, by this function or by a forward after the model changed (the
+    message names the module): other architectures, ``hidden_act`` other than silu/swish, biases on o_proj, the
+    MLP or the LM head, projections that are neither ``nn.Linear`` nor PEFT LoRA on one (other adapters,
+    quantized layers), norms that are not the model's RMSNorm, RoPE types other than the three above (dynamic,
+    yarn, longrope, ...) or a partial rotary factor, a custom ``loss_function``, a model split across devices.
+    By a forward: LoRA variants (DoRA, ...), ``lora_bias``, lora_dropout > 0 in training on the LM head,
+    ``output_attentions``/``output_hidden_states``, ``return_dict=False``, any other keyword.
     """
-    if getattr(model, "_coda_plan", None) is not None:
+    target = _causal_lm(model)
+    if getattr(target, "_coda_plan", None) is not None:
         return model
-    model._coda_plan = _plan(model)
-    model.forward = MethodType(_coda_forward, model)
+    target._coda_plan = _plan(target)
+    # torch.compile: Dynamo cannot trace the Triton launches (the CODA ops are not registered as custom ops with
+    # fake-tensor rules), so it leaves this forward to run eagerly (a graph break around it) instead of failing.
+    target.forward = MethodType(torch.compiler.disable(_coda_forward), target)
+    return model
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The causal LM inside a PEFT model (``get_base_model()``), or the model itself."""
+    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
     return model
 
 
@@ -153,8 +241,47 @@ def _refuse(reason: str) -> CodaUnsupportedError:
     return CodaUnsupportedError(f"apply_coda: {reason}")
 
 
-def _plan(model: nn.Module) -> _Plan:
-    """Check the model against what the CODA forward computes (see :func:`apply_coda`) and read its constants."""
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def _lora_linear_type() -> type | None:
+    """PEFT's LoRA ``Linear``, if PEFT is loaded (no PEFT module exists otherwise)."""
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    return getattr(layer, "Linear", None)
+
+
+def _base(m: nn.Module) -> nn.Module:
+    """The ``nn.Linear`` that computes ``m``'s ``x W^T + b``: m itself, or a LoRA layer's base layer."""
+    return m.base_layer if type(m) is _lora_linear_type() else m
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the LM head and every layer's projections."""
+    return [("lm_head", model.lm_head)] + [
+        (f"model.layers.{i}.{part}.{name}", getattr(getattr(layer, part), name))
+        for i, layer in enumerate(model.model.layers) for part, name in _PROJECTIONS]
+
+
+def _watched(model: nn.Module) -> list[Any]:
+    """What a plan is made for: the embedding, norms and projections (LoRA layers and their base layers) and their
+    weight and bias Parameters. A forward compares their identities with the plan's (no data is read)."""
+    base = model.model
+    norms = [base.norm] + [n for layer in base.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    out: list[Any] = [base.embed_tokens, base.rotary_emb]
+    for m in norms:
+        out += (m, m.weight)
+    for _, m in _linears(model):
+        b = _base(m)
+        out += (m, b, b.weight, b.bias)
+    return out
+
+
+def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
+    """Check the model against what the CODA forward computes (see :func:`apply_coda`) and read its constants.
+
+    ``old``: the previous plan; its RoPE frequencies are reused while the model's ``rotary_emb`` is the same
+    module (reading them synchronizes with the device)."""
     arch = type(model).__name__
     if arch not in _WINDOW:
         raise _refuse(f"{arch} is not supported (supported: {', '.join(_WINDOW)})")
@@ -163,25 +290,27 @@ def _plan(model: nn.Module) -> _Plan:
     config, base = model.config, model.model
     layers = list(base.layers)
     norm_cls = f"{arch.removesuffix('ForCausalLM')}RMSNorm"
-    if config.hidden_act != "silu":
+    if config.hidden_act not in SILU_NAMES:
         raise _refuse(f"hidden_act={config.hidden_act!r}: the CODA MLP is SwiGLU with silu")
     if model.loss_function is not ForCausalLMLoss:
         raise _refuse("a custom loss_function: the fused cross-entropy computes Hugging Face's causal LM loss")
     if len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1:
         raise _refuse("the model is split across devices (device_map)")
-    linears = [model.lm_head] + [m for layer in layers for m in (
-        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    if any(type(m) is not nn.Linear for m in linears):
-        raise _refuse("a projection is not a plain nn.Linear (LoRA, quantized or otherwise replaced layers)")
+    lora = _lora_linear_type()
+    for name, m in _linears(model):
+        if type(m) is not nn.Linear and (type(m) is not lora or type(m.base_layer) is not nn.Linear):
+            raise _refuse(f"{name} is a {type(m).__name__}: the projections must be nn.Linear or PEFT LoRA on "
+                          "an nn.Linear (other adapters, quantized or otherwise replaced layers are not fused)")
     norms = [base.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if any(type(n).__name__ != norm_cls for n in norms):
         raise _refuse(f"a norm is not a {norm_cls}")
-    if any(m.bias is not None for m in [model.lm_head] + [layer.self_attn.o_proj for layer in layers]
-           + [p for layer in layers for p in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]):
-        raise _refuse("biases on the LM head, o_proj or the MLP (mlp_bias / attention_bias) are not fused")
-    has_bias = {(a.q_proj.bias is not None, a.k_proj.bias is not None, a.v_proj.bias is not None)
-                for a in (layer.self_attn for layer in layers)}
+    biased = [name for name, m in _linears(model) if _base(m).bias is not None
+              and not name.endswith(("q_proj", "k_proj", "v_proj"))]
+    if biased:
+        raise _refuse(f"{biased[0]} has a bias: biases on the LM head, o_proj or the MLP (mlp_bias / "
+                      "attention_bias) are not fused")
+    has_bias = {tuple(_base(getattr(layer.self_attn, p)).bias is not None for p in ("q_proj", "k_proj", "v_proj"))
+                for layer in layers}
     if has_bias not in ({(True,) * 3}, {(False,) * 3}):
         raise _refuse("q/k/v biases must be on all of q, k and v in every layer, or on none")
     rotary = base.rotary_emb
@@ -190,21 +319,87 @@ def _plan(model: nn.Module) -> _Plan:
         raise _refuse(f"rope_type={rotary.rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rotary.inv_freq.numel() != head_dim // 2:
         raise _refuse(f"RoPE on {2 * rotary.inv_freq.numel()} of the {head_dim} head dims (partial_rotary_factor)")
+    same_rope = old is not None and old.watched[1]() is rotary
     return _Plan(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=head_dim,
                  eps=config.rms_norm_eps, theta=float(config.rope_parameters["rope_theta"]),
-                 inv_freq=tuple(rotary.inv_freq.double().tolist()),
+                 inv_freq=old.inv_freq if same_rope else tuple(rotary.inv_freq.double().tolist()),
                  windows=tuple(_WINDOW[arch](config, layer.self_attn) for layer in layers),
-                 qkv_bias=has_bias == {(True,) * 3})
+                 qkv_bias=has_bias == {(True,) * 3},
+                 watched=tuple(None if o is None else weakref.ref(o) for o in _watched(model)))
+
+
+def _current_plan(model: nn.Module) -> _Plan:
+    """The model's plan, made again when a planned module or parameter has been replaced since (LoRA wrapped
+    around a projection, a bias given to one, ``functional_call``'s parameters): a supported change is planned
+    for, an unsupported one raises :class:`CodaUnsupportedError` naming it."""
+    plan: _Plan = model._coda_plan
+    now = _watched(model)
+    if len(now) != len(plan.watched) or any((o is not None if r is None else r() is not o)
+                                            for r, o in zip(plan.watched, now)):
+        plan = model._coda_plan = _plan(model, plan)
+    return plan
+
+
+Side = Callable[[torch.Tensor], torch.Tensor]
+"""A LoRA term computed beside a kernel: the projection's input -> ``sum_a s_a B_a A_a dropout_a(x)``."""
+
+
+def _weight(m: nn.Module, name: str) -> tuple[torch.Tensor, Side | None]:
+    """``(W, side)``: the weight a kernel uses for ``m``'s output, and the LoRA term beside it (None: none).
+
+    nn.Linear: its own weight. PEFT LoRA (unless its adapters are disabled or merged into W): each active adapter
+    whose dropout is the identity (p = 0, or eval mode) is merged, ``W + s B A`` in the autograd graph; one whose
+    dropout is active (training, p > 0) is left to ``side``, which applies it on the projection's input as PEFT
+    does, adapter by adapter in PEFT's order (so the dropout masks are those of the unpatched model's forward
+    under the same seed). Refused (:class:`CodaUnsupportedError`, naming the module): LoRA variants (DoRA, ...)
+    and a LoRA bias."""
+    if type(m) is nn.Linear:
+        return m.weight, None
+    w = m.base_layer.weight
+    if m.disable_adapters:
+        if m.merged:
+            m.unmerge()  # as PEFT's own forward does
+        return w, None
+    if m.merged:
+        return w, None
+    beside = []
+    for adapter in m.active_adapters:
+        if adapter not in m.lora_A:
+            continue
+        a, b, dropout = m.lora_A[adapter], m.lora_B[adapter], m.lora_dropout[adapter]
+        if adapter in m.lora_variant:
+            raise _refuse(f"{name}: LoRA variant {type(m.lora_variant[adapter]).__name__} (DoRA, ...) is not fused")
+        if b.bias is not None:
+            raise _refuse(f"{name}: lora_bias is not fused")
+        if isinstance(dropout, nn.Dropout) and dropout.p > 0 and dropout.training:
+            beside.append(adapter)
+        else:
+            w = w + (b.weight @ a.weight).to(w.dtype) * m.scaling[adapter]
+
+    def side(x: torch.Tensor) -> torch.Tensor:
+        terms = [m.lora_B[k](m.lora_A[k](m.lora_dropout[k](x.to(m.lora_A[k].weight.dtype)))) * m.scaling[k]
+                 for k in beside]
+        return sum(terms[1:], terms[0]).to(x.dtype)
+
+    return w, (side if beside else None)
 
 
 def _check_call(model: nn.Module, options: dict[str, Any]) -> None:
     for name, value in options.items():
         if value is not None and not (name in _NEUTRAL_OPTIONS and value == _NEUTRAL_OPTIONS[name]):
             shown = repr(value) if isinstance(value, (bool, int, float, str)) else type(value).__name__
-            what = "a KV cache (generation)" if name in ("cache", "past_key_values", "use_cache") else "the option"
-            raise _refuse(f"the CODA forward does not support {what}: {name}={shown}")
-    if model.training and model.is_activation_checkpointing:
-        raise _refuse("activation (gradient) checkpointing is not supported: the CODA blocks save their own tensors")
+            raise _refuse(f"the CODA forward does not support the option {name}={shown}")
+
+
+def _check_targets(targets: torch.Tensor, vocab: int) -> None:
+    """Targets are ``IGNORE_INDEX`` or in ``[0, vocab)``. On the CPU a bad one raises the IndexError of torch's
+    cross-entropy (as the unpatched model does); on a GPU a device-side assertion fails, as it does in torch's
+    cross-entropy there, without synchronizing the host."""
+    bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= vocab)
+    if targets.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"a target is out of bounds: not {IGNORE_INDEX} nor in [0, {vocab})")
+    elif bad.any():
+        raise IndexError(f"Target {int(targets[bad][0])} is out of bounds.")
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -213,43 +408,87 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _w_qkv(attn: nn.Module, plan: _Plan) -> torch.Tensor:
-    """The CODA QKV weight: ``[Wq; Wk; Wv]`` with q/k rows in adjacent RoPE pairs (in the autograd graph)."""
-    w = attn.q_proj.weight
-    return pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w.device), w, attn.k_proj.weight,
-                     attn.v_proj.weight)
+def _w_qkv(attn: nn.Module, plan: _Plan, name: str) -> tuple[torch.Tensor, Side | None]:
+    """The CODA QKV weight: ``[Wq; Wk; Wv]`` with q/k rows in adjacent RoPE pairs (in the autograd graph), and the
+    LoRA terms beside it (:func:`_weight`) as one function of the normalized input: their [M, q + k + v]
+    output in half-split column order (zeros for a projection without one), or None."""
+    pairs = [_weight(getattr(attn, p), f"{name}.{p}") for p in ("q_proj", "k_proj", "v_proj")]
+    w = [p[0] for p in pairs]
+    packed = pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device), *w)
+    if all(side is None for _, side in pairs):
+        return packed, None
+
+    def side(h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([f(h) if f is not None else h.new_zeros(h.shape[0], wt.shape[0]) for wt, f in pairs], -1)
+
+    return packed, side
 
 
-def _w_gu(mlp: nn.Module) -> torch.Tensor:
-    """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph)."""
-    w = mlp.gate_proj.weight
-    return pack_rows(gate_up_index(w.shape[0], w.device), w, mlp.up_proj.weight)
+def _rotated(delta: torch.Tensor, plan: _Plan, positions: torch.Tensor) -> torch.Tensor:
+    """``R_m delta``: a half-split [M, q + k + v] term (a bias, LoRA's output) in the kernel's adjacent-pair columns,
+    rotated by each row's RoPE angles with the kernel's frequency table (v's columns have zero frequency)."""
+    d = L.qkv_cols_to_adjacent(delta, plan.heads, plan.kv_heads, plan.head_dim)
+    f = rope_freq_table(plan.heads, plan.kv_heads, plan.head_dim, plan.theta, d.device, plan.inv_freq).sum(0)
+    return L.rotate_adjacent(d, positions[:, None].to(f.dtype) * f)
+
+
+def _aligned_rows(n: int, t: torch.Tensor) -> int:
+    """n rounded up so that n elements of t's dtype are a multiple of 16 bytes (the tensor descriptors' stride rule)."""
+    per = max(1, 16 // t.element_size())
+    return -(-n // per) * per
+
+
+def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """w with zero rows appended up to ``rows`` (in the autograd graph; w itself when it has them)."""
+    return w if w.shape[0] == rows else F.pad(w, (0, 0, 0, rows - w.shape[0]))
+
+
+def _w_gu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph), with zero row
+    pairs appended when the FFN size is not 16-byte aligned (:func:`_w_down`)."""
+    ffn = gate.shape[0]
+    return _pad_rows(pack_rows(gate_up_index(ffn, gate.device), gate, up), 2 * _aligned_rows(ffn, gate))
+
+
+def _w_down(w: torch.Tensor) -> torch.Tensor:
+    """down_proj's weight w, with zero columns up to the FFN size rounded to 16 bytes. The appended gate/up rows
+    are zero too, so those SwiGLU outputs are ``silu(0) * 0 = 0`` and meet zero columns: the result is exact, and
+    the SwiGLU output [M, ffn] gets an aligned row stride."""
+    ffn = w.shape[1]
+    return _aligned(w) if ffn == _aligned_rows(ffn, w) else F.pad(w, (0, _aligned_rows(ffn, w) - ffn))
 
 
 def _with_bias(qkv: torch.Tensor, attn: nn.Module, plan: _Plan, positions: torch.Tensor) -> torch.Tensor:
     """``R_m z + R_m b``: the kernel's rotated qkv plus the adjacent-layout bias rotated by each row's angles."""
     if not plan.qkv_bias:
         return qkv
-    b = L.qkv_rows_to_adjacent(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
-                               plan.heads, plan.kv_heads, plan.head_dim)
-    f = rope_freq_table(plan.heads, plan.kv_heads, plan.head_dim, plan.theta, b.device, plan.inv_freq).sum(0)
-    return qkv + L.rotate_adjacent(b, positions[:, None].to(f.dtype) * f)
+    b = torch.cat([_base(getattr(attn, p)).bias for p in ("q_proj", "k_proj", "v_proj")])
+    return qkv + _rotated(b, plan, positions)
 
 
 def _attend(attn: nn.Module, qkv: torch.Tensor, mask: Any, window: int | None, position_ids: torch.Tensor,
-            plan: _Plan, batch: int, seq: int) -> torch.Tensor:
-    """The model's own attention function on the packed qkv rows; returns [batch * seq, heads * head_dim]."""
+            plan: _Plan, batch: int, seq: int, cache: Any = None) -> torch.Tensor:
+    """The model's own attention function on the packed qkv rows; returns [batch * seq, heads * head_dim].
+
+    ``cache`` (a prefill for generation): q and k are put back in Hugging Face's half-split head-dim order first,
+    so that the keys the cache keeps (``cache.update``, as the model's attention calls it) are the unpatched
+    model's and its own forward can decode from them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     eager = sys.modules[type(attn).__module__].eager_attention_forward
     fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
+    if cache is not None:
+        qkv = qkv[:, torch.argsort(L.qkv_perm(plan.heads, plan.kv_heads, plan.head_dim, qkv.device))]
     q, k, v = qkv.split([plan.heads * plan.head_dim, plan.kv_heads * plan.head_dim, plan.kv_heads * plan.head_dim],
                         -1)
 
     def heads_first(t: torch.Tensor) -> torch.Tensor:
         return t.view(batch, seq, -1, plan.head_dim).transpose(1, 2)
 
-    out, _ = fn(attn, heads_first(q), heads_first(k), heads_first(v), mask,
+    q, k, v = heads_first(q), heads_first(k), heads_first(v)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx)
+    out, _ = fn(attn, q, k, v, mask,
                 dropout=attn.attention_dropout if attn.training else 0.0, scaling=attn.scaling,
                 sliding_window=window, position_ids=position_ids)
     return out.reshape(batch * seq, -1).contiguous()
@@ -261,47 +500,115 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
                   num_items_in_batch: torch.Tensor | int | None = None, shift_labels: torch.Tensor | None = None,
                   **options: Any):
     """The CODA forward of :func:`apply_coda` (bound to the patched model as its ``forward``)."""
+    from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    plan = _current_plan(self)
+    use_cache = options.pop("use_cache", None)
+    cache, legacy = options.pop("cache", None), options.pop("past_key_values", None)
+    cache = legacy if cache is None else cache
+    if use_cache and cache is None:
+        cache = DynamicCache(config=self.config)  # as the unpatched model makes one
+    if cache is not None and (cache.get_seq_length() > 0 or labels is not None or self.training):
+        # Decoding (and any cached call but an inference prefill): the model's own forward, with the cache (every
+        # module is still the model's own, adapters included).
+        loss_options = {k: v for k, v in (("num_items_in_batch", num_items_in_batch), ("shift_labels", shift_labels))
+                        if v is not None}
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
+                                  cache=cache, use_cache=use_cache, **loss_options, **options)
     _check_call(self, options)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
-    plan: _Plan = self._coda_plan
     layers = self.model.layers
     embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     batch, seq, hidden = embeds.shape
-    # The mask builder gets the caller's position_ids: given arange positions (the default below) it would look for
-    # packed sequences, find none, and synchronize the host to say so (transformers' find_packed_sequence_indices).
+    # As in the unpatched model: with use_cache (the config's when not given) it builds its masks with a new, empty
+    # cache, and then does not look for packed sequences in position_ids; without, position_ids that restart at 0
+    # inside a row (packed sequences) give each sequence its own causal mask. The mask builder gets no default
+    # arange positions: it would search them for packed sequences and synchronize the host to find none.
+    mask_cache = cache if cache is not None else DynamicCache(config=self.config) if (
+        self.config.use_cache if use_cache is None else use_cache) else None
     masks = {w: (create_causal_mask if w is None else create_sliding_window_causal_mask)(
-        self.config, embeds, attention_mask, None, position_ids) for w in set(plan.windows)}
+        self.config, embeds, attention_mask, mask_cache, position_ids) for w in set(plan.windows)}
     if position_ids is None:
         position_ids = torch.arange(seq, device=embeds.device)[None]
     positions = position_ids.expand(batch, seq).reshape(-1)
     rope = RoPE(positions, plan.heads, plan.kv_heads, plan.head_dim, plan.theta, plan.inv_freq)
     final: Consumer = Linear()
     if labels is not None:
-        targets = shift_labels if shift_labels is not None else shifted_targets(labels)
-        final = CrossEntropy(targets.reshape(-1).to(embeds.device), IGNORE_INDEX,
-                             "mean" if num_items_in_batch is None else "sum")
+        targets = (shift_labels if shift_labels is not None else shifted_targets(labels)).reshape(-1)
+        _check_targets(targets, _base(self.lm_head).out_features)
+        final = CrossEntropy(targets.to(embeds.device), IGNORE_INDEX, "mean" if num_items_in_batch is None else "sum")
+
+    def next_qkv(j: int, out: torch.Tensor, x: torch.Tensor, side: Side | None) -> torch.Tensor:
+        """Layer j's rotated qkv: the kernel's ``out`` plus its LoRA terms beside the kernel, on the normalized x
+        (the model's own norm) and rotated like the kernel's output."""
+        return out if side is None else out + _rotated(side(layers[j].input_layernorm(x)), plan, positions)
+
+    def mlp(i: int, a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma: torch.Tensor,
+            w: torch.Tensor, consumer: Consumer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's block after attention: (x, consumer's out). One fused block, or, with a LoRA term beside
+        gate/up/down (SwiGLU's pre-activation and the down projection's input are inside the block), the split
+        form: out-proj + residual + norm + gate/up GEMM, the adapters' terms and SwiGLU in torch, then
+        down-proj + residual + norm + the consumer."""
+        layer, name = layers[i], f"model.layers.{i}.mlp"
+        (w_gate, s_gate), (w_up, s_up), (w_d, s_d) = (
+            _weight(getattr(layer.mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
+        w_gu, w_down = _w_gu(w_gate, w_up), _w_down(w_d)
+        gamma_mlp = _aligned(layer.post_attention_layernorm.weight)
+        if s_gate is None and s_up is None and s_d is None:
+            return block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, plan.eps)[:2]
+        x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), plan.eps)[:2]
+        ffn = w_gate.shape[0]
+        gate, up = z[:, 0::2][:, :ffn], z[:, 1::2][:, :ffn]
+        if s_gate is not None or s_up is not None:
+            h = layer.post_attention_layernorm(x1)
+            gate = gate if s_gate is None else gate + s_gate(h)
+            up = up if s_up is None else up + s_up(h)
+        y = layer.mlp.act_fn(gate) * up
+        residual = x1 if s_d is None else x1 + s_d(y)
+        y = F.pad(y, (0, w_down.shape[1] - ffn))  # to the padded down_proj: an aligned row stride
+        return producer_consumer(y, residual, w_down, gamma, w, consumer, plan.eps)[:2]
+
+    def layer_step(i: int, qkv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention and the block after it: (x, qkv) of layer i + 1 (or x and the last consumer's out)."""
+        layer, name = layers[i], f"model.layers.{i}"
+        attn = layer.self_attn
+        a = _attend(attn, _with_bias(qkv, attn, plan, positions), masks[plan.windows[i]], plan.windows[i],
+                    position_ids, plan, batch, seq, cache)
+        w_o, s_o = _weight(attn.o_proj, f"{name}.self_attn.o_proj")
+        residual = x if s_o is None else x + s_o(a)
+        side = None
+        if i + 1 < len(layers):
+            w, side = _w_qkv(layers[i + 1].self_attn, plan, f"model.layers.{i + 1}.self_attn")
+            gamma, consumer = layers[i + 1].input_layernorm.weight, rope
+        else:
+            w, s_lm = _weight(self.lm_head, "lm_head")
+            if s_lm is not None:
+                raise _refuse("lm_head: lora_dropout > 0 in training is not supported on the LM head (fused with "
+                              "the loss)")
+            w = _aligned(w)
+            if labels is None:  # zero rows up to an aligned vocabulary: their logits, cut below, are 0
+                w = _pad_rows(w, _aligned_rows(w.shape[0], w))
+            gamma, consumer = self.model.norm.weight, final
+        x, out = mlp(i, a, residual, _aligned(w_o), _aligned(gamma), w, consumer)
+        return x, (out if side is None else next_qkv(i + 1, out, x, side))
 
     x = embeds.reshape(batch * seq, hidden)
-    out = norm_consumer(x, _aligned(layers[0].input_layernorm.weight), _w_qkv(layers[0].self_attn, plan), rope,
-                        plan.eps)[0]
+    w, side = _w_qkv(layers[0].self_attn, plan, "model.layers.0.self_attn")
+    out = next_qkv(0, norm_consumer(x, _aligned(layers[0].input_layernorm.weight), w, rope, plan.eps)[0], x, side)
     for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        qkv = _with_bias(out, attn, plan, positions)
-        a = _attend(attn, qkv, masks[plan.windows[i]], plan.windows[i], position_ids, plan, batch, seq)
-        if i + 1 < len(layers):
-            nxt = layers[i + 1]
-            gamma, w, consumer = nxt.input_layernorm.weight, _w_qkv(nxt.self_attn, plan), rope
+        # Activation checkpointing as the model's own layers do it (its function, reentrant or not, every n layers);
+        # the last layer's block, which ends in the LM head and the loss, is not recomputed.
+        if self.training and getattr(layer, "gradient_checkpointing", False) and i + 1 < len(layers):
+            x, out = layer._gradient_checkpointing_func(partial(layer_step, i), out, x)
         else:
-            gamma, w, consumer = self.model.norm.weight, _aligned(self.lm_head.weight), final
-        x, out = block(a, x, _aligned(attn.o_proj.weight), _aligned(layer.post_attention_layernorm.weight),
-                       _w_gu(layer.mlp), _aligned(layer.mlp.down_proj.weight), _aligned(gamma), w, consumer,
-                       plan.eps)[:2]
+            x, out = layer_step(i, out, x)
     if labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep])
+        vocab = _base(self.lm_head).out_features
+        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep, :vocab], cache=cache)
     loss = out if num_items_in_batch is None else out / torch.as_tensor(num_items_in_batch, device=out.device)
     return CausalLMOutputWithPast(loss=loss)
