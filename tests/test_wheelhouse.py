@@ -168,6 +168,8 @@ model(ids, labels=ids).loss.backward()
 folder = tempfile.mkdtemp()
 model.save_pretrained(folder)
 LlamaForCausalLM.from_pretrained(folder)
+from peft import LoraConfig, get_peft_model
+get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))(ids, labels=ids).loss.backward()
 dists = metadata.packages_distributions()
 print(json.dumps(sorted({d for m in {m.split(".")[0] for m in sys.modules} - before for d in dists.get(m, [])})))
 """

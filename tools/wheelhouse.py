@@ -23,9 +23,9 @@ every wheel in DIR. ``--no-deps``: the node already has flashinfer's import-time
 nvidia-ml-py, cuda-bindings, tqdm, packaging, requests, ninja); flashinfer's other declared
 dependencies (cutlass-dsl, cudnn-frontend, nccl, ...) serve kernels this suite does not call.
 transformers: ``HF_SPECS`` are the distributions that ``import transformers``, building a
-LlamaForCausalLM, its forward/backward and ``save_pretrained``/``from_pretrained`` from a local folder
-import beyond torch's and codabench's own requirements (tokenizers, safetensors, regex and pyyaml are
-platform wheels). Its other declared dependencies (typer, click, fsspec, hf-xet) serve the command line
+LlamaForCausalLM, its forward/backward and ``save_pretrained``/``from_pretrained`` from a local folder, and PEFT
+LoRA on it (the train suite's ``hf-*-lora``), import beyond torch's and codabench's own requirements
+(tokenizers, safetensors, regex, pyyaml and psutil are platform wheels). Its other declared dependencies (typer, click, fsspec, hf-xet) serve the command line
 and hub downloads. The pins are versions tested together (``tests/test_wheelhouse.py`` checks the set).
 quack is not in the default set (it needs nvidia-cutlass-dsl, about 100 MB); add it with
 ``--extra quack-kernels==0.6.1 --extra nvidia-cutlass-dsl==... --extra ...``.
@@ -50,7 +50,8 @@ FLASHINFER_VERSION = "0.7.2.post1"
 TVM_FFI_SPEC = "apache-tvm-ffi>=0.1.11,<0.2"  # flashinfer 0.7.2.post1's requirement
 HF_SPECS = ("transformers==5.24.0", "huggingface-hub==2.4.0", "tokenizers==0.23.3", "safetensors==0.8.0",
             "regex==2026.11.19", "pyyaml==6.0.4", "httpx2==2.16.2", "httpcore2==2.16.2", "h11==0.16.0",
-            "anyio==4.16.0", "idna==3.20", "truststore==0.10.5")
+            "anyio==4.16.0", "idna==3.20", "truststore==0.10.5", "peft==0.21.2", "accelerate==1.15.0",
+            "psutil==7.2.2")
 MANIFEST = "wheelhouse.json"
 
 FLASHINFER_DATA_DIRS = ("include", "cutlass", "cccl", "spdlog")

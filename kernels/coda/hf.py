@@ -55,7 +55,7 @@ fp32) is padded inside this layer: zero gate/up row pairs and zero down_proj col
 cross-entropy's logits buffer gets an aligned row stride (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`)
 and the logits path (no labels) zero rows cut off its output.
 
-Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf-support.md``): Llama, Mistral,
+Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf.md``): Llama, Mistral,
 Qwen2; GQA/MQA, any head_dim; tied or untied embeddings; RoPE default / linear / llama3; padding, position_ids,
 packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary and FFN
 size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
