@@ -30,6 +30,12 @@ DEVICE = select_device()
 import pytest  # noqa: E402
 
 
+def pytest_configure(config) -> None:
+    """The GPU tests time the GPU: they run in one process (-n 0), never beside other test processes."""
+    if os.environ.get(GPU_ENV) == "1" and getattr(config.option, "numprocesses", None) not in (None, 0):
+        raise pytest.UsageError(f"{GPU_ENV}=1: run the GPU tests in one process, with -n 0")
+
+
 def pytest_report_header(config) -> str:
     if os.environ.get(GPU_ENV) == "1":
         return f"codabench: tests on {DEVICE} ({GPU_ENV}=1)"

@@ -342,7 +342,7 @@ def test_a_second_ctrl_c_while_the_report_is_written_ends_with_one_line(registry
 def test_a_ctrl_c_in_a_subcommand_ends_with_one_line(tmp_path, capsys, monkeypatch):
     run = own_run(tmp_path / "run")
 
-    def interrupted(run_dir):
+    def interrupted(run_dir, *args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "finalize", interrupted)
