@@ -43,6 +43,7 @@ from codabench import results as tables
 from codabench.matrix import PLUGIN_OP, SPEED_BASELINE
 from codabench.report.compare import as_delta, relative_change
 from codabench.stats import Ratio, timing_settings
+from codabench.timing import CPU_WALL
 
 ENV_VAR = "CODABENCH_HISTORY"
 DEFAULT_STORE = Path("~/.cache/codabench/history.sqlite")
@@ -363,7 +364,7 @@ def iter_pytorch_oss(conn: sqlite3.Connection, run: dict[str, Any]) -> Iterator[
         passed = c["status"] == "ok" and c["correct"] != 0
         metrics = [("pass", 1.0 if passed else 0.0, 1.0,
                     {"status": c["status"], "message": c["message"], "rel_err": c["rel_err"]})]
-        if c["status"] == "ok" and _number(c["median_ms"]) is not None:
+        if c["status"] == "ok" and _number(c["median_ms"]) is not None and c["timing"] != CPU_WALL:
             metrics.append(("latency_ms", c["median_ms"], _number(c["sol_ms"]) or 0.0,
                             {"p20_ms": c["p20_ms"], "p80_ms": c["p80_ms"], "n_samples": c["n_samples"],
                              "aggregation": "median"}))

@@ -226,6 +226,12 @@ def test_a_run_appends_itself_unless_told_not_and_its_exit_code_survives_a_bad_s
     assert [r["path"] for r in listed] == [str((tmp_path / "one").resolve())]
     assert listed[0]["gpu"] == "cpu" and listed[0]["suite"] == "smoke" and listed[0]["cells"] == 2
     capsys.readouterr()
+    assert main(["history", "trend", "--op", "gemm_out", "--impl", "test-good"]) == 0  # CPU wall times: no speed figure
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert "(cpu wall)" in row and "[" in row  # the p20-p80 spread of the wall times, no speedup or its interval
+    assert main(["history", "export", "--format", "pytorch-oss"]) == 0
+    names = {r["metric"]["name"] for r in json.loads(capsys.readouterr().out)}
+    assert names == {"pass"}
     store.write_bytes(b"garbage" * 200)
     assert run("three") == 0
     err = capsys.readouterr().err

@@ -31,6 +31,7 @@ from codabench.cli import EXIT_OK, OneLineParser, UsageError, run_dir_arg
 from codabench.matrix import SPEED_BASELINE
 from codabench.report.compare import COMPARE_VERDICTS
 from codabench.results import write_atomic
+from codabench.timing import CPU_WALL
 from workloads.op import DTYPES, MODES
 
 ACTIONS = ("add", "trend", "export")
@@ -154,10 +155,12 @@ def _trend(a: argparse.Namespace) -> int:
               f"{'vs ' + SPEED_BASELINE:>16} {'95% interval':>17}")
         for _, r in rows.iterrows():
             spread = f"[{_f(r['p20_ms'], '.4g')}, {_f(r['p80_ms'], '.4g')}]" if not pd.isna(r["p20_ms"]) else ""
+            cpu = r["timing"] == CPU_WALL  # a CPU wall time: no speed figure
             interval = (f"[{_f(r['speedup_lo'], '.3f')}, {_f(r['speedup_hi'], '.3f')}]"
-                        if not pd.isna(r["speedup_lo"]) else "")
+                        if not (cpu or pd.isna(r["speedup_lo"])) else "")
+            speed = "(cpu wall)" if cpu else _f(r["speedup"], ".3f")
             print(f"  {_date(r['started_at']):16} {_commit(r['git_sha']):18} {r['status']:7} "
-                  f"{_f(r['median_ms'], '.4g'):>10} {spread:>21} {_f(r['speedup'], '.3f'):>16} {interval:>17}")
+                  f"{_f(r['median_ms'], '.4g'):>10} {spread:>21} {speed:>16} {interval:>17}")
     if a.plot:
         write_atomic(a.plot, trend_png(t, f"{a.op} {a.impl}"))
         print(f"codabench: plot {a.plot}")
@@ -178,7 +181,7 @@ def trend_png(t: pd.DataFrame, title: str) -> bytes:
         label = f"{gpu} {model} {mode} {dtype}"
         med = rows["median_ms"]
         top.errorbar(x, med, yerr=[med - rows["p20_ms"], rows["p80_ms"] - med], marker="o", capsize=3, label=label)
-        s = rows["speedup"]
+        s = rows["speedup"].where(rows["timing"] != CPU_WALL)  # CPU wall times: no speed figure
         bottom.errorbar(x, s, yerr=[s - rows["speedup_lo"].fillna(s), rows["speedup_hi"].fillna(s) - s], marker="o",
                         capsize=3, label=label)
     top.set_ylabel("median ms (bars: p20-p80)")
