@@ -96,21 +96,27 @@ def test_cheats_are_caught_and_honest_cells_keep_their_times(registry, tmp_path)
     for impl in ("torch-eager", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, impl
     # test-good ran after both tampering plugins: its time is a real wall time, not a tenth of it (the shrunk clock)
-    assert got["test-good"]["median_ms"] > 0.3 * _fastest_call_ms(lambda x, w: F.linear(x, w))
+    assert got["test-good"]["median_ms"] > 0.5 * _fastest_call_ms(lambda x, w: F.linear(x, w))
 
 
 def _fastest_call_ms(fn) -> float:
-    """The fastest of 50 wall-clock calls of ``fn`` on gemm_out's tiny inputs, in this process."""
+    """The fastest of 50 wall-clock calls of ``fn`` on gemm_out's tiny inputs, in this process, on one thread (with
+    the cores busy, as beside another test process, a multi-threaded call of this size waits milliseconds for its
+    threads)."""
     from workloads.models import get_model
     from workloads.ops import OPS
 
     inp = OPS["gemm_out"].inputs(get_model("tiny"), "fp32", torch.device("cpu"), 0)
-    times = []
-    with torch.no_grad():
-        for _ in range(50):
-            t0 = time.perf_counter()
-            fn(inp["x"], inp["w"])
-            times.append((time.perf_counter() - t0) * 1e3)
+    times, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for _ in range(50):
+                t0 = time.perf_counter()
+                fn(inp["x"], inp["w"])
+                times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
     return min(times)
 
 
