@@ -230,10 +230,9 @@ def test_config_rule_counts_leave_one_out_matches_and_reads_the_strategy_cost_of
 
 
 def test_the_check_shape_and_the_timed_shape_share_a_binary_when_their_config_is_the_same():
-    """M, N, K are plain arguments of every autotuned CODA kernel, and Triton specializes a plain integer only on its
-    divisibility by 16 (and on being 1): 2048 and 16384 tokens compile one binary per config, 16381 another."""
-    from triton.backends import BaseBackend
-    from triton.runtime.jit import JITFunction, native_specialize_impl
+    """M, N, K are plain arguments of every autotuned CODA kernel (neither constexpr nor excluded from
+    specialization), so Triton specializes them only as it specializes any plain integer."""
+    from triton.runtime.jit import JITFunction
 
     kernels = [v for name in ("gemm", "producer", "rope", "swiglu", "swiglu_bwd", "rmsnorm_bwd", "cross_entropy",
                               "scaled_linear")
@@ -245,6 +244,16 @@ def test_the_check_shape_and_the_timed_shape_share_a_binary_when_their_config_is
             fn = fn.fn
         params = {p.name: p for p in JITFunction(fn).params}
         assert all(not params[n].is_constexpr and not params[n].do_not_specialize for n in "MNK"), k
+
+
+def test_triton_specializes_a_plain_integer_only_on_its_divisibility_by_16():
+    """2048 and 16384 tokens compile one binary per config, 16381 another. This reads a private helper of Triton
+    (3.6 to 3.9 have it); a release without it is reported as a skip, by name."""
+    try:
+        from triton.backends import BaseBackend
+        from triton.runtime.jit import native_specialize_impl
+    except ImportError as e:
+        pytest.skip(f"this Triton has no native_specialize_impl ({e}): the specialization rule is not checked")
 
     def spec(v):
         return native_specialize_impl(BaseBackend, v, False, True, True)
