@@ -23,7 +23,7 @@ The timing loops read their clocks through :func:`private_clocks`, originals rec
 replacement in place during a measurement, even one undone before anyone checks, does not reach them::
 
     def timing_loop(fn, state, n):
-        perf_counter, Event, record, elapsed_ms, synchronize, verify, wait = guard.private_clocks()  # LOCALS, first
+        perf_counter, Event, record, elapsed_ms, synchronize, verify, wait, sleep = guard.private_clocks()  # LOCALS
         verify()                               # raises guard.Tampered if anything the loop relies on was replaced
         t0 = perf_counter()
         for _ in range(n):
@@ -104,6 +104,8 @@ class Clocks(NamedTuple):
     """:func:`verify_clocks`."""
     wait: Callable[[Any], None]
     """``torch.cuda.Event.synchronize``: ``wait(ev)`` returns once the GPU has passed ``ev``."""
+    sleep: Callable[[int], None]
+    """``torch.cuda._sleep``: ``sleep(cycles)`` enqueues a kernel that spins for that many GPU clock cycles."""
 
 
 class _Attr(NamedTuple):
@@ -221,7 +223,7 @@ def snapshot(refresh: bool = False) -> None:
     _RECORD.hooks = _hooks()
     _RECORD.clocks = Clocks(time.perf_counter, torch.cuda.Event, torch.cuda.Event.record,
                             torch.cuda.Event.elapsed_time, torch.cuda.synchronize, verify_clocks,
-                            torch.cuda.Event.synchronize)
+                            torch.cuda.Event.synchronize, torch.cuda._sleep)
     _record_harness(_RECORD)
 
 

@@ -89,6 +89,8 @@ class RoundResult:
     """Interleaved sampling: the sweep of each sample (None: a block round)."""
     clock_mhz: list[float | None] | None = None
     """Interleaved sampling: the SM clock at each sample."""
+    host_ms: list[float] | None = None
+    """Interleaved sampling: the host milliseconds of each sample's call (:attr:`codabench.sweep.Member.host_ms`)."""
 
 
 @dataclass
@@ -440,7 +442,8 @@ class Measurer:
             else:
                 kind = CUDA_GRAPH if r.graphs else done.kind
                 note = "; ".join(n for n in (r.note, group.cast_note) if n)
-                cells_out[m.name] = RoundResult(m.samples_ms, kind, note, sweeps=m.sweeps, clock_mhz=m.clock_mhz)
+                cells_out[m.name] = RoundResult(m.samples_ms, kind, note, sweeps=m.sweeps, clock_mhz=m.clock_mhz,
+                                              host_ms=m.host_ms)
         gemms = {g: (m.samples_ms if m.error is None else None) for g, m in zip(self._gemms_of(cells[0]), gemm_members)}
         note = next((m.error for m in gemm_members if m.error), "") or next(iter(self.gemm_timer.failures.values()), "")
         sampling = dict(grain="sample", n_sweeps=done.n_sweeps, stop=done.stop, settle_s=done.settle_s,

@@ -43,7 +43,7 @@ RESULT_COLUMNS = [
     "op", "impl", "model", "mode", "dtype", "status", "message", "label", "strategy", "tokens", "check_tokens",
     "fp8_recipe",
     "median_ms", "p20_ms", "p80_ms", "cv", "n_samples", "timing", "grain", "n_sweeps", "stop", "settle_s",
-    "settle_mhz", "settle_w", "first_call_s", "check_s", "setup_s", "tflops",
+    "settle_mhz", "settle_w", "host_ms", "first_call_s", "check_s", "setup_s", "tflops",
     "speedup", "speedup_lo", "speedup_hi", "vs_best", "vs_best_lo", "vs_best_hi", "verdict", "sol_ms", "sol_ratio",
     "pct_ceiling", "floor_ms",
     "peak_mem_mib", "cast_ms", "rel_err", "max_abs_err", "err_ratio", "rel_err_vs_bf16", "correct",
@@ -55,7 +55,10 @@ describe`; coda-triton: each fused kernel's ``fused`` or ``split`` path), "" whe
 the message says why); ``n_sweeps`` = the sweeps (rounds) taken; ``stop`` = why sampling stopped (``resolved``: every
 watched ratio within ``--precision``; ``budget``; ``max_sweeps``; ``cpu``; ``blocks``); ``settle_s``, ``settle_mhz``,
 ``settle_w`` = the warm-up before the group's sweeps (until the clock and power settled) and the SM clock and power it
-reached.
+reached; ``host_ms`` = the median host milliseconds of a timed call (its start event's enqueue to its return; GPU
+sweeps only): each sample starts behind a lead as long as that (:mod:`codabench.sweep`), so ``median_ms`` is the GPU
+time of the call with its launches queued, and a ``host_ms`` above it says the call's host side outlasts its GPU
+work.
 ``first_call_s`` = wall seconds of the first call at the timed shape, before any sample (torch.compile
 compiling, FlashInfer's JIT, Triton autotuning: each provider's warm-up cost in this process); ``check_s`` = wall
 seconds of the cell's correctness pass at the check shape (its first call there, compiling and tuning; the cell that

@@ -32,7 +32,7 @@ from codabench.measure import CellResult, GroupSamples, RoundResult
 from codabench.progress import Progress
 from codabench.registry import Registry
 from codabench.results import KEY
-from codabench.timing import Timing
+from codabench.timing import CPU_WALL, Timing
 from codabench.worker import Failure, InlineWorker, WorkerProcess
 from codabench.writer import RunWriter
 from workloads import fp8
@@ -237,7 +237,9 @@ class Runner:
         hard_floor = floor_ms(flops, min_bytes, self.ceilings, cell.dtype, slack=True) if min_bytes else None
         clocks = [c for r in p.rounds for c in (r.clock_mhz if r.sweeps is not None else r.clocks.sm_mhz)
                   if c is not None]
+        host = [h for r in p.rounds for h in (r.host_ms or [])] if timing.kind != CPU_WALL else []
         row.update(status="ok", message="; ".join(notes), median_ms=median, p20_ms=timing.p20, p80_ms=timing.p80,
+                   host_ms=statistics.median(host) if host else None,
                    cv=timing.cv, n_samples=len(timing.samples_ms), timing=timing.kind,
                    tflops=tflops, sol_ms=sol, sol_ratio=median / sol if sol else None,
                    pct_ceiling=100 * tflops / ceiling if isinstance(ceiling, float) and cell.dtype != "fp32" else None,

@@ -12,6 +12,16 @@ member always sampled after the hottest one).
 1. **Settle**: warm-up sweeps, untimed, for at least ``warmup_ms`` and then until the NVML readings of the last
    :data:`SETTLE_WINDOW_S` vary by no more than :data:`CLOCK_TOL` (SM clock) and :data:`POWER_TOL` (power), or
    ``settle_max_ms`` has passed; what was reached is recorded (``settle_s``, the clock and power at its end).
+   The warm-up also times each member's host side (the wall time from its start event's enqueue to its call's
+   return) and sets its *lead* (:func:`lead_ms`): from then on, each sample's start event is enqueued behind a spin
+   kernel (``torch.cuda._sleep``, its cycles per ms measured once) as long as that host time with a margin. While
+   the GPU spins, the host enqueues the call's launches, so a sample is the GPU time of the call with its launches
+   queued, whether or not the host keeps ahead of the GPU: a short call (a 1B fp8 GEMM takes ~0.1 ms) otherwise
+   waits for each sample's untimed refill and its own launches, and its sample holds host time. (NVBench's blocking
+   kernel does the same, released by the host; a spin of measured length cannot hang.) The lead hides only what the
+   host does before a launch, never GPU work: a call that reads its inputs on the host must wait for the GPU, and
+   from then on the sample counts it; each member's host time per call is kept (``host_ms``), so a call whose
+   host side outlasts its GPU time is visible.
 2. **Sweeps**, in chunks: a chunk (about :data:`CHUNK_S` of GPU time) is enqueued, and the chunk before it is read
    while it runs (the GPU never idles between chunks while the host applies the rule); each sample is its own
    CUDA-event pair. After each chunk, from ``min_sweeps`` on, the watched ratios (each member
@@ -48,6 +58,11 @@ CLOCK_TOL, POWER_TOL = 0.02, 0.05
 CHUNK_S = 0.1
 """GPU time of the sweeps enqueued between two synchronizations (and two evaluations of the stopping rule)."""
 MAX_CHUNK = 64
+LEAD_MARGIN, LEAD_PAD_MS, LEAD_MAX_MS = 1.5, 0.02, 2.0
+"""A member's lead: LEAD_MARGIN x the 90th percentile of its warm-up calls' host times + LEAD_PAD_MS, at most
+LEAD_MAX_MS."""
+CALIBRATION_CYCLES = 1_000_000
+"""The spin that measures the GPU's spin cycles per ms (about 0.5 ms at 2 GHz)."""
 WARMUP_SWEEP = -1
 """The sweep id of the first warm-up sweep (the next ones count down): set-up and checks see negative ids."""
 
@@ -71,6 +86,12 @@ class Member:
     ran_s: list[float] = field(default_factory=list)
     """perf_counter seconds at which the GPU started each sample (for its clock)."""
     clock_mhz: list[float | None] = field(default_factory=list)
+    host_ms: list[float] = field(default_factory=list)
+    """Host milliseconds from each kept sample's start event to its call's return."""
+    warm_host_ms: list[float] = field(default_factory=list)
+    """The same for the warm-up's calls (they set the lead)."""
+    lead_cycles: int = 0
+    """The spin enqueued before each sample's start event (module docstring); 0: none."""
 
     def timed(self, kind: str) -> stats.Timed:
         return stats.Timed(self.samples_ms, self.sweeps, kind, self.name, grain="sample")
@@ -98,9 +119,17 @@ def _describe(e: BaseException) -> str:
     return describe_exception(e)
 
 
+def lead_ms(host_ms: list[float]) -> float:
+    """A member's lead in ms from its warm-up calls' host times (module docstring); 0 without any."""
+    if not host_ms:
+        return 0.0
+    return min(LEAD_MAX_MS, LEAD_MARGIN * float(np.quantile(host_ms, 0.9)) + LEAD_PAD_MS)
+
+
 def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clocks: guard.Clocks
-         ) -> tuple[Any, Any] | float | None:
-    """Time member ``m`` once: CUDA events (start, end) on the GPU, wall milliseconds on the CPU; None on error."""
+         ) -> tuple[tuple[Any, Any] | float, float] | None:
+    """Time member ``m`` once: (CUDA events (start, end) on the GPU, wall milliseconds on the CPU; the host
+    milliseconds from the start to the call's return); None on error."""
     perf_counter, Event, record = clocks.perf_counter, clocks.Event, clocks.record
     try:
         state = m.setup(sweep) if m.setup is not None else None
@@ -108,19 +137,23 @@ def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clo
             with m.context():
                 t0 = perf_counter()
                 returned = m.call(state)
-                took = (perf_counter() - t0) * 1e3
+                took = host = (perf_counter() - t0) * 1e3
         else:
             if flush is not None:
                 flush()
             start, end = Event(enable_timing=True), Event(enable_timing=True)
+            if m.lead_cycles:
+                clocks.sleep(m.lead_cycles)
             with m.context():
+                t0 = perf_counter()
                 record(start)
                 returned = m.call(state)
+                host = (perf_counter() - t0) * 1e3
                 record(end)
             took = (start, end)
         if m.after is not None:
             m.after(sweep, returned)
-        return took
+        return took, host
     except Exception as e:
         m.error = _describe(e)
         return None
@@ -142,7 +175,7 @@ class _Chunks:
         self.cpu = device.type != "cuda"
         self.kept = 0
         """Sweeps whose samples are in (kept, or read and dropped with ``keep`` False)."""
-        self._pending: tuple[range, list[tuple[Member, int, Any]]] | None = None
+        self._pending: tuple[range, list[tuple[Member, int, Any, float]]] | None = None
         if not self.cpu:
             self._base = clocks.Event(enable_timing=True)
             clocks.record(self._base)
@@ -157,9 +190,9 @@ class _Chunks:
             for i in self.rng.permutation(len(self.members)):
                 m = self.members[i]
                 if m.error is None:
-                    took = _one(m, s, self.cpu, self.flush, self.clocks)
-                    if took is not None:
-                        taken.append((m, s, took))
+                    one = _one(m, s, self.cpu, self.flush, self.clocks)
+                    if one is not None:
+                        taken.append((m, s, *one))
         self.drain()
         self._pending = (sweeps, taken)
         if self.cpu:
@@ -175,12 +208,14 @@ class _Chunks:
             clocks.wait(taken[-1][2][1])
         clocks.verify()
         self.kept += len(sweeps)
-        if not self.keep:
-            return
-        for m, s, took in taken:
+        for m, s, took, host in taken:
             if m.error is not None:
                 continue
+            if not self.keep:
+                m.warm_host_ms.append(host)
+                continue
             m.sweeps.append(s)
+            m.host_ms.append(host)
             if self.cpu:
                 m.samples_ms.append(took)
                 m.ran_s.append(clocks.perf_counter())
@@ -227,6 +262,7 @@ def sample(members: list[Member], device: torch.device, cfg: TimingConfig, nvml:
     sampled = Sampled()
     with nvml.sampling(sampled):
         settle_s, sweep_s = _settle(members, device, cfg, flush, rng, sampled, nvml.available, clocks)
+        _lead(members, device, clocks)
         n, stop, _ = _sweep(members, device, cfg, flush, rng, sweep_s, baseline, clocks)
     for m in members:
         m.clock_mhz = sampled.at(m.ran_s)
@@ -254,6 +290,18 @@ def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nv
             chunks.drain()
             spent = perf_counter() - t0
             return spent, spent / sweeps
+
+
+def _lead(members: list[Member], device: torch.device, clocks: guard.Clocks) -> None:
+    """Set each member's lead from its warm-up (module docstring), the spin's cycles per ms measured first."""
+    start, end = clocks.Event(enable_timing=True), clocks.Event(enable_timing=True)
+    clocks.record(start)
+    clocks.sleep(CALIBRATION_CYCLES)
+    clocks.record(end)
+    clocks.synchronize(device)
+    per_ms = CALIBRATION_CYCLES / max(clocks.elapsed_ms(start, end), 1e-6)
+    for m in members:
+        m.lead_cycles = int(lead_ms(m.warm_host_ms) * per_ms)
 
 
 def group_budget_s(cfg: TimingConfig, members: int, sweep_s: float) -> float:

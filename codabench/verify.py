@@ -155,7 +155,7 @@ def check_new_buffers(op: Op, impl: Implementation, mode: str, grads: Tensors | 
 
 def check_event_time(timed: Timed, device: torch.device) -> str | None:
     """GPU: CUDA-event time of the timed closure on the calling stream vs its device-synchronized wall time."""
-    perf_counter, Event, record, elapsed_ms, synchronize, verify, _ = guard.private_clocks()
+    perf_counter, Event, record, elapsed_ms, synchronize, verify, *_ = guard.private_clocks()
     events, walls = [], []
     for _ in range(STREAM_CALLS):
         state = timed.setup() if timed.setup else None

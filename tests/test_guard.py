@@ -73,7 +73,7 @@ def naive_loop(fn, n: int) -> float:
 def private_loop(fn, n: int) -> tuple[float, guard.Tampered | None]:
     """A timing loop as the guard's docstring prescribes: the private clocks bound to locals, verified around the
     region. Returns the time and what the verification after the region caught."""
-    perf_counter, Event, record, elapsed_ms, synchronize, verify, _ = guard.private_clocks()
+    perf_counter, Event, record, elapsed_ms, synchronize, verify, *_ = guard.private_clocks()
     verify()
     t0 = perf_counter()
     for _ in range(n):

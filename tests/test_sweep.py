@@ -119,7 +119,7 @@ def test_the_next_chunk_is_enqueued_before_the_last_one_is_read():
         ev.t = float(len(log))
 
     clocks = guard.Clocks(perf_counter, Event, record, lambda a, b: b.t - a.t, lambda device: log.append("sync"),
-                          lambda: None, lambda ev: log.append(f"wait {ev.t:g}"))
+                          lambda: None, lambda ev: log.append(f"wait {ev.t:g}"), lambda cycles: log.append("sleep"))
     members = [Member("a", lambda sweep: log.append(f"call {sweep}"), setup=lambda sweep: sweep)]
     chunks = sweep._Chunks(members, torch.device("cuda"), None, np.random.default_rng(0), clocks)
     chunks.push(range(0, 2))
@@ -129,6 +129,75 @@ def test_the_next_chunk_is_enqueued_before_the_last_one_is_read():
     assert chunks.kept == 4 and members[0].sweeps == [0, 1, 2, 3]
     assert [e.split()[0] for e in log] == ["sync", "call", "call", "call", "call", "wait", "wait"]
     assert log.index("call 3") < log.index("wait 3")  # chunk 1 (ended at event 3) read after chunk 2 was enqueued
+
+
+class Stream:
+    """A simulated GPU stream and its host, in ms: each enqueue costs the host ``launch_ms``; the GPU runs what is
+    enqueued in order, each item starting once the host has enqueued it and the item before it is done."""
+
+    def __init__(self, spin_cycles_per_ms: float = 1.98e6, launch_ms: float = 0.005):
+        self.host = self.gpu = 0.0
+        self.per_ms, self.launch_ms = spin_cycles_per_ms, launch_ms
+
+    def work(self, host_ms: float) -> None:
+        self.host += host_ms
+
+    def launch(self, gpu_ms: float) -> None:
+        self.host += self.launch_ms
+        self.gpu = max(self.gpu, self.host) + gpu_ms
+
+    def clocks(self) -> guard.Clocks:
+        stream = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = math.nan
+
+        def record(ev):
+            stream.launch(0.0)
+            ev.t = stream.gpu
+
+        def wait(ev):
+            stream.host = max(stream.host, ev.t)
+
+        def synchronize(device):
+            stream.host = max(stream.host, stream.gpu)
+
+        return guard.Clocks(lambda: stream.host / 1e3, Event, record, lambda a, b: b.t - a.t, synchronize,
+                            lambda: None, wait, lambda cycles: stream.launch(cycles / stream.per_ms))
+
+
+def test_a_lead_keeps_a_short_calls_host_side_out_of_its_samples(monkeypatch):
+    """A 0.1 ms call whose host side (refilling its inputs, 0.3 ms; its own launch, 0.08 ms) outlasts its GPU work:
+    the GPU drains between samples. Without the lead each sample holds the call's 0.08 ms of host time before its
+    launch; behind the lead the samples are the GPU's 0.1 ms, and the host time is kept beside them."""
+    def member(stream: Stream) -> Member:
+        def setup(sweep):
+            stream.work(0.3)
+            stream.launch(0.01)  # the refill's copies
+
+        def call(_):
+            stream.work(0.08)
+            stream.launch(0.1)
+
+        return Member("short", call, setup)
+
+    def sampled(lead: bool) -> Member:
+        stream = Stream()
+        monkeypatch.setattr(guard, "private_clocks", stream.clocks)
+        if not lead:
+            monkeypatch.setattr(sweep, "_lead", lambda members, device, clocks: None)
+        m = member(stream)
+        sweep.sample([m], torch.device("cuda"), TimingConfig(min_sweeps=20, max_sweeps=20), ClockSampler(CPU),
+                     flush_l2=False)
+        return m
+
+    led, plain = sampled(lead=True), sampled(lead=False)
+    assert min(plain.samples_ms) >= 0.1 + 0.08 - 1e-9  # the host's time before the launch is in every sample
+    assert led.lead_cycles > 0 and max(led.samples_ms) == pytest.approx(0.1, abs=1e-9)  # the GPU time alone
+    assert np.median(led.host_ms) == pytest.approx(0.08 + 2 * Stream().launch_ms)
+    assert sweep.lead_ms([0.08] * 9) == pytest.approx(1.5 * 0.08 + 0.02)
+    assert sweep.lead_ms([50.0]) == sweep.LEAD_MAX_MS and sweep.lead_ms([]) == 0.0
 
 
 def test_a_groups_budget_stretches_to_enough_sweeps_for_long_members_within_its_cap():
