@@ -293,13 +293,19 @@ def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nv
 
 
 def _lead(members: list[Member], device: torch.device, clocks: guard.Clocks) -> None:
-    """Set each member's lead from its warm-up (module docstring), the spin's cycles per ms measured first."""
-    start, end = clocks.Event(enable_timing=True), clocks.Event(enable_timing=True)
-    clocks.record(start)
-    clocks.sleep(CALIBRATION_CYCLES)
-    clocks.record(end)
+    """Set each member's lead from its warm-up (module docstring). The spin's cycles per ms are the slope between a
+    spin of :data:`CALIBRATION_CYCLES` and one of twice that, after a spin that loads its kernel (a first launch
+    loads the module, and a fixed cost would count as spinning)."""
+    clocks.sleep(1000)
+    spans = []
+    for cycles in (CALIBRATION_CYCLES, 2 * CALIBRATION_CYCLES):
+        start, end = clocks.Event(enable_timing=True), clocks.Event(enable_timing=True)
+        clocks.record(start)
+        clocks.sleep(cycles)
+        clocks.record(end)
+        spans.append((start, end))
     clocks.synchronize(device)
-    per_ms = CALIBRATION_CYCLES / max(clocks.elapsed_ms(start, end), 1e-6)
+    per_ms = CALIBRATION_CYCLES / max(clocks.elapsed_ms(*spans[1]) - clocks.elapsed_ms(*spans[0]), 1e-6)
     for m in members:
         m.lead_cycles = int(lead_ms(m.warm_host_ms) * per_ms)
 
