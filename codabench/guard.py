@@ -105,7 +105,9 @@ class Clocks(NamedTuple):
     wait: Callable[[Any], None]
     """``torch.cuda.Event.synchronize``: ``wait(ev)`` returns once the GPU has passed ``ev``."""
     sleep: Callable[[int], None]
-    """``torch.cuda._sleep``: ``sleep(cycles)`` enqueues a kernel that spins for that many GPU clock cycles."""
+    """``torch._C._cuda_sleep`` (what ``torch.cuda._sleep`` looks up when called): ``sleep(cycles)`` enqueues a kernel
+    that spins for that many GPU clock cycles. The sweeps enqueue it before each sample's start event: a replacement
+    could enqueue a plugin's work there, untimed, so the loops hold the original itself."""
 
 
 class _Attr(NamedTuple):
@@ -223,7 +225,7 @@ def snapshot(refresh: bool = False) -> None:
     _RECORD.hooks = _hooks()
     _RECORD.clocks = Clocks(time.perf_counter, torch.cuda.Event, torch.cuda.Event.record,
                             torch.cuda.Event.elapsed_time, torch.cuda.synchronize, verify_clocks,
-                            torch.cuda.Event.synchronize, torch.cuda._sleep)
+                            torch.cuda.Event.synchronize, getattr(torch._C, "_cuda_sleep", torch.cuda._sleep))
     _record_harness(_RECORD)
 
 

@@ -1,5 +1,6 @@
 """The guard: what it watches (the harness's own modules too), what it restores, its cost, and the private clocks."""
 import builtins
+import subprocess
 import sys
 import threading
 import time
@@ -209,6 +210,21 @@ def test_the_guard_sees_and_restores(kind):
     assert sys.modules["codabench.timing"] is timing_module and codabench.metrics.rel_err.__code__ is rel_err_code
     assert sys.gettrace() is None and sys.getprofile() is None and threading.gettrace() is None
     assert codabench.registry.register.__kwdefaults__["modes"] is None and not hasattr(codabench.timing, "sorted")
+
+
+def test_the_spin_before_each_sample_is_the_original_builtin_not_a_lookup():
+    """The lead's spin runs before each sample's start event (codabench/sweep.py): a ``torch._C._cuda_sleep``
+    replaced after the snapshot (to enqueue a plugin's work there, untimed) does not reach the loops. The clocks are
+    recorded once per process, so in a new one, where a marker stands in for the CUDA builtin (absent on the CPU)."""
+    code = ("import torch\n"
+            "from codabench import guard\n"
+            "original = lambda cycles: None\n"
+            "torch._C._cuda_sleep = original\n"
+            "guard.snapshot()\n"
+            "torch._C._cuda_sleep = lambda cycles: None\n"
+            "assert guard.private_clocks().sleep is original, guard.private_clocks().sleep\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_restore_can_leave_what_it_is_not_asked_to():
