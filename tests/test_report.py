@@ -134,7 +134,8 @@ def test_a_gpu_report_fits_a_1400_pixel_window(gpu_run, tmp_path):
 @pytest.fixture(scope="module")
 def gpu_run(tmp_path_factory):
     """A made-up GPU run with every column filled: three implementations of a bf16 and an fp8 group (coda-triton ahead
-    in one, tied with liger in the other), memory, % of ceiling, NVML clocks (one cell's clock dipped), coda-triton's
+    in one, tied with liger in the other), memory, % of ceiling, NVML clocks (one cell's clock dipped), host times
+    (one cell's above its GPU time), coda-triton's
     strategies, a note on an ok cell, an n/a cell, and a clock trace."""
     rng = np.random.default_rng(11)
     cells, rows = {}, {}
@@ -144,7 +145,8 @@ def gpu_run(tmp_path_factory):
             key = ("rmsnorm_linear", "llama-70b", "fwd_bwd", dtype, impl)
             cells[key] = noisy_rounds(rng, ms, noise=0.004, drift=0.003)
             rows[key] = {"peak_mem_mib": mib, "pct_ceiling": 180 / ms, "sol_ms": ms / 1.1, "sol_ratio": 1.1,
-                         "first_call_s": 12.345, "tflops": 654.3, "rel_err": 3.21e-3, "err_ratio": 1.23,
+                         "first_call_s": 12.345, "host_ms": 5.0 if (dtype, impl) == ("bf16", "liger") else 0.3,
+                         "tflops": 654.3, "rel_err": 3.21e-3, "err_ratio": 1.23,
                          "sm_clock_median_mhz": 1980.0, "sm_clock_min_mhz": 1500.0 if (dtype, impl) == ("fp8", "liger")
                          else 1950.0, **({"cast_ms": 0.8786, "rel_err_vs_bf16": 0.0466} if dtype == "fp8" else {})}
             if impl == "coda-triton":  # the longest account the block gives of its kernels
@@ -175,6 +177,8 @@ def test_a_gpu_report_shows_intervals_verdicts_clocks_memory_and_the_roofline(gp
     assert f"{coda['speedup']:.2f}× <span class='ci'>[{coda['speedup_lo']:.2f}, {coda['speedup_hi']:.2f}]" in headline
     assert "1 cell(s) ran with the clock more than 10% below it" in html and "llama-70b fwd_bwd fp8 liger" in html
     assert headline.count("&#9888;") == 1 and 'class="dip">1500/1980' in html
+    assert headline.count("&#8987;") == 1 and "host-bound: 5 ms of host time" in headline  # liger bf16 alone
+    assert html.count('<td class="host">') == 1 and html.count("&#8987;5</td>") == 1  # the median, then its host time
     assert '<table id="roofline">' in html and "0:05:00 (first calls: compile, JIT, autotune 0:02:00" in html
     assert html.count('<td class="txt ">residual_norm:fused,split swiglu:split') == 2  # coda-triton's two rows
     assert "every time in this report is a CPU wall time" not in html

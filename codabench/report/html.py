@@ -48,7 +48,7 @@ td.msg[colspan]{max-width:none}td.note{color:#555;padding-left:24px}
 td.txt{text-align:left;white-space:normal;min-width:120px;max-width:260px}
 td.msg details{margin:0}td.msg summary{cursor:pointer}
 .pass{background:#dff3df}.fail{background:#f8d7d7}.err{background:#f3b6b6}.na{background:#eee;color:#777}
-.skip{background:#f6f0dc;color:#6b5a1e}.dip{background:#ffe08a}
+.skip{background:#f6f0dc;color:#6b5a1e}.dip{background:#ffe08a}.host{background:#d9e8fb}
 .banner{background:#fff4ce;border:1px solid #e0c060;padding:8px 12px}
 .cpu{background:#fde2c8;border:2px solid #d9822b;padding:10px 14px;font-size:16px}
 img{max-width:100%;border:1px solid #eee;margin:6px 0}details{margin:4px 0 12px}pre{white-space:pre-wrap;overflow-wrap:anywhere}
@@ -87,7 +87,10 @@ or was not selected). <code>n/a</code> as a status: the implementation registers
 <code>skipped</code>: it cannot run here (reason in the tooltip and the per-op tables); <code>error</code>: it raised,
 returned a wrong shape/dtype, NaN/Inf, mutated its inputs, or failed a check that makes a time count. A blank number
 in the per-op tables was not measured for that cell (fp8-only columns, clocks without NVML, memory on the CPU).</p>
-<p>Timings: median of many samples with p20/p80, cold L2, CUDA events; <i>time / GEMMs</i> is the time over the
+<p>Timings: median of many samples with p20/p80, cold L2, CUDA events, each sample the GPU time of a call with its
+launches queued (the start event waits behind a GPU spin longer than the call's host time); where the call's host
+time exceeds its GPU time, the median is highlighted and followed by &#8987; and the host time (&#8987; in the
+headline too): the host cannot feed the GPU that fast call after call; <i>time / GEMMs</i> is the time over the
 plain cuBLAS GEMMs the op must do (ideal 1.00); <i>% ceiling</i> its TFLOP/s as a share of the GEMM ceiling measured
 at the start of the run (the roofline of these GEMM-bound ops); <i>peak MiB</i> the memory one call allocates above
 its inputs; <i>SM MHz</i> the NVML clock during the cell's kept samples (min / median), highlighted where it fell more
@@ -205,8 +208,29 @@ def _impl_head(impl: str, colors: dict[str, str]) -> str:
     return f"<span class='sw' style='background:{colors[impl]}'></span>{_esc(impl)}"
 
 
+def _median(r: pd.Series) -> str:
+    """The median, and where the call is host-bound (:func:`host_bound`) its host time after the mark."""
+    text = _fmt(r.get("median_ms"), ".4g")
+    host, gpu = pd.to_numeric(r.get("host_ms"), errors="coerce"), pd.to_numeric(r.get("median_ms"), errors="coerce")
+    return f"{text} {HOST_MARK}{_fmt(host, '.3g')}" if r.get("status") == "ok" and host > gpu else text
+
+
+def host_bound(df: pd.DataFrame) -> pd.Series:
+    """True for the ok rows whose call's host time (``host_ms``) exceeds its GPU time (``median_ms``): timed with its
+    launches queued, as a kernel is, but the host cannot feed the GPU that fast call after call."""
+    if "host_ms" not in df:
+        return pd.Series(False, index=df.index)
+    host, gpu = pd.to_numeric(df["host_ms"], errors="coerce"), pd.to_numeric(df["median_ms"], errors="coerce")
+    return (df["status"] == "ok") & (host > gpu)
+
+
+HOST_MARK = "&#8987;"
+"""The headline's mark on a host-bound cell (an hourglass)."""
+
+
 def _headline(df: pd.DataFrame, impls: list[str], colors: dict[str, str], perf: bool, dips: pd.Series) -> str:
     cells = df[df["op"] != PLUGIN_OP]
+    bound = host_bound(df)
     head = "".join(f"<th>{_impl_head(i, colors)}</th>" for i in impls)
     rows = []
     for (op, model, mode, dtype), g in cells.groupby(["op", "model", "mode", "dtype"], sort=False):
@@ -230,6 +254,10 @@ def _headline(df: pd.DataFrame, impls: list[str], colors: dict[str, str], perf: 
                 if dips[idx]:
                     text += " &#9888;"
                     title = f"SM clock fell to {_fmt(r.get('sm_clock_min_mhz'), '.0f')} MHz; {title}"
+                if perf and bound[idx]:
+                    text += f" {HOST_MARK}"
+                    title = (f"host-bound: {_fmt(r.get('host_ms'), '.3g')} ms of host time a call against "
+                             f"{_fmt(r.get('median_ms'), '.3g')} ms on the GPU; {title}")
             else:
                 text = _esc(r["status"])
             tds.append(f'<td class="{cls}" title="{_esc(title)}">{text}</td>')
@@ -283,7 +311,7 @@ def _mib(r: pd.Series) -> str:
 
 PER_OP_COLUMNS: list[Column] = [
     ("impl", "impl", "l"), ("model", "model", "l"), ("mode", "mode", "l"), ("dtype", "dtype", "l"),
-    ("status", "status", "l"), ("strategy", "strategy", "txt"), ("median_ms", "median ms", ".4g"),
+    ("status", "status", "l"), ("strategy", "strategy", "txt"), ("median_ms", "median ms", _median),
     ("p20_ms", "p20–p80 ms", _range("p20_ms", "p80_ms", ".4g")),
     ("cv", "CV", ".2f"), ("speedup", f"speedup vs {SPEED_BASELINE} [95%]", lambda r: _interval(r, "speedup")),
     ("vs_best", "vs fastest other [95%], verdict", lambda r: f"{_interval(r, 'vs_best')} {_verdict(r)}".strip()),
@@ -348,7 +376,8 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
               HOW_TO_READ.replace("{margin}", f"{100 * same_within:g}%"),
               '<p class="legend"><span class="pass">pass</span><span class="fail">error above the rule</span>'
               '<span class="err">error row</span><span class="skip">skipped</span><span class="na">n/a</span>'
-              '<span class="dip">clock dip &#9888;</span></p></details>']
+              '<span class="dip">clock dip &#9888;</span><span class="host">host-bound &#8987;: host time '
+              'above GPU time</span></p></details>']
     if perf:
         n = ok["verdict"].value_counts()
         parts += ["<h2>Headline: speedup vs torch-compile [95% interval], verdict against the fastest other, "
@@ -377,7 +406,11 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
                                                   ("message", "message", "msg")], lambda r: "err")]
     parts.append("<h2>Per-op results</h2>")
 
+    bound = host_bound(df)
+
     def flag(r, col):
+        if col == "median_ms" and bound[r.name]:
+            return "host"
         return "dip" if col == "sm_clock_min_mhz" and dips[r.name] else ""
 
     for op, g in cells.groupby("op", sort=False):
