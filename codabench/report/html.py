@@ -89,7 +89,7 @@ returned a wrong shape/dtype, NaN/Inf, mutated its inputs, or failed a check tha
 in the per-op tables was not measured for that cell (fp8-only columns, clocks without NVML, memory on the CPU).</p>
 <p>Timings: median of many samples with p20/p80, cold L2, CUDA events, each sample the GPU time of a call with its
 launches queued (the start event waits behind a GPU spin longer than the call's host time); where the call's host
-time exceeds its GPU time, the median is highlighted and followed by &#8987; and the host time (&#8987; in the
+time exceeds its GPU time, the median is highlighted and followed by &#8224; and the host time (&#8224; in the
 headline too): the host cannot feed the GPU that fast call after call; <i>time / GEMMs</i> is the time over the
 plain cuBLAS GEMMs the op must do (ideal 1.00); <i>% ceiling</i> its TFLOP/s as a share of the GEMM ceiling measured
 at the start of the run (the roofline of these GEMM-bound ops); <i>peak MiB</i> the memory one call allocates above
@@ -224,8 +224,8 @@ def host_bound(df: pd.DataFrame) -> pd.Series:
     return (df["status"] == "ok") & (host > gpu)
 
 
-HOST_MARK = "&#8987;"
-"""The headline's mark on a host-bound cell (an hourglass)."""
+HOST_MARK = "&#8224;"
+"""The headline's mark on a host-bound cell (a dagger: every font has it)."""
 
 
 def _headline(df: pd.DataFrame, impls: list[str], colors: dict[str, str], perf: bool, dips: pd.Series) -> str:
@@ -376,7 +376,7 @@ def render(df: pd.DataFrame, errors: pd.DataFrame, env: dict[str, Any], plots: l
               HOW_TO_READ.replace("{margin}", f"{100 * same_within:g}%"),
               '<p class="legend"><span class="pass">pass</span><span class="fail">error above the rule</span>'
               '<span class="err">error row</span><span class="skip">skipped</span><span class="na">n/a</span>'
-              '<span class="dip">clock dip &#9888;</span><span class="host">host-bound &#8987;: host time '
+              '<span class="dip">clock dip &#9888;</span><span class="host">host-bound &#8224;: host time '
               'above GPU time</span></p></details>']
     if perf:
         n = ok["verdict"].value_counts()
