@@ -13,7 +13,7 @@ member always sampled after the hottest one).
    :data:`SETTLE_WINDOW_S` vary by no more than :data:`CLOCK_TOL` (SM clock) and :data:`POWER_TOL` (power), or
    ``settle_max_ms`` has passed; what was reached is recorded (``settle_s``, the clock and power at its end).
    The warm-up also times each member's host side (the wall time from its start event's enqueue to its call's
-   return) and sets its *lead* (:func:`lead_ms`): from then on, each sample's start event is enqueued behind a spin
+   return) and sets its *lead* (:func:`codabench.timing.lead_ms`): from then on, each sample's start event is enqueued behind a spin
    kernel (``torch.cuda._sleep``, its cycles per ms measured once) as long as that host time with a margin. While
    the GPU spins, the host enqueues the call's launches, so a sample is the GPU time of the call with its launches
    queued, whether or not the host keeps ahead of the GPU: a short call (a 1B fp8 GEMM takes ~0.1 ms) otherwise
@@ -50,7 +50,7 @@ import torch
 
 from codabench import guard, stats
 from codabench.clocks import ClockSampler, Sampled
-from codabench.timing import CPU_WALL, CUDA_EVENTS, TimingConfig, l2_flusher
+from codabench.timing import CPU_WALL, CUDA_EVENTS, TimingConfig, l2_flusher, lead_ms, spin_cycles_per_ms
 
 SETTLE_WINDOW_S = 0.25
 CLOCK_TOL, POWER_TOL = 0.02, 0.05
@@ -58,11 +58,6 @@ CLOCK_TOL, POWER_TOL = 0.02, 0.05
 CHUNK_S = 0.1
 """GPU time of the sweeps enqueued between two synchronizations (and two evaluations of the stopping rule)."""
 MAX_CHUNK = 64
-LEAD_MARGIN, LEAD_PAD_MS, LEAD_MAX_MS = 1.5, 0.02, 2.0
-"""A member's lead: LEAD_MARGIN x the 90th percentile of its warm-up calls' host times + LEAD_PAD_MS, at most
-LEAD_MAX_MS."""
-CALIBRATION_CYCLES = 1_000_000
-"""The spin that measures the GPU's spin cycles per ms (about 0.5 ms at 2 GHz)."""
 WARMUP_SWEEP = -1
 """The sweep id of the first warm-up sweep (the next ones count down): set-up and checks see negative ids."""
 
@@ -117,13 +112,6 @@ def _describe(e: BaseException) -> str:
     from codabench.measure import describe_exception  # measure imports this module
 
     return describe_exception(e)
-
-
-def lead_ms(host_ms: list[float]) -> float:
-    """A member's lead in ms from its warm-up calls' host times (module docstring); 0 without any."""
-    if not host_ms:
-        return 0.0
-    return min(LEAD_MAX_MS, LEAD_MARGIN * float(np.quantile(host_ms, 0.9)) + LEAD_PAD_MS)
 
 
 def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clocks: guard.Clocks
@@ -293,19 +281,8 @@ def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nv
 
 
 def _lead(members: list[Member], device: torch.device, clocks: guard.Clocks) -> None:
-    """Set each member's lead from its warm-up (module docstring). The spin's cycles per ms are the slope between a
-    spin of :data:`CALIBRATION_CYCLES` and one of twice that, after a spin that loads its kernel (a first launch
-    loads the module, and a fixed cost would count as spinning)."""
-    clocks.sleep(1000)
-    spans = []
-    for cycles in (CALIBRATION_CYCLES, 2 * CALIBRATION_CYCLES):
-        start, end = clocks.Event(enable_timing=True), clocks.Event(enable_timing=True)
-        clocks.record(start)
-        clocks.sleep(cycles)
-        clocks.record(end)
-        spans.append((start, end))
-    clocks.synchronize(device)
-    per_ms = CALIBRATION_CYCLES / max(clocks.elapsed_ms(*spans[1]) - clocks.elapsed_ms(*spans[0]), 1e-6)
+    """Set each member's lead from its warm-up calls' host times (module docstring)."""
+    per_ms = spin_cycles_per_ms(device, clocks)
     for m in members:
         m.lead_cycles = int(lead_ms(m.warm_host_ms) * per_ms)
 

@@ -1,8 +1,10 @@
 """Timing loops (benchmarking.md): CUDA events, warm-up, cold L2, many samples; the timing settings of a run.
 
-One sample is ``state = setup(); [flush L2]; start.record(); fn(state); end.record()``: the setup
+One sample is ``state = setup(); [flush L2]; [lead]; start.record(); fn(state); end.record()``: the setup
 (e.g. the forward pass that a backward-only measurement needs, or fresh autograd leaves) and the L2
-flush stay outside the event pair. All samples are kept; the summary is the median, p20/p80 and the
+flush stay outside the event pair. The *lead* (:func:`lead_ms`) is a GPU spin as long as the call's host time with a
+margin (measured in the warm-up): while the GPU spins, the host enqueues the call's launches, so a sample is the GPU
+time of the call with its launches queued, even for a call shorter than its own host side. All samples are kept; the summary is the median, p20/p80 and the
 coefficient of variation. On the CPU the loop measures wall time with ``time.perf_counter``; such a
 figure checks that the code runs, it is not a performance figure (``Timing.is_perf`` is False).
 
@@ -27,6 +29,11 @@ import torch
 from codabench import guard
 
 CUDA_EVENTS, CUDA_GRAPH, CPU_WALL = "cuda-events", "cuda-graph", "cpu-wall"
+LEAD_MARGIN, LEAD_PAD_MS, LEAD_MAX_MS = 1.5, 0.02, 2.0
+"""A call's lead: LEAD_MARGIN x the 90th percentile of its warm-up calls' host times + LEAD_PAD_MS, at most
+LEAD_MAX_MS."""
+CALIBRATION_CYCLES = 1_000_000
+"""The spin that measures the GPU's spin cycles per ms (about 0.5 ms at 2 GHz)."""
 
 
 @dataclass
@@ -173,18 +180,49 @@ def measure(fn: Callable[[Any], Any], setup: Callable[[], Any] | None, device: t
         return _measure_cpu(fn, setup, cfg, during, clocks)
     flusher = l2_flusher(device) if cfg.flush_l2 else None
     first = first_call(fn, setup, device)
-    start_warm, calls = perf_counter(), 1
+    start_warm, calls, host_ms = perf_counter(), 1, []
     while calls < max(cfg.warmup, 1) or ((perf_counter() - start_warm) * 1e3 < cfg.warmup_ms
                                          and calls < 1000):
-        fn(setup())
+        state = setup()
+        t0 = perf_counter()
+        fn(state)
+        host_ms.append((perf_counter() - t0) * 1e3)
         synchronize(device)
         calls += 1
-    est = _sample_events(fn, setup, flusher, device, 3, clocks)
+    lead = int(lead_ms(host_ms) * spin_cycles_per_ms(device, clocks))
+    est = _sample_events(fn, setup, flusher, device, 3, clocks, lead)
     n = _n_samples(cfg, statistics.median(est))
     with during():
-        samples = _sample_events(fn, setup, flusher, device, n, clocks)
+        samples = _sample_events(fn, setup, flusher, device, n, clocks, lead)
     verify()
     return Timing(samples, CUDA_EVENTS, first_call_s=first)
+
+
+def lead_ms(host_ms: list[float]) -> float:
+    """The lead in ms of a call whose warm-up calls took ``host_ms`` of host time each (module docstring); 0 without
+    any. It hides host time only, never GPU work: a call that reads its inputs on the host waits for the GPU, and
+    from then on the sample counts it."""
+    if not host_ms:
+        return 0.0
+    ordered = sorted(host_ms)
+    p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+    return min(LEAD_MAX_MS, LEAD_MARGIN * p90 + LEAD_PAD_MS)
+
+
+def spin_cycles_per_ms(device: torch.device, clocks: guard.Clocks) -> float:
+    """The lead's spin cycles per ms on ``device``: the slope between a spin of :data:`CALIBRATION_CYCLES` and one of
+    twice that, after a spin that loads its kernel (a first launch loads the module; a fixed cost would count as
+    spinning). Synchronizes."""
+    clocks.sleep(1000)
+    spans = []
+    for cycles in (CALIBRATION_CYCLES, 2 * CALIBRATION_CYCLES):
+        start, end = clocks.Event(enable_timing=True), clocks.Event(enable_timing=True)
+        clocks.record(start)
+        clocks.sleep(cycles)
+        clocks.record(end)
+        spans.append((start, end))
+    clocks.synchronize(device)
+    return CALIBRATION_CYCLES / max(clocks.elapsed_ms(*spans[1]) - clocks.elapsed_ms(*spans[0]), 1e-6)
 
 
 def first_call(fn, setup, device: torch.device) -> float:
@@ -200,15 +238,18 @@ def first_call(fn, setup, device: torch.device) -> float:
     return perf_counter() - t0
 
 
-def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n: int, clocks: guard.Clocks
-                   ) -> list[float]:
-    Event, record, elapsed_ms, synchronize = clocks.Event, clocks.record, clocks.elapsed_ms, clocks.synchronize
+def _sample_events(fn, setup, flusher: L2Flusher | None, device: torch.device, n: int, clocks: guard.Clocks,
+                   lead_cycles: int) -> list[float]:
+    Event, record, elapsed_ms, synchronize, sleep = (clocks.Event, clocks.record, clocks.elapsed_ms,
+                                                     clocks.synchronize, clocks.sleep)
     starts = [Event(enable_timing=True) for _ in range(n)]
     ends = [Event(enable_timing=True) for _ in range(n)]
     for i in range(n):
         state = setup()
         if flusher is not None:
             flusher.flush()
+        if lead_cycles:
+            sleep(lead_cycles)
         record(starts[i])
         fn(state)
         record(ends[i])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from codabench import guard, stats, sweep
+from codabench import guard, stats, sweep, timing
 from codabench.clocks import ClockSampler, Sampled
 from codabench.discovery import load_plugin_file
 from codabench.execute import CellError, check_outputs
@@ -196,8 +196,26 @@ def test_a_lead_keeps_a_short_calls_host_side_out_of_its_samples(monkeypatch):
     assert min(plain.samples_ms) >= 0.1 + 0.08 - 1e-9  # the host's time before the launch is in every sample
     assert led.lead_cycles > 0 and max(led.samples_ms) == pytest.approx(0.1, abs=1e-9)  # the GPU time alone
     assert np.median(led.host_ms) == pytest.approx(0.08 + 2 * Stream().launch_ms)
-    assert sweep.lead_ms([0.08] * 9) == pytest.approx(1.5 * 0.08 + 0.02)
-    assert sweep.lead_ms([50.0]) == sweep.LEAD_MAX_MS and sweep.lead_ms([]) == 0.0
+    assert timing.lead_ms([0.08] * 9 + [5.0]) == pytest.approx(1.5 * 0.08 + 0.02)  # the 90th percentile
+    assert timing.lead_ms([50.0]) == timing.LEAD_MAX_MS and timing.lead_ms([]) == 0.0
+
+
+def test_the_blocks_and_ceilings_loop_times_a_short_call_behind_its_lead_too(monkeypatch):
+    """codabench.timing.measure (a cell of a group sampled in blocks, the ceilings, an fp8 cast): the same call as
+    above, its samples the GPU's 0.1 ms, not its host side's."""
+    stream = Stream()
+    monkeypatch.setattr(guard, "private_clocks", stream.clocks)
+
+    def setup():
+        stream.work(0.3)
+        stream.launch(0.01)
+
+    def call(_):
+        stream.work(0.08)
+        stream.launch(0.1)
+
+    t = timing.measure(call, setup, torch.device("cuda"), TimingConfig(flush_l2=False, reps=10, warmup_ms=0.0))
+    assert len(t.samples_ms) == 10 and max(t.samples_ms) == pytest.approx(0.1, abs=1e-9)
 
 
 def test_a_groups_budget_stretches_to_enough_sweeps_for_long_members_within_its_cap():
