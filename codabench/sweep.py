@@ -13,15 +13,15 @@ member always sampled after the hottest one).
    :data:`SETTLE_WINDOW_S` vary by no more than :data:`CLOCK_TOL` (SM clock) and :data:`POWER_TOL` (power), or
    ``settle_max_ms`` has passed; what was reached is recorded (``settle_s``, the clock and power at its end).
    The warm-up also times each member's host side (the wall time from its start event's enqueue to its call's
-   return) and sets its *lead* (:func:`codabench.timing.lead_ms`): from then on, each sample's start event is enqueued behind a spin
-   kernel (``torch.cuda._sleep``, its cycles per ms measured once) as long as that host time with a margin. While
-   the GPU spins, the host enqueues the call's launches, so a sample is the GPU time of the call with its launches
-   queued, whether or not the host keeps ahead of the GPU: a short call (a 1B fp8 GEMM takes ~0.1 ms) otherwise
-   waits for each sample's untimed refill and its own launches, and its sample holds host time. (NVBench's blocking
-   kernel does the same, released by the host; a spin of measured length cannot hang.) The lead hides only what the
-   host does before a launch, never GPU work: a call that reads its inputs on the host must wait for the GPU, and
-   from then on the sample counts it; each member's host time per call is kept (``host_ms``), so a call whose
-   host side outlasts its GPU time is visible.
+   return) and sets its *lead* (:func:`codabench.timing.lead_ms`): from then on, each sample's start event is
+   enqueued behind a spin kernel (the guard's ``torch._C._cuda_sleep``, its cycles per ms measured once) as long as
+   that host time with a margin. While the GPU spins, the host enqueues the call's launches, so a sample is the GPU
+   time of the call with its launches queued, whether or not the host keeps ahead of the GPU: a short call (a 1B
+   fp8 GEMM takes ~0.1 ms) otherwise waits for each sample's untimed refill and its own launches, and its sample
+   holds host time. (NVBench's blocking kernel does the same, released by the host; a spin of measured length
+   cannot hang.) The lead hides only what the host does before a launch, never GPU work: a call that reads its
+   inputs on the host must wait for the GPU, and from then on the sample counts it; each member's host time per
+   call is kept (``host_ms``), so a call whose host side outlasts its GPU time is visible.
 2. **Sweeps**, in chunks: a chunk (about :data:`CHUNK_S` of GPU time) is enqueued, and the chunk before it is read
    while it runs (the GPU never idles between chunks while the host applies the rule); each sample is its own
    CUDA-event pair. After each chunk, from ``min_sweeps`` on, the watched ratios (each member

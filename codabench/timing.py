@@ -4,7 +4,8 @@ One sample is ``state = setup(); [flush L2]; [lead]; start.record(); fn(state); 
 (e.g. the forward pass that a backward-only measurement needs, or fresh autograd leaves) and the L2
 flush stay outside the event pair. The *lead* (:func:`lead_ms`) is a GPU spin as long as the call's host time with a
 margin (measured in the warm-up): while the GPU spins, the host enqueues the call's launches, so a sample is the GPU
-time of the call with its launches queued, even for a call shorter than its own host side. All samples are kept; the summary is the median, p20/p80 and the
+time of the call with its launches queued, even for a call shorter than its own host side. All samples are kept;
+the summary is the median, p20/p80 and the
 coefficient of variation. On the CPU the loop measures wall time with ``time.perf_counter``; such a
 figure checks that the code runs, it is not a performance figure (``Timing.is_perf`` is False).
 
