@@ -11,7 +11,8 @@ least 9 of 10 tries, planted 0% called ``same`` in at least 19 of 20 and ``faste
 
     python benchmarks/resolving_power.py --tries 20 --out reports/<gpu>-<date>-resolving-power
 
-Prints the table and writes ``resolving_power.json`` and ``resolving_power.txt`` beside the run. Exit code 0 when
+Prints the table and writes ``resolving_power.json``, ``resolving_power.txt`` and the run's headline for
+``python -m codabench index`` (``headline.txt``: the verdicts per planted share) beside the run. Exit code 0 when
 the targets are met (or cannot be judged: the CPU), 1 when one is missed, 2 on bad input.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ select_device()
 
 from codabench import stats  # noqa: E402
 from codabench.cli import OneLineParser, main as run_bench  # noqa: E402
+from codabench.report.index import HEADLINE  # noqa: E402
 from codabench.results import load_run  # noqa: E402
 
 PLUGIN = ROOT / "benchmarks" / "planted.py"
@@ -113,6 +115,22 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def headline(summary: dict) -> str:
+    """One line: per planted share, the verdicts of gemm-plant-P against gemm-ref over the tries; the median
+    half-width; the targets."""
+    shares = []
+    for pct, s in summary["planted"].items():
+        v = ", ".join(f"{n} {k}" for k, n in sorted(s["verdicts"].items(), key=lambda kv: -kv[1]))
+        shares.append(f"{pct}%: {v}")
+    widths = [s["median_half_width"] for s in summary["planted"].values() if s["median_half_width"] is not None]
+    tries = max((s["tries"] for s in summary["planted"].values()), default=0)
+    met = [ok for ok in summary["targets"].values()]
+    verdict = ("targets met" if met and all(met) else "a target MISSED" if any(ok is False for ok in met)
+               else "targets not judged")
+    width = f"; median half-width {statistics.median(widths):.1%}" if widths else ""
+    return f"resolving power, planted work against gemm-ref over {tries} tries: {'; '.join(shares)}{width}; {verdict}"
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     models = [f"rp{i:02d}:{a.shape}" for i in range(a.tries)]
@@ -129,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     (a.out / "resolving_power.json").write_text(json.dumps(summary, indent=1, default=str))
     (a.out / "resolving_power.txt").write_text(text + "\n")
+    (a.out / HEADLINE).write_text(headline(summary) + "\n")
     return 1 if any(ok is False for ok in summary["targets"].values()) else 0
 
 

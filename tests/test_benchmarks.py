@@ -117,6 +117,33 @@ def test_bench_coda_flags_become_run_bench_flags():
 HOPPER_SMEM = load_script("check_compiled").HOPPER_SMEM
 
 
+# ---- resolving_power.py: the suite against planted GPU work ------------------------------------------------------
+
+def test_resolving_power_runs_the_suite_and_writes_its_table_summary_and_headline(tmp_path):
+    """On the CPU (wall times: no intervals) the script runs its tries through the suite and writes what it found;
+    the targets are not judged there, and the headline says so."""
+    out = tmp_path / "rp"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "resolving_power.py"), "--tries", "2", "--dtype", "fp32",
+                           "--shape", "hidden=64,ffn=128,heads=2,vocab=256", "--tokens", "32", "--out", str(out),
+                           "--", "--no-history"], capture_output=True, text=True, timeout=600, env=script_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "target 2% slower in >= 90%: not judged" in done.stdout
+    df, _, _ = load_run(out)
+    assert sorted(set(df["model"])) == ["rp00", "rp01"] and (df["status"] == "ok").all()
+    assert (out / "resolving_power.json").is_file() and (out / "resolving_power.txt").is_file()
+    assert (out / "headline.txt").read_text().startswith("resolving power, planted work against gemm-ref over 2 "
+                                                         "tries: 0%: 2 n/a; 1%: 2 n/a")
+
+
+def test_the_resolving_power_headline_counts_each_planted_shares_verdicts():
+    rp = load_script("resolving_power")
+    planted = {0: {"tries": 20, "verdicts": {"same": 19, "faster": 1}, "median_half_width": 0.003},
+               2: {"tries": 20, "verdicts": {"slower": 17, "unresolved": 3}, "median_half_width": 0.005}}
+    summary = {"planted": planted, "targets": rp.targets(planted)}
+    assert rp.headline(summary) == ("resolving power, planted work against gemm-ref over 20 tries: 0%: 19 same, "
+                                    "1 faster; 2%: 17 slower, 3 unresolved; median half-width 0.4%; a target MISSED")
+
+
 def test_gluon_ws_producer_compiles_for_hopper(tmp_path):
     # A process of its own: this one runs Triton's interpreter, whose jit functions (gl.sum's among them) Gluon
     # cannot compile; and an empty cache, so that the kernel is compiled rather than read back.

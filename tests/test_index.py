@@ -7,7 +7,7 @@ import pytest
 
 from codabench import results as tables
 from codabench.cli import main
-from codabench.report.index import BEGIN, END, committed_runs
+from codabench.report.index import BEGIN, END, HEADLINE, committed_runs
 from codabench.report.summary import cells, verdict_counts
 from codabench.results import load_run
 from codabench.stats import read_timed, speed_figures
@@ -94,6 +94,16 @@ def test_the_readme_block_holds_the_newest_full_report_of_each_gpu(indexed):
     unresolved = next(line for line in lines if line.startswith("| gemm_down | bwd | bf16 |"))
     assert unresolved.split("|")[4].strip()[-1] == "?"
     assert f"{H200}: bf16 1 faster, 1 same, 1 unresolved of 3; fp8 1 slower of 1; median half-width" in block
+
+
+def test_a_run_with_its_own_headline_shows_it_instead_of_the_verdict_counts(repo, tmp_path):
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    (copy / "reports" / "h200-quick" / HEADLINE).write_text("resolving power: 0%: 20 same\nmore lines\n")
+    assert main(["index", str(copy / "reports")]) == 0
+    rows = [line for line in (copy / "reports" / "README.md").read_text().splitlines() if line.startswith("| [")]
+    assert rows[0].endswith("| quick | 8 | resolving power: 0%: 20 same |")
+    assert "coda-triton bf16" in rows[1]  # the others keep the verdict counts
 
 
 def test_check_tells_a_stale_index_and_writes_nothing(indexed, capsys):
