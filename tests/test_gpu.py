@@ -5,6 +5,8 @@ Run on a GPU node with ``python -m pytest -q tests/test_gpu.py``; without a GPU 
 reported as skipped (the CPU paths are covered by the other test files).
 """
 import json
+import statistics
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,7 +18,9 @@ from codabench.env import gpu_info, gpu_state
 from codabench.discovery import load_plugin_file
 from codabench.report import finalize
 from codabench.results import load_run
-from codabench import stats
+from codabench import stats, sweep
+from codabench.clocks import ClockSampler
+from codabench.sweep import Member
 from codabench.timing import CUDA_EVENTS, TimingConfig, l2_flusher, measure
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 from workloads.op import Gemm
@@ -35,6 +39,33 @@ def test_event_timing_excludes_setup():
     t = measure(lambda _: a.mul_(1.0), slow_setup, GPU, FAST)
     assert t.kind == CUDA_EVENTS and len(t.samples_ms) == 10
     assert 0 < t.median < 2.0
+
+
+def _busy(ms: float) -> None:
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < ms:
+        pass
+
+
+def test_the_lead_keeps_host_time_before_a_launch_out_of_the_samples():
+    """A 4096^3 GEMM, and the same GEMM after 0.4 ms of host work in its call and 0.3 ms in its set-up (its host
+    side outlasts its GPU work): behind the lead both loops time the GPU's work alone, within 5%."""
+    a = torch.randn(4096, 4096, device=GPU, dtype=torch.float16)
+    b = torch.randn_like(a)
+
+    def slow(_):
+        _busy(0.4)
+        return a @ b
+
+    members = [Member("plain", lambda _: a @ b), Member("slow", slow, lambda _: _busy(0.3))]
+    sweep.sample(members, GPU, TimingConfig(min_sweeps=30, max_sweeps=30), ClockSampler(GPU))
+    plain, slowed = (statistics.median(m.samples_ms) for m in members)
+    assert all(m.error is None for m in members) and members[1].lead_cycles > members[0].lead_cycles > 0
+    assert abs(slowed / plain - 1) < 0.05, (plain, slowed)
+    assert statistics.median(members[1].host_ms) >= 0.4
+    alone = measure(lambda _: a @ b, None, GPU, FAST).median
+    behind = measure(slow, lambda: _busy(0.3), GPU, FAST).median
+    assert abs(behind / alone - 1) < 0.05, (alone, behind)
 
 
 def test_during_wraps_only_the_kept_samples_on_the_gpu():
