@@ -1,4 +1,9 @@
-"""Autograd for the CODA ops, built only from the kernels of this package.
+"""The CODA compositions and the pieces of their backward, built only from the kernels of this package.
+
+Each composition is a ``coda::`` custom op (:mod:`kernels.coda.ops`: its fake-tensor rule and autograd, whose
+backward composes the backward pieces of this module as ops too); the public functions below call those ops, so that
+torch.compile traces them as opaque ops and eager calls take the same ones. A consumer crosses the op boundary as
+its kind and fields (:data:`CONSUMER_ARGS`).
 
 Three compositions, each parametrized by the *consumer* GEMM that reads a normalized activation
 ``rmsnorm(x; gamma) = rstd * (x * gamma)`` (coda-spec rewrite (a)):
@@ -29,7 +34,7 @@ fp8 weights and inputs, each epilogue handing the next GEMM its input already qu
 + one quantizing pass), with the dequantization folded into every epilogue.
 
 Saved for backward (coda-spec "The block"): the residual streams x (x1), the rstd vectors, the SwiGLU
-pre-activation, the rotated qkv; the linear consumer keeps its output z, and cross-entropy the gradients
+pre-activation, the rotated qkv (RoPE's output); the linear consumer keeps nothing, and cross-entropy the gradients
 dx [M, d], dgamma [d] and dW [V, d] that its forward computed (plus the GEMM inputs a and the weights). h,
 y and the pre-RoPE values are recomputed in epilogues. Cross-entropy's forward holds one [mc, V] chunk
 buffer and an fp32 [V, d] accumulator while it runs, nothing of size [M, V]. Without grad (or when no input

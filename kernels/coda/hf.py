@@ -61,8 +61,8 @@ packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu
 size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
 state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching,
 dropout included, disable_adapter / merge_adapter; gradient checkpointing (reentrant or not); generate() (prefill
-on the CODA kernels, decode through the model's own forward); torch.compile(model) (the CODA forward not compiled);
-a model changed after patching (planned again).
+on the CODA kernels, decode through the model's own forward); torch.compile(model), fullgraph included (the CODA
+kernels as opaque ``coda::`` ops, :mod:`kernels.coda.ops`); a model changed after patching (planned again).
 
 Refused in one line (:class:`CodaUnsupportedError`): other architectures, activations, RoPE types or a partial
 rotary factor; biases on o_proj, the MLP or the LM head; projections that are neither nn.Linear nor PEFT LoRA on
@@ -156,9 +156,14 @@ def apply_coda(model: nn.Module) -> nn.Module:
     decode steps (a filled cache) and cached calls in training or with labels run the model's own forward (the same
     modules, adapters included). ``generate()`` then gives the unpatched model's tokens.
 
-    ``torch.compile(model)`` runs: Dynamo leaves the CODA forward to run eagerly (it is marked
-    ``torch.compiler.disable``; its Triton launches are not registered as custom ops), so nothing of it is
-    compiled, and ``fullgraph=True`` fails with Dynamo's error.
+    ``torch.compile(model)``, ``fullgraph=True`` included, traces the CODA forward and its backward into graphs:
+    the CODA kernels and the weight packing are custom ops (:mod:`kernels.coda.ops`) with fake-tensor rules and
+    autograd, which the graphs call as opaque ops; the embedding, masks, attention and the torch code around the
+    kernels are compiled as in the unpatched model. The results are the eager patched model's. Two differences in
+    a traced call: a bad label fails a device-side assertion (a RuntimeError on the CPU) instead of raising
+    IndexError, and the cross-entropy's gradients computed in forward are scaled into copies in backward (eager
+    scales them in place). Dynamo warns once per process that it traces through the ``lru_cache`` of the packing
+    indices (:func:`kernels.coda.pack.qkv_index`): they are pure functions of the sizes, built in the graph.
 
     Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
     training, each checkpointed layer's attention and the CODA block after it run under the layer's own
