@@ -26,10 +26,14 @@ Backward::
     coda::unpack_rows(dpacked, tensor, row, sizes) -> [dweight, ...]
 
 ``*consumer`` is :data:`kernels.coda.functions.CONSUMER_ARGS` (the kind as a string, its per-row tensor, its
-numbers). rstd, the side outputs and the saved tensors are not differentiable; a gradient that no output receives
-is not computed (the backward composes only what the incoming gradients need, as the compositions' docstring says).
-An op's outputs never alias its inputs: where a backward hands back a tensor it was given (a gradient computed in
-forward, dres), that happens in the autograd formula, outside the ops.
+numbers). rstd, the side outputs and the saved tensors are not differentiable. A missing gradient stays None: with
+none for the consumer's output, only the residual stream's gradient goes on (no consumer backward); with none at
+all, none is computed. An op's outputs never alias its inputs: where a backward hands back a tensor it was given (a
+gradient computed in forward, dres), that happens in the autograd formula, outside the ops.
+
+Eager cost: the GPU work is the kernels' own, unchanged; a forward op call with autograd costs more host time than
+the ``torch.autograd.Function`` it replaces (torch.library's Python autograd wrapper: about 0.4 ms against 0.03 ms
+on this project's shared 2-core CPU, 0.06 ms without grad), hidden behind the GPU in a training step.
 """
 from __future__ import annotations
 
