@@ -153,3 +153,21 @@ def test_opcheck_backward_pieces_and_packing():
                rand(HEAD_DIM, D, seed=15, grad=True)]
     torch.library.opcheck(ops.pack_rows, (*index, weights))
     torch.library.opcheck(ops.unpack_rows, (rand(32, D, seed=16), *index, [16, 8, 8]))
+
+
+def test_a_misaligned_operand_is_copied_inside_the_op():
+    """Views off the 16-byte alignment the tensor descriptors need (offset by one fp32 element: a parameter in
+    safetensors' mmap, a flat buffer) give the aligned operands' results and gradients: the op copies them, since a
+    caller traced by torch.compile cannot read a data pointer."""
+    c, n = consumer("rope")
+    x, g, w = rand(M, D, seed=1), gamma(2, False), rand(n, D, seed=3)
+    results = []
+    for offset in (0, 1):
+        views = [torch.cat([t.new_zeros(offset), t.reshape(-1)])[offset:].view(t.shape).requires_grad_()
+                 for t in (x, g, w)]
+        assert (views[0].data_ptr() % 16 != 0) == bool(offset)
+        out = ops.norm_consumer(*views, 1e-5, True, *op_args(c))[0]
+        out.backward(torch.ones_like(out))
+        results.append([out.detach()] + [v.grad for v in views])
+    for ours, aligned in zip(*results):
+        assert torch.equal(ours, aligned)
