@@ -171,3 +171,83 @@ def test_a_misaligned_operand_is_copied_inside_the_op():
         results.append([out.detach()] + [v.grad for v in views])
     for ours, aligned in zip(*results):
         assert torch.equal(ours, aligned)
+
+
+# ---- eager calls: the ops' implementation and autograd without the dispatcher ---------------------------------
+
+def profiled_ops(fn) -> set[str]:
+    """The ``coda::`` ops that the dispatcher records while ``fn()`` runs."""
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.function_events if e.name.startswith("coda::")}
+
+
+def eager_cases():
+    """(name, the public function's call, the op's call with its results alone, the differentiable inputs) of each
+    composition on each consumer of the drop-in, and of the weight packing (a list input)."""
+    from kernels.coda import functions as F
+    from kernels.coda.pack import pack_rows, qkv_index
+
+    for kind in ("linear", "swiglu", "rope", "cross_entropy"):
+        c, n = consumer(kind)
+        a, res, w_p, w = (rand(M, 24, seed=1, grad=True), rand(M, D, seed=2, grad=True),
+                          rand(D, 24, seed=3, grad=True), rand(n, D, seed=4, grad=True))
+        g, side = gamma(5), c.side_outputs
+        yield (f"producer_consumer {kind}", lambda: F.producer_consumer(a, res, w_p, g, w, c, 1e-5),
+               lambda: ops.producer_consumer(a, res, w_p, g, w, 1e-5, True, *op_args(c))[:3 + side], [a, res, w_p, g, w])
+        yield (f"norm_consumer {kind}", lambda: F.norm_consumer(res, g, w, c, 1e-5),
+               lambda: ops.norm_consumer(res, g, w, 1e-5, True, *op_args(c))[:2 + side], [res, g, w])
+        if kind in ("rope", "cross_entropy"):
+            w_o, w_gu, w_down, g2 = (rand(D, 24, seed=6, grad=True), rand(2 * FFN, D, seed=7, grad=True),
+                                     rand(D, FFN, seed=8, grad=True), gamma(9))
+            yield (f"block {kind}", lambda: F.block(a, res, w_o, g2, w_gu, w_down, g, w, c, 1e-5),
+                   lambda: ops.block(a, res, w_o, g2, w_gu, w_down, g, w, 1e-5, True, *op_args(c))[:4 + side],
+                   [a, res, w_o, g2, w_gu, w_down, g, w])
+    index = qkv_index(HEADS, KV_HEADS, HEAD_DIM, torch.device("cpu"))
+    weights = [rand(HEADS * HEAD_DIM, D, seed=13, grad=True), rand(HEAD_DIM, D, seed=14, grad=True),
+               rand(HEAD_DIM, D, seed=15, grad=True)]
+    yield "pack_rows", lambda: (pack_rows(index, *weights),), lambda: [ops.pack_rows(*index, weights)], weights
+
+
+def outputs_and_grads(call, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The call's results and the inputs' gradients of a weighted sum of its differentiable results (weights of
+    seed 20; a scalar loss's 3.0, so that the gradients computed in forward are rescaled)."""
+    out = call()
+    diff = [t for t in out if t.requires_grad]
+    weights = [torch.full_like(t, 3.0) if t.dim() == 0 else rand(*t.shape, seed=20) for t in diff]
+    grads = torch.autograd.grad(diff, inputs, weights, allow_unused=True)
+    return [t.detach() for t in out] + [g for g in grads]
+
+
+def test_eager_calls_skip_the_dispatcher_and_give_the_ops_results():
+    """The public functions (kernels.coda.functions, pack_rows), called eagerly with grad, run the ops'
+    implementation and registered autograd without the dispatcher: no ``coda::`` op recorded in their forward and
+    backward (the ops called directly are recorded, the check can fail), their results made by the eager adapter;
+    and they give exactly the ops' results and gradients."""
+    for name, public, op, inputs in eager_cases():
+        recorded = profiled_ops(lambda: outputs_and_grads(op, inputs))
+        assert name.split()[0] in {n.removeprefix("coda::") for n in recorded}, (name, recorded)
+        assert not profiled_ops(lambda: outputs_and_grads(public, inputs)), name
+        assert type(public()[0].grad_fn) is ops._Eager._backward_cls, name
+        for ours, theirs in zip(outputs_and_grads(public, inputs), outputs_and_grads(op, inputs), strict=True):
+            assert (ours is None) == (theirs is None) and (ours is None or torch.equal(ours, theirs)), name
+
+
+def test_eager_calls_without_grad_and_traced_calls():
+    """Without grad an eager call runs the implementation alone (no op recorded, no autograd); under a dispatch mode
+    (fake tensors here; make_fx, opcheck) the public function calls the op, whose fake-tensor rule gives the
+    shapes without running a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kernels.coda.functions import norm_consumer
+
+    c, n = consumer("rope")
+    x, g, w = rand(M, D, seed=1), gamma(2, False), rand(n, D, seed=3)
+    with torch.no_grad():
+        assert not profiled_ops(lambda: norm_consumer(x, g, w, c, 1e-5))
+        out, rstd = norm_consumer(x, g, w, c, 1e-5)
+    assert out.grad_fn is None and out.shape == (M, n) and rstd.shape == (M,)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (x, g, w, c.positions)]
+        c = RoPE(fake[3], HEADS, KV_HEADS, HEAD_DIM, 10000.0, c.inv_freq)
+        assert [t.shape for t in norm_consumer(*fake[:3], c, 1e-5)] == [out.shape, rstd.shape]

@@ -294,7 +294,7 @@ def producer_consumer(a: torch.Tensor, residual: torch.Tensor, w_p: torch.Tensor
                       w: torch.Tensor, consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
     """``(x, out, rstd, *side)``: x = residual + a w_p^T, out = consumer(rmsnorm(x; gamma) w^T)."""
     save = _needs_grad(a, residual, w_p, gamma, w)
-    out = torch.ops.coda.producer_consumer(a, residual, w_p, gamma, w, eps, save, consumer.kind, *consumer.op_args())
+    out = ops.call("producer_consumer", a, residual, w_p, gamma, w, eps, save, consumer.kind, *consumer.op_args())
     return _results(out, 3, consumer)
 
 
@@ -303,7 +303,7 @@ def block(a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma_mlp:
           ) -> tuple[torch.Tensor, ...]:
     """``(x, out, rstd_mlp, rstd, *side)`` of the CODA block (w_gu interleaved; out = consumer of rmsnorm(x))."""
     save = _needs_grad(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w)
-    out = torch.ops.coda.block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, consumer.kind,
+    out = ops.call("block", a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, consumer.kind,
                                *consumer.op_args())
     return _results(out, 4, consumer)
 
@@ -312,7 +312,7 @@ def norm_consumer(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consume
                   ) -> tuple[torch.Tensor, ...]:
     """``(out, rstd, *side)``: out = consumer(rmsnorm(x; gamma) w^T)."""
     save = _needs_grad(x, gamma, w)
-    out = torch.ops.coda.norm_consumer(x, gamma, w, eps, save, consumer.kind, *consumer.op_args())
+    out = ops.call("norm_consumer", x, gamma, w, eps, save, consumer.kind, *consumer.op_args())
     return _results(out, 2, consumer)
 
 
@@ -355,6 +355,6 @@ FP8_FORWARD = {producer_consumer: producer_consumer_fp8, block: block_fp8, norm_
 """Each composition -> its fp8 forward (first argument: the recipe)."""
 
 
-# Registers the coda:: ops that the public functions above call (kernels.coda.ops builds them from this module's
-# pieces, so it is imported last).
-import kernels.coda.ops  # noqa: E402,F401
+# The coda:: ops that the public functions above call (kernels.coda.ops builds them from this module's pieces, so
+# it is imported last).
+from kernels.coda import ops  # noqa: E402

@@ -37,11 +37,12 @@ on this project's shared 2-core CPU, 0.06 ms without grad), hidden behind the GP
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch._guards import detect_fake_mode
-from torch.library import custom_op
+from torch.library import CustomOpDef, custom_op
 
 from kernels.coda import functions as F
 from kernels.coda.cross_entropy_bwd import rescale_
@@ -52,6 +53,106 @@ _CONSUMER = ("str kind, Tensor? rows, int heads, int kv_heads, int head_dim, flo
              "int ignore_index, str reduction, int? chunk_rows")
 """The schema of :data:`kernels.coda.functions.CONSUMER_ARGS`, the last arguments of the ops that take a consumer."""
 _N_CONSUMER = len(F.CONSUMER_ARGS)
+
+
+# ---- the ops and their eager calls ------------------------------------------------------------------------
+
+@dataclass
+class _Op:
+    """A ``coda::`` op's implementation and, for a differentiable one, its autograd (``setup_context`` and
+    ``backward`` as ``register_autograd`` takes them)."""
+
+    impl: Callable[..., Any]
+    defn: CustomOpDef
+    setup: Callable[..., None] | None = None
+    backward: Callable[..., Any] | None = None
+
+
+_OPS: dict[str, _Op] = {}
+
+
+def _op(name: str, schema: str | None = None, mutates_args: tuple[str, ...] = ()):
+    """Registers the decorated function as the custom op ``coda::<name>`` (schema given, or from its annotations),
+    and as that op's implementation for :func:`call`."""
+    def register(fn: Callable[..., Any]) -> CustomOpDef:
+        defn = custom_op(f"coda::{name}", fn, mutates_args=mutates_args, schema=schema)
+        _OPS[name] = _Op(fn, defn)
+        return defn
+    return register
+
+
+def _autograd(name: str, backward: Callable[..., Any], setup: Callable[..., None]) -> None:
+    """The autograd of ``coda::<name>``: registered with the op, and the same two functions for :func:`call`'s
+    eager path."""
+    op = _OPS[name]
+    op.defn.register_autograd(backward, setup_context=setup)
+    op.setup, op.backward = setup, backward
+
+
+def _flat(args: tuple[Any, ...]) -> tuple[list[Any], tuple[int | None, ...]]:
+    """The arguments with each list of tensors spread in place (autograd sees only tensors that are arguments of
+    ``apply``), and each argument's length as spread (None: not spread)."""
+    flat: list[Any] = []
+    layout: list[int | None] = []
+    for a in args:
+        spread = isinstance(a, list) and all(isinstance(t, torch.Tensor) for t in a)
+        flat += a if spread else [a]
+        layout.append(len(a) if spread else None)
+    return flat, tuple(layout)
+
+
+def _nested(flat: tuple[Any, ...] | list[Any], layout: tuple[int | None, ...]) -> list[Any]:
+    """The inverse of :func:`_flat`."""
+    args, i = [], 0
+    for n in layout:
+        args.append(flat[i] if n is None else list(flat[i:i + n]))
+        i += 1 if n is None else n
+    return args
+
+
+class _Eager(torch.autograd.Function):
+    """A differentiable op's eager call without the dispatcher: its implementation, ``setup_context`` and
+    ``backward`` as torch.library's autograd runs them (list outputs returned flat and given back to backward as
+    one list of gradients; a list input's gradient a list, or None for all of its tensors)."""
+
+    @staticmethod
+    def forward(ctx, op: _Op, layout: tuple[int | None, ...], *flat: Any):
+        args = _nested(flat, layout)
+        out = op.impl(*args)
+        op.setup(ctx, tuple(args), out)
+        ctx.op, ctx.layout, ctx.listed = op, layout, isinstance(out, list)
+        return tuple(out) if ctx.listed else out
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        result = ctx.op.backward(ctx, list(grads) if ctx.listed else grads[0])
+        result = result if isinstance(result, tuple) else (result,)
+        flat: list[Any] = [None, None]  # op, layout
+        for g, n in zip(result, ctx.layout):
+            flat += [g] if n is None else (g if g is not None else [None] * n)
+        return tuple(flat)
+
+
+def _eager() -> bool:
+    """Whether a call runs eagerly on real tensors: not traced by torch.compile (Dynamo, AOTAutograd) nor under a
+    dispatch mode (fake tensors, make_fx, opcheck), which need the op itself."""
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+
+
+def call(name: str, *args: Any) -> Any:
+    """``torch.ops.coda.<name>(*args)``: the op itself when traced; eagerly its implementation, through
+    :class:`_Eager` when it is differentiable and an input needs a gradient (the dispatcher and torch.library's
+    autograd wrapper left out)."""
+    if not _eager():
+        return getattr(torch.ops.coda, name)(*args)
+    op = _OPS[name]
+    if op.backward is None or not torch.is_grad_enabled():
+        return op.impl(*args)
+    flat, layout = _flat(args)
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+        return op.impl(*args)
+    out = _Eager.apply(op, layout, *flat)
+    return list(out) if isinstance(out, tuple) else out
 
 
 def _aligned(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -97,7 +198,7 @@ def _rstd(t: torch.Tensor) -> torch.Tensor:
 
 # ---- forward ops ------------------------------------------------------------------------------------------
 
-@custom_op("coda::producer_consumer", mutates_args=(),
+@_op("producer_consumer",
            schema=f"(Tensor a, Tensor residual, Tensor w_p, Tensor gamma, Tensor w, float eps, bool save, {_CONSUMER})"
                   " -> Tensor[]")
 def producer_consumer(a, residual, w_p, gamma, w, eps, save, *consumer):
@@ -111,7 +212,7 @@ def _(a, residual, w_p, gamma, w, eps, save, *consumer):
     return [x, out, _rstd(a), *rest]
 
 
-@custom_op("coda::block", mutates_args=(),
+@_op("block",
            schema=f"(Tensor a, Tensor residual, Tensor w_o, Tensor gamma_mlp, Tensor w_gu, Tensor w_down, "
                   f"Tensor gamma, Tensor w, float eps, bool save, {_CONSUMER}) -> Tensor[]")
 def block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, *consumer):
@@ -129,7 +230,7 @@ def _(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, *consumer)
     return [x, out, _rstd(a), _rstd(a), *side, *own, *saved]
 
 
-@custom_op("coda::norm_consumer", mutates_args=(),
+@_op("norm_consumer",
            schema=f"(Tensor x, Tensor gamma, Tensor w, float eps, bool save, {_CONSUMER}) -> Tensor[]")
 def norm_consumer(x, gamma, w, eps, save, *consumer):
     return F.norm_consumer_forward(*_aligned(x, gamma, w), _consumer(consumer), eps, save)
@@ -143,7 +244,7 @@ def _(x, gamma, w, eps, save, *consumer):
 
 # ---- backward ops -----------------------------------------------------------------------------------------
 
-@custom_op("coda::consumer_bwd", mutates_args=(),
+@_op("consumer_bwd",
            schema=f"(Tensor grad, Tensor[] saved, Tensor w, Tensor x, Tensor rstd, Tensor gamma, Tensor? dres, "
                   f"{_CONSUMER}) -> (Tensor, Tensor, Tensor)")
 def consumer_bwd(grad, saved, w, x, rstd, gamma, dres, *consumer):
@@ -159,7 +260,7 @@ def _(grad, saved, w, x, rstd, gamma, dres, *consumer):
             _rows(dz, w.shape[0], d))
 
 
-@custom_op("coda::rescaled", mutates_args=())
+@_op("rescaled")
 def rescaled(grad: torch.Tensor, applied: torch.Tensor, dx: torch.Tensor, dgamma: torch.Tensor,
              dw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     set_scratch_allocator()
@@ -173,7 +274,7 @@ def _(grad, applied, dx, dgamma, dw):
     return torch.empty_like(dx), torch.empty_like(dgamma), torch.empty_like(dw)
 
 
-@custom_op("coda::producer_bwd", mutates_args=())
+@_op("producer_bwd")
 def producer_bwd(dx: torch.Tensor, a: torch.Tensor, w_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     set_scratch_allocator()
     return F.producer_backward(*_aligned(dx, a, w_p))
@@ -189,7 +290,7 @@ def _mlp_fake(dx, w_down, z_pre, w_gu):
     return _rows(dx, dx.shape[1], w_down.shape[1]), _rows(z_pre, w_gu.shape[0], w_gu.shape[1])
 
 
-@custom_op("coda::mlp_bwd", mutates_args=())
+@_op("mlp_bwd")
 def mlp_bwd(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_gu: torch.Tensor, x1: torch.Tensor,
             rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -204,7 +305,7 @@ def _(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp):
         gamma_mlp.shape), dw_gu
 
 
-@custom_op("coda::mlp_bwd_", mutates_args=("dx",))
+@_op("mlp_bwd_", mutates_args=("dx",))
 def mlp_bwd_(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_gu: torch.Tensor, x1: torch.Tensor,
              rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     set_scratch_allocator()
@@ -246,11 +347,11 @@ def _consumer_grads(ctx, kind: type[F.Consumer], grad: torch.Tensor | None, out:
             rescale_(grad, applied, dx, dgamma, dw)
         return (dx if dres is None else dres + dx), dgamma, dw
     kept = [out] if kind.keeps_output else []
-    return torch.ops.coda.consumer_bwd(grad, kept + list(saved), w, x, rstd, gamma, dres, *ctx.consumer)
+    return call("consumer_bwd", grad, kept + list(saved), w, x, rstd, gamma, dres, *ctx.consumer)
 
 
 def _producer_grads(dx: torch.Tensor | None, a: torch.Tensor, w_p: torch.Tensor):
-    return (None, None) if dx is None else torch.ops.coda.producer_bwd(dx, a, w_p)
+    return (None, None) if dx is None else call("producer_bwd", dx, a, w_p)
 
 
 def _pc_setup(ctx, inputs, output):
@@ -271,7 +372,7 @@ def _pc_backward(ctx, grads):
     return da, dx, dw_p, dgamma, dw, None, None, *(None,) * _N_CONSUMER
 
 
-producer_consumer.register_autograd(_pc_backward, setup_context=_pc_setup)
+_autograd("producer_consumer", _pc_backward, _pc_setup)
 
 
 def _block_setup(ctx, inputs, output):
@@ -294,15 +395,15 @@ def _block_backward(ctx, grads):
     # Add into dx in place when it is this backward's own buffer, not dres (the consumer had no gradient) nor a
     # gradient saved by the consumer's forward; otherwise into a new tensor.
     if all(dx is not t for t in (dres, *saved)):
-        dw_down, dgamma_mlp, dw_gu = torch.ops.coda.mlp_bwd_(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp)
+        dw_down, dgamma_mlp, dw_gu = call("mlp_bwd_", dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp)
         dx1 = dx
     else:
-        dx1, dw_down, dgamma_mlp, dw_gu = torch.ops.coda.mlp_bwd(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp)
+        dx1, dw_down, dgamma_mlp, dw_gu = call("mlp_bwd", dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp)
     da, dw_o = _producer_grads(dx1, a, w_o)
     return da, dx1, dw_o, dgamma_mlp, dw_gu, dw_down, dgamma, dw, None, None, *(None,) * _N_CONSUMER
 
 
-block.register_autograd(_block_backward, setup_context=_block_setup)
+_autograd("block", _block_backward, _block_setup)
 
 
 def _nc_setup(ctx, inputs, output):
@@ -320,12 +421,12 @@ def _nc_backward(ctx, grads):
     return dx, dgamma, dw, None, None, *(None,) * _N_CONSUMER
 
 
-norm_consumer.register_autograd(_nc_backward, setup_context=_nc_setup)
+_autograd("norm_consumer", _nc_backward, _nc_setup)
 
 
 # ---- weight packing (kernels.coda.pack) -------------------------------------------------------------------
 
-@custom_op("coda::pack_rows", mutates_args=())
+@_op("pack_rows")
 def pack_rows(tensor: torch.Tensor, row: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     weights = [w.contiguous() for w in weights]
     packed = weights[0].new_empty(tensor.numel(), weights[0].shape[1])
@@ -338,7 +439,7 @@ def _(tensor, row, weights):
     return _rows(weights[0], tensor.numel(), weights[0].shape[1])
 
 
-@custom_op("coda::unpack_rows", mutates_args=())
+@_op("unpack_rows")
 def unpack_rows(dpacked: torch.Tensor, tensor: torch.Tensor, row: torch.Tensor, sizes: list[int]
                 ) -> list[torch.Tensor]:
     set_scratch_allocator()
@@ -358,7 +459,7 @@ def _pack_setup(ctx, inputs, output):
 
 
 def _pack_backward(ctx, dpacked):
-    return None, None, torch.ops.coda.unpack_rows(dpacked, *ctx.index, ctx.sizes)
+    return None, None, call("unpack_rows", dpacked, *ctx.index, ctx.sizes)
 
 
-pack_rows.register_autograd(_pack_backward, setup_context=_pack_setup)
+_autograd("pack_rows", _pack_backward, _pack_setup)

@@ -71,7 +71,7 @@ def pack_rows(index: tuple[torch.Tensor, torch.Tensor], *weights: torch.Tensor) 
     if not 1 <= len(weights) <= MAX_SOURCES or any(w.dim() != 2 or w.shape[1] != weights[0].shape[1]
                                                    or w.dtype != weights[0].dtype for w in weights):
         raise ValueError(f"pack_rows takes 1 to {MAX_SOURCES} 2-D weights of one width and dtype")
-    return torch.ops.coda.pack_rows(*index, list(weights))
+    return ops.call("pack_rows", *index, list(weights))
 
 
 def _index(order: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,5 +96,5 @@ def gate_up_index(ffn: int, device: torch.device) -> tuple[torch.Tensor, torch.T
     return (i % 2).to(torch.int32), (i // 2).to(torch.int32)
 
 
-# Registers coda::pack_rows, which pack_rows calls (kernels.coda.ops builds it from copy_rows, so it is imported last).
-import kernels.coda.ops  # noqa: E402,F401
+# coda::pack_rows, which pack_rows calls (kernels.coda.ops builds it from copy_rows, so it is imported last).
+from kernels.coda import ops  # noqa: E402
