@@ -1,9 +1,10 @@
 """The CODA compositions and the pieces of their backward, built only from the kernels of this package.
 
 Each composition is a ``coda::`` custom op (:mod:`kernels.coda.ops`: its fake-tensor rule and autograd, whose
-backward composes the backward pieces of this module as ops too); the public functions below call those ops, so that
-torch.compile traces them as opaque ops and eager calls take the same ones. A consumer crosses the op boundary as
-its kind and fields (:data:`CONSUMER_ARGS`).
+backward composes the backward pieces of this module as ops too); the public functions below run them by
+:func:`kernels.coda.ops.call`, so that torch.compile traces them as opaque ops while eager calls run the same
+implementations and autograd without the dispatcher. A consumer crosses the op boundary as its kind and fields
+(:data:`CONSUMER_ARGS`).
 
 Three compositions, each parametrized by the *consumer* GEMM that reads a normalized activation
 ``rmsnorm(x; gamma) = rstd * (x * gamma)`` (coda-spec rewrite (a)):
@@ -279,7 +280,8 @@ def mlp_backward(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_
 
 
 # ---- public API --------------------------------------------------------------------------------------
-# Each composition is the coda:: op of the same name (kernels.coda.ops): differentiable, opaque to torch.compile.
+# Each composition is the coda:: op of the same name (kernels.coda.ops): differentiable, opaque to torch.compile;
+# run by ops.call (eagerly without the dispatcher).
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

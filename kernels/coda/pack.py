@@ -67,7 +67,8 @@ def copy_rows(packed: torch.Tensor, sources: list[torch.Tensor], index: tuple[to
 def pack_rows(index: tuple[torch.Tensor, torch.Tensor], *weights: torch.Tensor) -> torch.Tensor:
     """The packed tensor of ``weights`` (1 to 3 two-dimensional tensors of one dtype and width) by ``index``
     (int32 source tensor and row of each packed row: :func:`qkv_index`, :func:`gate_up_index`), differentiable: the
-    op ``coda::pack_rows`` (:mod:`kernels.coda.ops`), whose backward copies each row of dpacked back."""
+    op ``coda::pack_rows`` (:mod:`kernels.coda.ops`, run by its ``call``), whose backward copies each row of
+    dpacked back."""
     if not 1 <= len(weights) <= MAX_SOURCES or any(w.dim() != 2 or w.shape[1] != weights[0].shape[1]
                                                    or w.dtype != weights[0].dtype for w in weights):
         raise ValueError(f"pack_rows takes 1 to {MAX_SOURCES} 2-D weights of one width and dtype")
