@@ -3,7 +3,8 @@
 CPU, Triton interpreter, fp32, the tiny models of ``test_hf``; ``backend="aot_eager"`` (AOTAutograd's forward and
 backward graphs run by eager torch: no C++ compiler needed). The compiled model must trace into one graph
 (``fullgraph=True``) that calls the CODA ops, and give the eager patched model's loss and gradients, and the
-unpatched model's under the suite's error rule.
+unpatched model's under the suite's error rule. Eager calls of the public functions run the ops' implementations
+and autograd without the dispatcher (``ops.call``), with the ops' own results.
 """
 from __future__ import annotations
 
@@ -194,7 +195,8 @@ def eager_cases():
                           rand(D, 24, seed=3, grad=True), rand(n, D, seed=4, grad=True))
         g, side = gamma(5), c.side_outputs
         yield (f"producer_consumer {kind}", lambda: F.producer_consumer(a, res, w_p, g, w, c, 1e-5),
-               lambda: ops.producer_consumer(a, res, w_p, g, w, 1e-5, True, *op_args(c))[:3 + side], [a, res, w_p, g, w])
+               lambda: ops.producer_consumer(a, res, w_p, g, w, 1e-5, True, *op_args(c))[:3 + side],
+               [a, res, w_p, g, w])
         yield (f"norm_consumer {kind}", lambda: F.norm_consumer(res, g, w, c, 1e-5),
                lambda: ops.norm_consumer(res, g, w, 1e-5, True, *op_args(c))[:2 + side], [res, g, w])
         if kind in ("rope", "cross_entropy"):
@@ -216,7 +218,7 @@ def outputs_and_grads(call, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     diff = [t for t in out if t.requires_grad]
     weights = [torch.full_like(t, 3.0) if t.dim() == 0 else rand(*t.shape, seed=20) for t in diff]
     grads = torch.autograd.grad(diff, inputs, weights, allow_unused=True)
-    return [t.detach() for t in out] + [g for g in grads]
+    return [t.detach() for t in out] + list(grads)
 
 
 def test_eager_calls_skip_the_dispatcher_and_give_the_ops_results():
