@@ -37,8 +37,8 @@ dispatcher and torch.library's Python autograd wrapper: a differentiable op with
 as :class:`_Eager`, one ``torch.autograd.Function`` made of the op's implementation and the very ``setup_context``
 and ``backward`` registered with it (whose backward pieces go through :func:`call` too); otherwise the
 implementation runs alone. Host time per call of the public functions, kernels excluded, on this project's shared
-2-core CPU: a forward with autograd 0.02-0.05 ms (through the op: 0.13-0.44 ms), without grad 0.01-0.02 ms (0.03-0.05
-ms), forward and backward 0.07-0.28 ms (0.36-0.94 ms).
+2-core CPU: a forward with autograd 0.02-0.05 ms (through the op: 0.12-0.44 ms), without grad 0.01-0.02 ms (0.03-0.05
+ms), forward and backward 0.07-0.3 ms (0.36-1.05 ms).
 """
 from __future__ import annotations
 
