@@ -435,18 +435,6 @@ def test_packed_sequences_follow_the_unpatched_model(use_cache):
     assert (rel_err(ours[:, 10:], alone) < 1e-5) == (not use_cache)
 
 
-def test_torch_compile_of_the_patched_model_runs_its_coda_forward_eagerly():
-    """torch.compile(model) does not fail: Dynamo leaves the CODA forward (its Triton launches) to run eagerly, so
-    the compiled model's loss is the patched model's, bit for bit, from the CODA kernels."""
-    model = apply_coda(tiny())
-    ids, mask, labels = batch()
-    with torch.no_grad():
-        eager = model(ids, attention_mask=mask, labels=labels).loss
-        with launches() as names:
-            compiled = torch.compile(model, backend="eager")(ids, attention_mask=mask, labels=labels).loss
-    assert "gemm_cross_entropy_kernel" in names and torch.equal(compiled, eager)
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_generate_greedy_tokens_equal_the_unpatched_model(arch):
     """generate() with the KV cache, left padding (and Mistral's sliding window): the prefill runs on the CODA

@@ -17,8 +17,8 @@ Memory during the sweep: that buffer, the fp32 [V, d] accumulator and dx [M, d];
 With one chunk (M <= mc: the suite's vocabulary of 32768) there is nothing to accumulate: ``dW = dlogits^T @ y``
 is one GEMM in the weights' dtype (:func:`kernels.coda.gemm.mm`: the mainloop or cuBLAS, as measured), without
 the fp32 buffer and its rounding (0.54 GB less traffic at 1B).
-The autograd Functions keep those three and multiply them by dloss in backward, in place on the device
-(:func:`rescale_`; nothing moves when dloss is 1) (:mod:`kernels.coda.functions`).
+The compositions' autograd (:mod:`kernels.coda.ops`) keeps those three and multiplies them by dloss in backward,
+in place on the device (:func:`rescale_`; nothing moves when dloss is 1; a traced backward scales copies).
 """
 from __future__ import annotations
 

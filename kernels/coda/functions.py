@@ -1,4 +1,10 @@
-"""Autograd for the CODA ops, built only from the kernels of this package.
+"""The CODA compositions and the pieces of their backward, built only from the kernels of this package.
+
+Each composition is a ``coda::`` custom op (:mod:`kernels.coda.ops`: its fake-tensor rule and autograd, whose
+backward composes the backward pieces of this module as ops too); the public functions below run them by
+:func:`kernels.coda.ops.call`, so that torch.compile traces them as opaque ops while eager calls run the same
+implementations and autograd without the dispatcher. A consumer crosses the op boundary as its kind and fields
+(:data:`CONSUMER_ARGS`).
 
 Three compositions, each parametrized by the *consumer* GEMM that reads a normalized activation
 ``rmsnorm(x; gamma) = rstd * (x * gamma)`` (coda-spec rewrite (a)):
@@ -29,7 +35,7 @@ fp8 weights and inputs, each epilogue handing the next GEMM its input already qu
 + one quantizing pass), with the dequantization folded into every epilogue.
 
 Saved for backward (coda-spec "The block"): the residual streams x (x1), the rstd vectors, the SwiGLU
-pre-activation, the rotated qkv; the linear consumer keeps its output z, and cross-entropy the gradients
+pre-activation, the rotated qkv (RoPE's output); the linear consumer keeps nothing, and cross-entropy the gradients
 dx [M, d], dgamma [d] and dW [V, d] that its forward computed (plus the GEMM inputs a and the weights). h,
 y and the pre-RoPE values are recomputed in epilogues. Cross-entropy's forward holds one [mc, V] chunk
 buffer and an fp32 [V, d] accumulator while it runs, nothing of size [M, V]. Without grad (or when no input
@@ -38,14 +44,13 @@ needs one) nothing is saved and the LM head never writes logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.cross_entropy_bwd import lm_head_ce_grad, rescale_
+from kernels.coda.cross_entropy_bwd import lm_head_ce_grad
 from kernels.coda.gemm import mm
-from kernels.coda.mainloop import set_scratch_allocator
 from kernels.coda.producer import gemm_residual_norm, norm_input
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.rope import gemm_rope
@@ -54,6 +59,7 @@ from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.swiglu import gemm_swiglu
 from kernels.coda.swiglu_bwd import dgrad_swiglu, swiglu_bwd
 from workloads.fp8 import Fp8, Recipe
+from workloads.reference import IGNORE_INDEX
 
 Saved = tuple[torch.Tensor, ...]
 
@@ -61,32 +67,55 @@ Saved = tuple[torch.Tensor, ...]
 # ---- consumers ------------------------------------------------------------------------------------
 
 class Consumer:
-    """The GEMM ``z = rstd * (h @ W^T)`` on ``h = x * gamma`` and the epilogue op applied to z."""
+    """The GEMM ``z = rstd * (h @ W^T)`` on ``h = x * gamma`` and the epilogue op applied to z.
 
+    A consumer crosses the ``coda::`` op boundary (:mod:`kernels.coda.ops`) as its :attr:`kind` and
+    :meth:`op_args` (tensors and primitives only), and :func:`consumer_of` builds it back."""
+
+    kind: ClassVar[str]
+    """The consumer's name in the ``coda::`` ops: linear, swiglu, rope, cross_entropy."""
+    side_outputs: ClassVar[int] = 0
+    """How many non-differentiable side outputs :meth:`forward` returns."""
+    keeps_output: ClassVar[bool] = False
+    """Whether :meth:`backward` reads the forward's output (first of its saved tensors)."""
     grad_in_forward: ClassVar[bool] = False
     """Whether the forward computes the gradients (:meth:`forward_grad`, for a scalar output) instead of
     :meth:`backward` computing dz."""
 
     def forward(self, h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, save: bool,
                 promote: bool = False) -> tuple[torch.Tensor, Saved, Saved]:
-        """``(output, non-differentiable side outputs, tensors saved for backward)``; fp8 h and w are dequantized
-        in the epilogue (``promote``: accumulation mode)."""
+        """``(output, non-differentiable side outputs, tensors saved for backward besides the output)``; fp8 h and
+        w are dequantized in the epilogue (``promote``: accumulation mode)."""
         raise NotImplementedError
 
     def backward(self, grad: torch.Tensor, saved: Saved) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(dz, zdz)`` from the output's gradient: the gradient of z and zdz = <z, dz> (None: not known here)."""
+        """``(dz, zdz)`` from the output's gradient: the gradient of z and zdz = <z, dz> (None: not known here).
+        ``saved``: the output when :attr:`keeps_output`, then what :meth:`forward` saved."""
         raise NotImplementedError
 
     def forward_grad(self, h: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
                      gamma: torch.Tensor) -> tuple[torch.Tensor, Saved, Saved]:
-        """With :attr:`grad_in_forward`: ``(output, side outputs, (dx, dgamma, dW))``, the gradients of the
-        normalized input x, of gamma and of W for a unit gradient of the scalar output."""
+        """With :attr:`grad_in_forward`: ``(output, side outputs, (dx, dgamma, dW, applied))``, the gradients of
+        the normalized input x, of gamma and of W for a unit gradient of the scalar output, and the fp32 [1]
+        dloss they carry (:func:`kernels.coda.cross_entropy_bwd.rescale_`)."""
         raise NotImplementedError
+
+    def op_args(self) -> tuple[Any, ...]:
+        """The values of :data:`CONSUMER_ARGS` after ``kind``: this consumer's fields, defaults elsewhere."""
+        return (None, 0, 0, 0, 0.0, None, IGNORE_INDEX, "mean", None)
+
+
+CONSUMER_ARGS = ("kind", "rows", "heads", "kv_heads", "head_dim", "theta", "inv_freq", "ignore_index", "reduction",
+                 "chunk_rows")
+"""A consumer as arguments of a ``coda::`` op: :attr:`Consumer.kind`, the per-row tensor (RoPE's positions,
+cross-entropy's targets), RoPE's fields, cross-entropy's fields."""
 
 
 class Linear(Consumer):
     """``z`` itself (pattern (a), plain row scale); keeps nothing: no ZdZ, which the RMSNorm backward then takes from
     its dgrad output's rows (:func:`kernels.coda.rmsnorm_bwd.rmsnorm_bwd_rows_kernel`, on the split path)."""
+
+    kind = "linear"
 
     def forward(self, h, w, rstd, save, promote=False):
         return scaled_linear(h, w, rstd, promote), (), ()
@@ -98,6 +127,8 @@ class Linear(Consumer):
 class SwiGLU(Consumer):
     """``y_i = silu(z_2i) z_2i+1`` on interleaved gate/up rows of W; keeps the pre-activation z."""
 
+    kind = "swiglu"
+
     def forward(self, h, w_gu, rstd, save, promote=False):
         y, z_pre = gemm_swiglu(h, w_gu, rstd, save_preact=save, promote=promote)
         return y, (), (z_pre,) if save else ()
@@ -108,7 +139,7 @@ class SwiGLU(Consumer):
 
 @dataclass(frozen=True, eq=False)
 class RoPE(Consumer):
-    """Packed qkv with RoPE on q and k (adjacent-pair layout); keeps the rotated qkv.
+    """Packed qkv with RoPE on q and k (adjacent-pair layout); keeps its output, the rotated qkv.
 
     Frequencies ``theta^(-2i/dh)``, or the dh/2 values ``inv_freq`` of a scaled RoPE when given.
     """
@@ -120,14 +151,21 @@ class RoPE(Consumer):
     theta: float
     inv_freq: tuple[float, ...] | None = None
 
+    kind: ClassVar[str] = "rope"
+    keeps_output: ClassVar[bool] = True
+
     def forward(self, h, w_qkv, rstd, save, promote=False):
         qkv = gemm_rope(h, w_qkv, rstd, self.positions, self.heads, self.kv_heads, self.head_dim, self.theta,
                         promote, self.inv_freq)
-        return qkv, (), (qkv,) if save else ()
+        return qkv, (), ()
 
     def backward(self, dqkv, saved):
         return rope_bwd(dqkv, saved[0], self.positions, self.heads, self.kv_heads, self.head_dim, self.theta,
                         self.inv_freq)
+
+    def op_args(self):
+        return (self.positions, self.heads, self.kv_heads, self.head_dim, float(self.theta),
+                None if self.inv_freq is None else list(self.inv_freq), IGNORE_INDEX, "mean", None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,10 +175,12 @@ class CrossEntropy(Consumer):
     :func:`kernels.coda.cross_entropy_bwd.ce_chunk_rows`) and keeps those."""
 
     target: torch.Tensor
-    ignore_index: int = -100
+    ignore_index: int = IGNORE_INDEX
     reduction: str = "mean"
     chunk_rows: int | None = None
 
+    kind: ClassVar[str] = "cross_entropy"
+    side_outputs: ClassVar[int] = 1
     grad_in_forward: ClassVar[bool] = True
 
     def forward(self, h, w_lm, rstd, save, promote=False):
@@ -154,8 +194,27 @@ class CrossEntropy(Consumer):
         applied = torch.ones(1, device=h.device, dtype=torch.float32)  # the dloss the saved gradients carry
         return loss, (lse,), (*grads, applied)
 
+    def op_args(self):
+        return (self.target, 0, 0, 0, 0.0, None, self.ignore_index, self.reduction, self.chunk_rows)
 
-# ---- backward pieces -------------------------------------------------------------------------------
+
+CONSUMERS: dict[str, type[Consumer]] = {c.kind: c for c in (Linear, SwiGLU, RoPE, CrossEntropy)}
+
+
+def consumer_of(kind: str, rows: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, theta: float,
+                inv_freq: list[float] | None, ignore_index: int, reduction: str, chunk_rows: int | None) -> Consumer:
+    """The consumer that :data:`CONSUMER_ARGS` describe (the inverse of ``(c.kind, *c.op_args())``)."""
+    if kind == RoPE.kind:
+        return RoPE(rows, heads, kv_heads, head_dim, theta, None if inv_freq is None else tuple(inv_freq))
+    if kind == CrossEntropy.kind:
+        return CrossEntropy(rows, ignore_index, reduction, chunk_rows)
+    return CONSUMERS[kind]()
+
+
+# ---- the compositions' forwards and backward pieces (the bodies of the coda:: ops) --------------------
+# Each forward returns a flat list: its results, then (with ``save``) what its backward reads that is not an
+# input or a result. :mod:`kernels.coda.ops` registers them as custom ops, with their fake-tensor rules and
+# autograd, whose backward composes the backward pieces below.
 
 def _consumer_fwd(consumer: Consumer, h: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
                   gamma: torch.Tensor, save: bool) -> tuple[torch.Tensor, Saved, Saved]:
@@ -166,125 +225,79 @@ def _consumer_fwd(consumer: Consumer, h: torch.Tensor, w: torch.Tensor, x: torch
     return consumer.forward(h, w, rstd, save)
 
 
-def _consumer_bwd(consumer: Consumer, grad: torch.Tensor | None, saved: Saved, w: torch.Tensor, x: torch.Tensor,
-                  rstd: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None):
-    """``(dx, dgamma, dW)`` through the consumer, the RMSNorm backward and the consumer's weight gradient.
+def producer_consumer_forward(a: torch.Tensor, residual: torch.Tensor, w_p: torch.Tensor, gamma: torch.Tensor,
+                              w: torch.Tensor, consumer: Consumer, eps: float, save: bool) -> list[torch.Tensor]:
+    """``[x, out, rstd, *side, *consumer's saved]``."""
+    x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps)
+    out, side, saved = _consumer_fwd(consumer, h, w, x, rstd, gamma, save)
+    return [x, out, rstd, *side, *saved]
 
-    dx includes dres (the incoming residual gradient); with no gradient for the output it is dres itself. The
-    gradients a consumer computed in forward (for a unit gradient of its scalar output) are multiplied by grad in
-    place (:func:`kernels.coda.cross_entropy_bwd.rescale_`: on the device, untouched when grad is 1, as in a
-    training step; no host synchronization, unlike Liger's ``grad_output != 1`` test).
-    """
-    if grad is None:
-        return dres, None, None
-    if consumer.grad_in_forward:
-        dx, dgamma, dw, applied = saved
-        rescale_(grad, applied, dx, dgamma, dw)
-        return (dx if dres is None else dres + dx), dgamma, dw
+
+def block_forward(a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma_mlp: torch.Tensor,
+                  w_gu: torch.Tensor, w_down: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consumer: Consumer,
+                  eps: float, save: bool) -> list[torch.Tensor]:
+    """``[x, out, rstd_mlp, rstd, *side]``, then with ``save`` ``[x1, z_pre, *consumer's saved]``."""
+    x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps)
+    y, z_pre = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=save)
+    x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps)
+    out, side, saved = _consumer_fwd(consumer, h2, w, x, rstd, gamma, save)
+    return [x, out, rstd_mlp, rstd, *side, *((x1, z_pre, *saved) if save else ())]
+
+
+def norm_consumer_forward(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consumer: Consumer, eps: float,
+                          save: bool) -> list[torch.Tensor]:
+    """``[out, rstd, *side, *consumer's saved]``."""
+    h, rstd = norm_input(x, gamma, eps)
+    out, side, saved = _consumer_fwd(consumer, h, w, x, rstd, gamma, save)
+    return [out, rstd, *side, *saved]
+
+
+def consumer_backward(consumer: Consumer, grad: torch.Tensor, saved: Saved, w: torch.Tensor, x: torch.Tensor,
+                      rstd: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dgamma, dW)`` through a consumer that computes dz in backward, the RMSNorm backward (dx includes
+    dres, the incoming residual gradient) and the consumer's weight gradient."""
     dz, zdz = consumer.backward(grad.contiguous(), saved)
     dx, y, dgamma = dgrad_rmsnorm(dz, w, x, rstd, gamma, zdz, dres)
     return dx, dgamma, mm(dz.T, y)
 
 
-def _producer_bwd(dx: torch.Tensor | None, a: torch.Tensor, w_p: torch.Tensor):
+def producer_backward(dx: torch.Tensor, a: torch.Tensor, w_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(da, dWp)`` of ``x = residual + a Wp^T`` (the residual's gradient is dx itself)."""
-    if dx is None:
-        return None, None
     return mm(dx, w_p), mm(dx.T, a)
 
 
-def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.contiguous() if t is not None else None
-
-
-# ---- autograd Functions ----------------------------------------------------------------------------
-
-class ProducerConsumerFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, residual, w_p, gamma, w, consumer: Consumer, eps: float, save: bool):
-        x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps)
-        out, side, saved = _consumer_fwd(consumer, h, w, x, rstd, gamma, save)
-        ctx.consumer = consumer
-        if save:
-            ctx.save_for_backward(a, w_p, gamma, w, x, rstd, *saved)
-        ctx.mark_non_differentiable(rstd, *side)
-        ctx.set_materialize_grads(False)
-        return x, out, rstd, *side
-
-    @staticmethod
-    def backward(ctx, dx_out, dout, *_):
-        set_scratch_allocator()  # backward may run in autograd's device thread
-        a, w_p, gamma, w, x, rstd, *saved = ctx.saved_tensors
-        dx, dgamma, dw = _consumer_bwd(ctx.consumer, dout, saved, w, x, rstd, gamma, _contig(dx_out))
-        da, dw_p = _producer_bwd(dx, a, w_p)
-        return da, dx, dw_p, dgamma, dw, None, None, None
-
-
-class BlockFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer: Consumer, eps: float,
-                save: bool):
-        x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps)
-        y, z_pre = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=save)
-        x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps)
-        out, side, saved = _consumer_fwd(consumer, h2, w, x, rstd, gamma, save)
-        ctx.consumer = consumer
-        if save:
-            ctx.save_for_backward(a, w_o, gamma_mlp, w_gu, w_down, gamma, w, x1, x, rstd_mlp, rstd, z_pre, *saved)
-        ctx.mark_non_differentiable(rstd_mlp, rstd, *side)
-        ctx.set_materialize_grads(False)
-        return x, out, rstd_mlp, rstd, *side
-
-    @staticmethod
-    def backward(ctx, dx_out, dout, *_):
-        set_scratch_allocator()
-        a, w_o, gamma_mlp, w_gu, w_down, gamma, w, x1, x, rstd_mlp, rstd, z_pre, *saved = ctx.saved_tensors
-        dres = _contig(dx_out)
-        dx, dgamma, dw = _consumer_bwd(ctx.consumer, dout, saved, w, x, rstd, gamma, dres)
-        if dx is None:
-            return (None,) * 11
-        dz_pre, y, zdz = dgrad_swiglu(dx, w_down, z_pre)
-        dw_down = mm(dx.T, y)
-        # Add into dx in place when it is this function's own buffer, not dres (the consumer had no gradient)
-        # nor a gradient saved by the consumer's forward; otherwise into a copy.
-        own = all(dx is not t for t in (dres, *saved))
-        dx1, y1, dgamma_mlp = dgrad_rmsnorm(dz_pre, w_gu, x1, rstd_mlp, gamma_mlp, zdz, dx, inplace=own)
-        dw_gu = mm(dz_pre.T, y1)
-        da, dw_o = _producer_bwd(dx1, a, w_o)
-        return da, dx1, dw_o, dgamma_mlp, dw_gu, dw_down, dgamma, dw, None, None, None
-
-
-class NormConsumerFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, gamma, w, consumer: Consumer, eps: float, save: bool):
-        h, rstd = norm_input(x, gamma, eps)
-        out, side, saved = _consumer_fwd(consumer, h, w, x, rstd, gamma, save)
-        ctx.consumer = consumer
-        if save:
-            ctx.save_for_backward(x, gamma, w, rstd, *saved)
-        ctx.mark_non_differentiable(rstd, *side)
-        ctx.set_materialize_grads(False)
-        return out, rstd, *side
-
-    @staticmethod
-    def backward(ctx, dout, *_):
-        set_scratch_allocator()
-        x, gamma, w, rstd, *saved = ctx.saved_tensors
-        dx, dgamma, dw = _consumer_bwd(ctx.consumer, dout, saved, w, x, rstd, gamma, None)
-        return dx, dgamma, dw, None, None, None
+def mlp_backward(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_gu: torch.Tensor,
+                 x1: torch.Tensor, rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor, inplace: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx1, dW_down, dgamma_mlp, dW_gu)`` of the block's MLP half from dx, the gradient of its output x: the
+    down-proj dgrad with the SwiGLU backward, the gate/up dgrad with the RMSNorm backward adding dx (into dx
+    itself when ``inplace``: dx1 is then dx), and the two weight gradients."""
+    dz_pre, y, zdz = dgrad_swiglu(dx, w_down, z_pre)
+    dw_down = mm(dx.T, y)
+    dx1, y1, dgamma_mlp = dgrad_rmsnorm(dz_pre, w_gu, x1, rstd_mlp, gamma_mlp, zdz, dx, inplace=inplace)
+    return dx1, dw_down, dgamma_mlp, mm(dz_pre.T, y1)
 
 
 # ---- public API --------------------------------------------------------------------------------------
+# Each composition is the coda:: op of the same name (kernels.coda.ops): differentiable, opaque to torch.compile;
+# run by ops.call (eagerly without the dispatcher).
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _results(out: list[torch.Tensor], n: int, consumer: Consumer) -> tuple[torch.Tensor, ...]:
+    """The op's results (its first ``n`` + the consumer's side outputs), without what it saved for backward."""
+    return tuple(out[:n + consumer.side_outputs])
 
 
 def producer_consumer(a: torch.Tensor, residual: torch.Tensor, w_p: torch.Tensor, gamma: torch.Tensor,
                       w: torch.Tensor, consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
     """``(x, out, rstd, *side)``: x = residual + a w_p^T, out = consumer(rmsnorm(x; gamma) w^T)."""
     save = _needs_grad(a, residual, w_p, gamma, w)
-    return ProducerConsumerFn.apply(a, residual, w_p, gamma, w, consumer, eps, save)
+    out = ops.call("producer_consumer", a, residual, w_p, gamma, w, eps, save, consumer.kind, *consumer.op_args())
+    return _results(out, 3, consumer)
 
 
 def block(a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma_mlp: torch.Tensor, w_gu: torch.Tensor,
@@ -292,14 +305,17 @@ def block(a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma_mlp:
           ) -> tuple[torch.Tensor, ...]:
     """``(x, out, rstd_mlp, rstd, *side)`` of the CODA block (w_gu interleaved; out = consumer of rmsnorm(x))."""
     save = _needs_grad(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w)
-    return BlockFn.apply(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, eps, save)
+    out = ops.call("block", a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, consumer.kind,
+                               *consumer.op_args())
+    return _results(out, 4, consumer)
 
 
 def norm_consumer(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consumer: Consumer, eps: float
                   ) -> tuple[torch.Tensor, ...]:
     """``(out, rstd, *side)``: out = consumer(rmsnorm(x; gamma) w^T)."""
     save = _needs_grad(x, gamma, w)
-    return NormConsumerFn.apply(x, gamma, w, consumer, eps, save)
+    out = ops.call("norm_consumer", x, gamma, w, eps, save, consumer.kind, *consumer.op_args())
+    return _results(out, 2, consumer)
 
 
 # ---- fp8 forward -------------------------------------------------------------------------------------
@@ -339,3 +355,8 @@ def norm_consumer_fp8(recipe: Recipe, x: torch.Tensor, gamma: torch.Tensor, w: F
 
 FP8_FORWARD = {producer_consumer: producer_consumer_fp8, block: block_fp8, norm_consumer: norm_consumer_fp8}
 """Each composition -> its fp8 forward (first argument: the recipe)."""
+
+
+# The coda:: ops that the public functions above call (kernels.coda.ops builds them from this module's pieces, so
+# it is imported last).
+from kernels.coda import ops  # noqa: E402

@@ -61,8 +61,8 @@ packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu
 size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
 state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching,
 dropout included, disable_adapter / merge_adapter; gradient checkpointing (reentrant or not); generate() (prefill
-on the CODA kernels, decode through the model's own forward); torch.compile(model) (the CODA forward not compiled);
-a model changed after patching (planned again).
+on the CODA kernels, decode through the model's own forward); torch.compile(model), fullgraph included (the CODA
+kernels as opaque ``coda::`` ops, :mod:`kernels.coda.ops`); a model changed after patching (planned again).
 
 Refused in one line (:class:`CodaUnsupportedError`): other architectures, activations, RoPE types or a partial
 rotary factor; biases on o_proj, the MLP or the LM head; projections that are neither nn.Linear nor PEFT LoRA on
@@ -156,9 +156,14 @@ def apply_coda(model: nn.Module) -> nn.Module:
     decode steps (a filled cache) and cached calls in training or with labels run the model's own forward (the same
     modules, adapters included). ``generate()`` then gives the unpatched model's tokens.
 
-    ``torch.compile(model)`` runs: Dynamo leaves the CODA forward to run eagerly (it is marked
-    ``torch.compiler.disable``; its Triton launches are not registered as custom ops), so nothing of it is
-    compiled, and ``fullgraph=True`` fails with Dynamo's error.
+    ``torch.compile(model)``, ``fullgraph=True`` included, traces the CODA forward and its backward into graphs:
+    the CODA kernels and the weight packing are custom ops (:mod:`kernels.coda.ops`) with fake-tensor rules and
+    autograd, which the graphs call as opaque ops; the embedding, masks, attention and the torch code around the
+    kernels are compiled as in the unpatched model. The results are the eager patched model's. Two differences in
+    a traced call: a bad label fails a device-side assertion (a RuntimeError on the CPU) instead of raising
+    IndexError, and the cross-entropy's gradients computed in forward are scaled into copies in backward (eager
+    scales them in place). Dynamo warns once per process that it traces through the ``lru_cache`` of the packing
+    indices (:func:`kernels.coda.pack.qkv_index`): they are pure functions of the sizes, built in the graph.
 
     Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
     training, each checkpointed layer's attention and the CODA block after it run under the layer's own
@@ -193,9 +198,7 @@ def apply_coda(model: nn.Module) -> nn.Module:
     if getattr(target, "_coda_plan", None) is not None:
         return model
     target._coda_plan = _plan(target)
-    # torch.compile: Dynamo cannot trace the Triton launches (the CODA ops are not registered as custom ops with
-    # fake-tensor rules), so it leaves this forward to run eagerly (a graph break around it) instead of failing.
-    target.forward = MethodType(torch.compiler.disable(_coda_forward), target)
+    target.forward = MethodType(_coda_forward, target)
     return model
 
 
@@ -394,18 +397,13 @@ def _check_call(model: nn.Module, options: dict[str, Any]) -> None:
 def _check_targets(targets: torch.Tensor, vocab: int) -> None:
     """Targets are ``IGNORE_INDEX`` or in ``[0, vocab)``. On the CPU a bad one raises the IndexError of torch's
     cross-entropy (as the unpatched model does); on a GPU a device-side assertion fails, as it does in torch's
-    cross-entropy there, without synchronizing the host."""
+    cross-entropy there, without synchronizing the host. Under torch.compile the assertion too, on any device (a
+    graph cannot branch on the targets' values; on the CPU it raises a RuntimeError with the message)."""
     bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= vocab)
-    if targets.device.type != "cpu":
+    if targets.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(~bad.any(), f"a target is out of bounds: not {IGNORE_INDEX} nor in [0, {vocab})")
     elif bad.any():
         raise IndexError(f"Target {int(targets[bad][0])} is out of bounds.")
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy of it in the graph when its storage offset leaves it off the 16-byte alignment that the
-    kernels' tensor descriptors need (a parameter that is a view: safetensors' mmap on the CPU, flat buffers)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _w_qkv(attn: nn.Module, plan: _Plan, name: str) -> tuple[torch.Tensor, Side | None]:
@@ -455,7 +453,7 @@ def _w_down(w: torch.Tensor) -> torch.Tensor:
     are zero too, so those SwiGLU outputs are ``silu(0) * 0 = 0`` and meet zero columns: the result is exact, and
     the SwiGLU output [M, ffn] gets an aligned row stride."""
     ffn = w.shape[1]
-    return _aligned(w) if ffn == _aligned_rows(ffn, w) else F.pad(w, (0, _aligned_rows(ffn, w) - ffn))
+    return w if ffn == _aligned_rows(ffn, w) else F.pad(w, (0, _aligned_rows(ffn, w) - ffn))
 
 
 def _with_bias(qkv: torch.Tensor, attn: nn.Module, plan: _Plan, positions: torch.Tensor) -> torch.Tensor:
@@ -557,7 +555,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         (w_gate, s_gate), (w_up, s_up), (w_d, s_d) = (
             _weight(getattr(layer.mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
         w_gu, w_down = _w_gu(w_gate, w_up), _w_down(w_d)
-        gamma_mlp = _aligned(layer.post_attention_layernorm.weight)
+        gamma_mlp = layer.post_attention_layernorm.weight
         if s_gate is None and s_up is None and s_d is None:
             return block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, plan.eps)[:2]
         x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), plan.eps)[:2]
@@ -589,16 +587,15 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
             if s_lm is not None:
                 raise _refuse("lm_head: lora_dropout > 0 in training is not supported on the LM head (fused with "
                               "the loss)")
-            w = _aligned(w)
             if labels is None:  # zero rows up to an aligned vocabulary: their logits, cut below, are 0
                 w = _pad_rows(w, _aligned_rows(w.shape[0], w))
             gamma, consumer = self.model.norm.weight, final
-        x, out = mlp(i, a, residual, _aligned(w_o), _aligned(gamma), w, consumer)
+        x, out = mlp(i, a, residual, w_o, gamma, w, consumer)
         return x, (out if side is None else next_qkv(i + 1, out, x, side))
 
     x = embeds.reshape(batch * seq, hidden)
     w, side = _w_qkv(layers[0].self_attn, plan, "model.layers.0.self_attn")
-    out = next_qkv(0, norm_consumer(x, _aligned(layers[0].input_layernorm.weight), w, rope, plan.eps)[0], x, side)
+    out = next_qkv(0, norm_consumer(x, layers[0].input_layernorm.weight, w, rope, plan.eps)[0], x, side)
     for i, layer in enumerate(layers):
         # Activation checkpointing as the model's own layers do it (its function, reentrant or not, every n layers);
         # the last layer's block, which ends in the LM head and the loss, is not recomputed.

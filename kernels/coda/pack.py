@@ -53,8 +53,9 @@ def pack_rows_kernel(packed_ptr, src0_ptr, src1_ptr, src2_ptr, tensor_ptr, row_p
         tl.store(packed, value, mask=mask)
 
 
-def _copy_rows(packed: torch.Tensor, sources: list[torch.Tensor], index: tuple[torch.Tensor, torch.Tensor],
-               unpack: bool) -> None:
+def copy_rows(packed: torch.Tensor, sources: list[torch.Tensor], index: tuple[torch.Tensor, torch.Tensor],
+              unpack: bool) -> None:
+    """``packed[i] = sources[t_i][r_i]`` for index (t, r), or with ``unpack`` the other way (sources written)."""
     R, D = packed.shape
     srcs = sources + [sources[0]] * (MAX_SOURCES - len(sources))
     block_r, block_d, warps = (16, 32, 4) if INTERPRET else (8, 512, 4)
@@ -63,31 +64,15 @@ def _copy_rows(packed: torch.Tensor, sources: list[torch.Tensor], index: tuple[t
                                                                          num_warps=warps)
 
 
-class PackRows(torch.autograd.Function):
-    """``packed[i] = weights[t_i][r_i]``; backward: each weight's gradient from the rows of dpacked it went to."""
-
-    @staticmethod
-    def forward(ctx, index: tuple[torch.Tensor, torch.Tensor], *weights: torch.Tensor) -> torch.Tensor:
-        weights = tuple(w.contiguous() for w in weights)
-        packed = torch.empty(index[0].numel(), weights[0].shape[1], device=weights[0].device, dtype=weights[0].dtype)
-        _copy_rows(packed, list(weights), index, unpack=False)
-        ctx.index, ctx.shapes = index, [w.shape for w in weights]
-        return packed
-
-    @staticmethod
-    def backward(ctx, dpacked: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grads = [torch.empty(s, device=dpacked.device, dtype=dpacked.dtype) for s in ctx.shapes]
-        _copy_rows(dpacked.contiguous(), grads, ctx.index, unpack=True)
-        return (None, *grads)
-
-
 def pack_rows(index: tuple[torch.Tensor, torch.Tensor], *weights: torch.Tensor) -> torch.Tensor:
     """The packed tensor of ``weights`` (1 to 3 two-dimensional tensors of one dtype and width) by ``index``
-    (int32 source tensor and row of each packed row: :func:`qkv_index`, :func:`gate_up_index`), differentiable."""
+    (int32 source tensor and row of each packed row: :func:`qkv_index`, :func:`gate_up_index`), differentiable: the
+    op ``coda::pack_rows`` (:mod:`kernels.coda.ops`, run by its ``call``), whose backward copies each row of
+    dpacked back."""
     if not 1 <= len(weights) <= MAX_SOURCES or any(w.dim() != 2 or w.shape[1] != weights[0].shape[1]
                                                    or w.dtype != weights[0].dtype for w in weights):
         raise ValueError(f"pack_rows takes 1 to {MAX_SOURCES} 2-D weights of one width and dtype")
-    return PackRows.apply(index, *weights)
+    return ops.call("pack_rows", *index, list(weights))
 
 
 def _index(order: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,3 +95,7 @@ def gate_up_index(ffn: int, device: torch.device) -> tuple[torch.Tensor, torch.T
     """The index of ``Wgu`` from ``(gate_proj, up_proj)`` weights: rows g0, u0, g1, u1, ..."""
     i = torch.arange(2 * ffn, device=device)
     return (i % 2).to(torch.int32), (i // 2).to(torch.int32)
+
+
+# coda::pack_rows, which pack_rows calls (kernels.coda.ops builds it from copy_rows, so it is imported last).
+from kernels.coda import ops  # noqa: E402
