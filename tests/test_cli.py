@@ -161,7 +161,7 @@ def test_a_failed_merge_leaves_nothing_and_can_be_retried(tmp_path, capsys, monk
 
     run = tmp_path / "run"
     run.mkdir()
-    reference = ROOT / "reports" / "h100-2026-11-26-full"
+    reference = ROOT / "reports" / "h100-2026-11-27-full"
     for name in ("results.csv", "errors.csv", "samples.jsonl", "env.json"):
         (run / name).write_bytes((reference / name).read_bytes())
 
