@@ -174,6 +174,34 @@ def test_a_misaligned_operand_is_copied_inside_the_op():
         assert torch.equal(ours, aligned)
 
 
+def test_packing_reads_an_index_of_any_strides():
+    """pack_rows / unpack_rows with their int32 index as strided views (as a compiled graph may pass them) give the
+    contiguous index's results."""
+    from kernels.coda.pack import qkv_index
+
+    tensor, row = qkv_index(HEADS, KV_HEADS, HEAD_DIM, torch.device("cpu"))
+    strided = [torch.stack([t, -t], dim=1)[:, 0] for t in (tensor, row)]  # stride 2
+    assert all(s.stride() == (2,) and torch.equal(s, t) for s, t in zip(strided, (tensor, row)))
+    weights = [rand(HEADS * HEAD_DIM, D, seed=13), rand(HEAD_DIM, D, seed=14), rand(HEAD_DIM, D, seed=15)]
+    packed = ops.pack_rows(tensor, row, weights)
+    assert torch.equal(ops.pack_rows(*strided, weights), packed)
+    grads = ops.unpack_rows(packed, tensor, row, [w.shape[0] for w in weights])
+    assert all(torch.equal(g, w) for g, w in zip(grads, weights))
+    assert all(torch.equal(a, b) for a, b in zip(ops.unpack_rows(packed, *strided, [16, 8, 8]), grads))
+
+
+def test_the_packing_indices_are_inputs_of_the_compiled_graph():
+    """The plan holds the packing indices, made eagerly: the compiled graph reads them and computes none (no
+    searchsorted, no cumsum), so no compiler generates code for them."""
+    torch._dynamo.reset()
+    model = apply_coda(tiny())
+    ids, mask, labels = batch()
+    graphs: list = []
+    compiled(model, graphs)(input_ids=ids, attention_mask=mask, labels=labels)
+    assert len(graphs) == 1
+    assert not {t for t in graphs[0] if "searchsorted" in t or "cumsum" in t}, sorted(graphs[0])
+
+
 # ---- eager calls: the ops' implementation and autograd without the dispatcher ---------------------------------
 
 def profiled_ops(fn) -> set[str]:

@@ -253,7 +253,8 @@ print(json.dumps({"serial": serial, "kernels": done.kernels, "ahead": ahead, "sk
 @pytest.mark.parametrize("strategy", ["auto", "gluon"])  # gluon: the producers' Gluon kernel on Hopper (fused elsewhere)
 def test_after_a_dry_pass_the_real_step_compiles_nothing_and_computes_the_same(tmp_path, strategy):
     env = {**os.environ, "CODABENCH_CACHE_DIR": str(tmp_path / "coda"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-           "PYTHONPATH": str(ROOT), "CODABENCH_STRATEGY": strategy}
+           "PYTHONPATH": str(ROOT), "CODABENCH_STRATEGY": strategy,
+           tuning.TUNE_ENV: "1"}  # the first step tunes and measures its choices; the dry pass does neither
     env.pop("CODABENCH_AUTOTUNE_CACHE", None)
     out = subprocess.run([sys.executable, "-c", GPU_SCRIPT], env=env, capture_output=True, text=True, timeout=900,
                          cwd=ROOT)

@@ -480,6 +480,7 @@ def test_auto_measures_a_choice_on_the_gpu_stores_it_and_a_new_process_reuses_it
     monkeypatch.setenv("CODABENCH_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CODABENCH_AUTOTUNE_CACHE", raising=False)
     monkeypatch.setenv("CODABENCH_TUNING_TABLES", "0")  # the shipped tables hold this key: measure it here
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")  # measuring is opt-in (--tune); without it the key's path is predicted
     monkeypatch.setenv(S.ENV, "auto")
     dev = torch.device("cuda")
     a, w = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16), torch.randn(2048, 2048, device=dev,

@@ -121,6 +121,9 @@ class _Plan:
     inv_freq: tuple[float, ...]
     windows: tuple[int | None, ...]
     qkv_bias: bool
+    indices: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
+    """The packing indices (:func:`kernels.coda.pack.qkv_index`, ``gate_up_index`` per FFN size), made when the plan
+    is made: a compiled forward reads them as inputs instead of building them in its graphs (:func:`_index`)."""
     watched: tuple[weakref.ref | None, ...]
     """Weak references to the modules and parameters the plan was made for (:func:`_watched`; None for a missing
     bias): the plan keeps none of them alive (``functional_call``'s weights go when the call's caller drops them)."""
@@ -162,8 +165,7 @@ def apply_coda(model: nn.Module) -> nn.Module:
     kernels are compiled as in the unpatched model. The results are the eager patched model's. Two differences in
     a traced call: a bad label fails a device-side assertion (a RuntimeError on the CPU) instead of raising
     IndexError, and the cross-entropy's gradients computed in forward are scaled into copies in backward (eager
-    scales them in place). Dynamo warns once per process that it traces through the ``lru_cache`` of the packing
-    indices (:func:`kernels.coda.pack.qkv_index`): they are pure functions of the sizes, built in the graph.
+    scales them in place). The weight-packing indices are made with the plan, eagerly, and are the graphs' inputs.
 
     Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
     training, each checkpointed layer's attention and the CODA block after it run under the layer's own
@@ -323,11 +325,15 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
     if rotary.inv_freq.numel() != head_dim // 2:
         raise _refuse(f"RoPE on {2 * rotary.inv_freq.numel()} of the {head_dim} head dims (partial_rotary_factor)")
     same_rope = old is not None and old.watched[1]() is rotary
+    device = _base(layers[0].self_attn.q_proj).weight.device
+    indices = {("qkv", 0): qkv_index(config.num_attention_heads, config.num_key_value_heads, head_dim, device)}
+    indices.update({("gate_up", n): gate_up_index(n, device)
+                    for n in {_base(layer.mlp.gate_proj).weight.shape[0] for layer in layers}})
     return _Plan(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=head_dim,
                  eps=config.rms_norm_eps, theta=float(config.rope_parameters["rope_theta"]),
                  inv_freq=old.inv_freq if same_rope else tuple(rotary.inv_freq.double().tolist()),
                  windows=tuple(_WINDOW[arch](config, layer.self_attn) for layer in layers),
-                 qkv_bias=has_bias == {(True,) * 3},
+                 qkv_bias=has_bias == {(True,) * 3}, indices=indices,
                  watched=tuple(None if o is None else weakref.ref(o) for o in _watched(model)))
 
 
@@ -412,7 +418,8 @@ def _w_qkv(attn: nn.Module, plan: _Plan, name: str) -> tuple[torch.Tensor, Side 
     output in half-split column order (zeros for a projection without one), or None."""
     pairs = [_weight(getattr(attn, p), f"{name}.{p}") for p in ("q_proj", "k_proj", "v_proj")]
     w = [p[0] for p in pairs]
-    packed = pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device), *w)
+    packed = pack_rows(_index(plan, ("qkv", 0), w[0].device,
+                              lambda: qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device)), *w)
     if all(side is None for _, side in pairs):
         return packed, None
 
@@ -441,11 +448,20 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return w if w.shape[0] == rows else F.pad(w, (0, 0, 0, rows - w.shape[0]))
 
 
-def _w_gu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _w_gu(gate: torch.Tensor, up: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph), with zero row
     pairs appended when the FFN size is not 16-byte aligned (:func:`_w_down`)."""
     ffn = gate.shape[0]
-    return _pad_rows(pack_rows(gate_up_index(ffn, gate.device), gate, up), 2 * _aligned_rows(ffn, gate))
+    index = _index(plan, ("gate_up", ffn), gate.device, lambda: gate_up_index(ffn, gate.device))
+    return _pad_rows(pack_rows(index, gate, up), 2 * _aligned_rows(ffn, gate))
+
+
+def _index(plan: _Plan, key: tuple[str, int], device: torch.device,
+           build: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's packing index ``key``, or one built here where the weights are on another device (the model
+    moved since it was planned): a compiled forward takes the plan's as an input and builds none in its graphs."""
+    index = plan.indices.get(key)
+    return index if index is not None and index[0].device == device else build()
 
 
 def _w_down(w: torch.Tensor) -> torch.Tensor:
@@ -554,7 +570,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         layer, name = layers[i], f"model.layers.{i}.mlp"
         (w_gate, s_gate), (w_up, s_up), (w_d, s_d) = (
             _weight(getattr(layer.mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
-        w_gu, w_down = _w_gu(w_gate, w_up), _w_down(w_d)
+        w_gu, w_down = _w_gu(w_gate, w_up, plan), _w_down(w_d)
         gamma_mlp = layer.post_attention_layernorm.weight
         if s_gate is None and s_up is None and s_d is None:
             return block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, plan.eps)[:2]

@@ -55,9 +55,11 @@ def pack_rows_kernel(packed_ptr, src0_ptr, src1_ptr, src2_ptr, tensor_ptr, row_p
 
 def copy_rows(packed: torch.Tensor, sources: list[torch.Tensor], index: tuple[torch.Tensor, torch.Tensor],
               unpack: bool) -> None:
-    """``packed[i] = sources[t_i][r_i]`` for index (t, r), or with ``unpack`` the other way (sources written)."""
+    """``packed[i] = sources[t_i][r_i]`` for index (t, r), or with ``unpack`` the other way (sources written).
+    packed and the sources are contiguous; the index is made so here (a compiled graph may hand over any strides)."""
     R, D = packed.shape
     srcs = sources + [sources[0]] * (MAX_SOURCES - len(sources))
+    index = tuple(t.contiguous() for t in index)
     block_r, block_d, warps = (16, 32, 4) if INTERPRET else (8, 512, 4)
     pack_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(D, block_d))](packed, *srcs, *index, R, D, UNPACK=unpack,
                                                                          BLOCK_R=block_r, BLOCK_D=block_d,
