@@ -441,8 +441,9 @@ def pack_rows(tensor: torch.Tensor, row: torch.Tensor, weights: list[torch.Tenso
 
 
 UNVERIFIED_ON_GPU = ("torch.compile of the CODA drop-in on a GPU is not verified: on an H100 (bf16, Inductor) "
-                     "its q/k/v weight gradients were wrong; the suspected cause is fixed but the fix has not run on a "
-                     "GPU yet. Compare a compiled step's gradients with the eager model's before training with it.")
+                     "its q/k/v weight gradients were wrong (Inductor's searchsorted on CUDA, pytorch/pytorch#182343, "
+                     "in the packing index); the index is now made outside the graph, but that has not run on a GPU "
+                     "yet. Compare a compiled step's gradients with the eager model's before training with it.")
 """Warned when a graph that packs weights on a GPU is traced (this rule runs at trace time) until
 ``tests/test_hf.py::test_compiled_fullgraph_bf16_equals_eager_patched_gpu`` passes on one."""
 

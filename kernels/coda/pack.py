@@ -78,9 +78,11 @@ def pack_rows(index: tuple[torch.Tensor, torch.Tensor], *weights: torch.Tensor) 
 
 
 def _index(order: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tensor, row) int32 of each packed row, the packed rows being the rows ``order`` of the sources stacked."""
+    """(tensor, row) int32 of each packed row, the packed rows being the rows ``order`` of the sources stacked: a
+    row's source is the number of sources that end at or before it. (Not ``searchsorted`` on a slice of the
+    starts: Inductor's CUDA lowering reads such a slice from its base, one source off; pytorch/pytorch#182343.)"""
     starts = torch.tensor([0, *sizes], device=order.device).cumsum(0)
-    tensor = torch.searchsorted(starts[1:], order, right=True)
+    tensor = (order[:, None] >= starts[None, 1:]).sum(1)
     return tensor.to(torch.int32), (order - starts[tensor]).to(torch.int32)
 
 
