@@ -86,7 +86,7 @@ from torch import nn
 from kernels import layouts as L
 from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer, producer_consumer
 from kernels.coda.pack import gate_up_index, pack_rows, qkv_index
-from kernels.coda.precompile import Precompiled, precompile_autograd
+from kernels.coda.precompile import Precompiled, compiles_here, dry_pass, precompile_autograd
 from kernels.coda.rope import rope_freq_table
 from workloads.reference import IGNORE_INDEX, shifted_targets
 
@@ -224,8 +224,10 @@ def _alias(arch: str) -> Callable[[nn.Module], nn.Module]:
 def precompile_step(model: nn.Module, **batch: Any) -> Precompiled:
     """Compile the CODA kernels of one training step of ``model`` (patched by :func:`apply_coda`) at ``batch``'s
     shape, in parallel, before the first real step: ``model(**batch).loss`` and its backward run once as a dry
-    pass (:func:`kernels.coda.precompile.precompile`), which launches no kernel of ours, leaves the parameters
-    and their ``.grad`` alone and drops its garbage results. Call it once per batch shape::
+    pass (:func:`kernels.coda.precompile.precompile`), which launches no kernel of ours, leaves the parameters,
+    their ``.grad`` and the random number generators' states alone and drops its garbage results. The patched
+    model does this itself at the first training step of each batch shape (:func:`_first_step`); call it to
+    choose when::
 
         model = apply_coda(model)
         precompile_step(model, input_ids=input_ids, labels=labels)   # seconds instead of a serial compile
@@ -234,7 +236,23 @@ def precompile_step(model: nn.Module, **batch: Any) -> Precompiled:
     if getattr(model, "_coda_plan", None) is None:
         raise CodaUnsupportedError("precompile_step needs a model patched by apply_coda")
     params = [p for p in model.parameters() if p.requires_grad]
-    return precompile_autograd(lambda: model(**batch).loss, params, params[0].device)
+    device = params[0].device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws in the dry pass
+        return precompile_autograd(lambda: model(**batch).loss, params, device)
+
+
+def _first_step(model: nn.Module, x: torch.Tensor | None) -> bool:
+    """Whether a call with labels (input ids or embeddings ``x``) is a training step at a shape this model has not
+    stepped at yet, with gradients, eagerly, on a GPU Triton compiles for: then the forward runs
+    :func:`precompile_step` first, once per shape (a shape first met inside a dry pass is only noted)."""
+    if torch.compiler.is_compiling() or x is None or not torch.is_grad_enabled() or not compiles_here(x.device):
+        return False
+    seen = model.__dict__.setdefault("_coda_precompiled", set())
+    key = (tuple(x.shape), x.dtype)
+    if key in seen:
+        return False
+    seen.add(key)
+    return not dry_pass()
 
 
 apply_coda_to_llama = _alias("LlamaForCausalLM")
@@ -514,6 +532,10 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
                   num_items_in_batch: torch.Tensor | int | None = None, shift_labels: torch.Tensor | None = None,
                   **options: Any):
     """The CODA forward of :func:`apply_coda` (bound to the patched model as its ``forward``)."""
+    if labels is not None and _first_step(self, input_ids if input_ids is not None else inputs_embeds):
+        precompile_step(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
+                        num_items_in_batch=num_items_in_batch, shift_labels=shift_labels, **options)
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import CausalLMOutputWithPast
