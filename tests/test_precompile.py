@@ -223,7 +223,7 @@ def test_a_patched_model_precompiles_its_first_training_step_at_each_shape(monke
         return P.Precompiled(1, 0.0)
 
     monkeypatch.setattr(P, "precompile", dry)
-    model, plain = apply_coda(tiny(attention_dropout=0.3)), apply_coda(tiny(attention_dropout=0.3))
+    model, plain = (apply_coda(tiny(attention_dropout=0.3, num_hidden_layers=1)) for _ in range(2))
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     results = []
     for m, compiles in ((plain, False), (model, True)):
