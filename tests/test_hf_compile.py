@@ -39,9 +39,10 @@ def compiled(model: torch.nn.Module, graphs: list) -> torch.nn.Module:
 
 
 def test_compiled_fullgraph_gives_the_eager_and_unpatched_loss_and_gradients():
-    """One graph, which calls the CODA ops; its forward and backward run the fused kernels; the loss and every
-    parameter gradient equal the eager patched model's (up to the order of the tied embedding's two sums) and
-    pass the suite's rule against the unpatched model in float64, as the eager patched model does."""
+    """One graph, which calls the CODA ops and reads the packing indices (computing none); its forward and backward
+    run the fused kernels; the loss and every parameter gradient equal the eager patched model's (up to the order of
+    the tied embedding's two sums) and pass the suite's rule against the unpatched model in float64, as the eager
+    patched model does."""
     torch._dynamo.reset()
     model = tiny()
     ids, mask, labels = batch()
@@ -56,6 +57,9 @@ def test_compiled_fullgraph_gives_the_eager_and_unpatched_loss_and_gradients():
         loss, _, out = loss_and_grads(compiled(model, graphs), **inputs)
     grads = {n: p.grad for n, p in model.named_parameters()}  # the compiled wrapper's names have a prefix
     assert len(graphs) == 1 and CODA_OPS <= {t.removesuffix(".default") for t in graphs[0]}, graphs
+    # the packing indices are the plan's, made eagerly: the graph reads them and computes none (no searchsorted,
+    # no cumsum), so no compiler generates code for them
+    assert not {t for t in graphs[0] if "searchsorted" in t or "cumsum" in t}, sorted(graphs[0])
     assert out.logits is None and FUSED <= set(names), sorted(set(names))
     assert set(grads) == set(grads64) and all(g is not None for g in grads.values())
     assert_close_to("loss", loss, eager_loss, 1e-6)
@@ -188,18 +192,6 @@ def test_packing_reads_an_index_of_any_strides():
     grads = ops.unpack_rows(packed, tensor, row, [w.shape[0] for w in weights])
     assert all(torch.equal(g, w) for g, w in zip(grads, weights))
     assert all(torch.equal(a, b) for a, b in zip(ops.unpack_rows(packed, *strided, [16, 8, 8]), grads))
-
-
-def test_the_packing_indices_are_inputs_of_the_compiled_graph():
-    """The plan holds the packing indices, made eagerly: the compiled graph reads them and computes none (no
-    searchsorted, no cumsum), so no compiler generates code for them."""
-    torch._dynamo.reset()
-    model = apply_coda(tiny())
-    ids, mask, labels = batch()
-    graphs: list = []
-    compiled(model, graphs)(input_ids=ids, attention_mask=mask, labels=labels)
-    assert len(graphs) == 1
-    assert not {t for t in graphs[0] if "searchsorted" in t or "cumsum" in t}, sorted(graphs[0])
 
 
 # ---- eager calls: the ops' implementation and autograd without the dispatcher ---------------------------------
