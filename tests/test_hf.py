@@ -585,7 +585,8 @@ def test_generate_64_greedy_tokens_bf16_follow_the_unpatched_model_gpu():
     random weights have such steps, trained ones rarely. At least 32 of the 4 x 64 tokens are compared."""
     ref, model = bf16_pair("llama-3-8b", initializer_range=0.05)
     ref32 = copy.deepcopy(ref).float().eval()
-    apply_coda(model.eval()), ref.eval()
+    apply_coda(model.eval())
+    ref.eval()
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, ref.config.vocab_size, (4, 256), generator=g, device="cuda")
     mask = torch.ones_like(ids)

@@ -123,7 +123,7 @@ class _Plan:
     qkv_bias: bool
     indices: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
     """The packing indices (:func:`kernels.coda.pack.qkv_index`, ``gate_up_index`` per FFN size), made when the plan
-    is made: a compiled forward reads them as inputs instead of building them in its graphs (:func:`_index`)."""
+    is made: a compiled forward reads them as inputs instead of building them in its graphs (:func:`_packing_index`)."""
     watched: tuple[weakref.ref | None, ...]
     """Weak references to the modules and parameters the plan was made for (:func:`_watched`; None for a missing
     bias): the plan keeps none of them alive (``functional_call``'s weights go when the call's caller drops them)."""
@@ -436,8 +436,9 @@ def _w_qkv(attn: nn.Module, plan: _Plan, name: str) -> tuple[torch.Tensor, Side 
     output in half-split column order (zeros for a projection without one), or None."""
     pairs = [_weight(getattr(attn, p), f"{name}.{p}") for p in ("q_proj", "k_proj", "v_proj")]
     w = [p[0] for p in pairs]
-    packed = pack_rows(_index(plan, ("qkv", 0), w[0].device,
-                              lambda: qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device)), *w)
+    index = _packing_index(plan, ("qkv", 0), w[0].device,
+                           lambda: qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device))
+    packed = pack_rows(index, *w)
     if all(side is None for _, side in pairs):
         return packed, None
 
@@ -470,12 +471,12 @@ def _w_gu(gate: torch.Tensor, up: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph), with zero row
     pairs appended when the FFN size is not 16-byte aligned (:func:`_w_down`)."""
     ffn = gate.shape[0]
-    index = _index(plan, ("gate_up", ffn), gate.device, lambda: gate_up_index(ffn, gate.device))
+    index = _packing_index(plan, ("gate_up", ffn), gate.device, lambda: gate_up_index(ffn, gate.device))
     return _pad_rows(pack_rows(index, gate, up), 2 * _aligned_rows(ffn, gate))
 
 
-def _index(plan: _Plan, key: tuple[str, int], device: torch.device,
-           build: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _packing_index(plan: _Plan, key: tuple[str, int], device: torch.device,
+                   build: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The plan's packing index ``key``, or one built here where the weights are on another device (the model
     moved since it was planned): a compiled forward takes the plan's as an input and builds none in its graphs."""
     index = plan.indices.get(key)
