@@ -499,10 +499,12 @@ GPU_SHAPES = {  # two layers each, the real vocabulary
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="bf16 agreement at the Llama-3 shapes needs a CUDA GPU and compiled kernels")
 @pytest.mark.parametrize("shape,ce_chunk,strategy", [(shape, None, None) for shape in GPU_SHAPES]
-                         + [("llama-3.2-1b", 1024, "fused"), ("llama-3.2-1b", 1024, "split")])
+                         + [("llama-3.2-1b", 1024, "fused"), ("llama-3.2-1b", 1024, "split"),
+                            ("llama-3.2-1b", 256, None)])
 def test_bf16_loss_and_grads_at_llama3_shapes_gpu(shape, ce_chunk, strategy, monkeypatch):
-    """ce_chunk 1024: the LM head's gradient in two chunks of rows, its weight gradient summed in fp32 by
-    :func:`kernels.coda.gemm.mm_f32`, on the mainloop (``fused``) or cuBLAS (``split``, every other kernel split too)."""
+    """ce_chunk 1024: the LM head's gradient in two chunks of rows, its weight gradient summed in place by
+    :func:`kernels.coda.gemm.mm_acc`, on the mainloop (``fused``) or cuBLAS (``split``, every other kernel split
+    too); 256: eight chunks, eight roundings of the bf16 weight gradient."""
     if ce_chunk:
         monkeypatch.setattr(cross_entropy_bwd, "ce_chunk_rows", lambda m, v, element_size: ce_chunk)
     if strategy:
@@ -556,24 +558,27 @@ def test_compiled_fullgraph_bf16_equals_eager_patched_gpu():
     del ref64
     loss16, grads16, _ = loss_and_grads(ref, input_ids=ids, labels=labels)
     apply_coda(model)
+    loss_and_grads(model, input_ids=ids, labels=labels)  # the first step: packs the weights, chooses each path
     with launches() as eager:
-        loss_and_grads(model, input_ids=ids, labels=labels)  # also chooses each call's path on this GPU
+        loss_and_grads(model, input_ids=ids, labels=labels)
     step = torch.compile(model, fullgraph=True)
     loss_and_grads(step, input_ids=ids, labels=labels)  # compiles
     with launches() as names:
         loss, _, out = loss_and_grads(step, input_ids=ids, labels=labels)
     grads = {n: p.grad for n, p in model.named_parameters()}
-    assert out.logits is None and "gemm_cross_entropy_kernel" in names
-    assert sorted(names) == sorted(eager)  # the compiled step runs the eager patched step's kernels
     bad = [(n, rel_err(o, r), rel_err(t, r)) for n, o, t, r in [("loss", loss, loss16, loss64)]
            + [(n, grads[n], grads16[n], grads64[n]) for n in grads64] if not passes(rel_err(o, r), rel_err(t, r),
                                                                                     torch.bfloat16)]
     assert not bad, bad
+    assert out.logits is None and "gemm_cross_entropy_kernel" in names
+    assert sorted(names) == sorted(eager)  # the compiled step runs the eager patched step's kernels
 
 
-NEAR_TIE = 0.125
-"""A greedy step whose two best bf16 logits are closer than this (two bf16 ulps at logits of 8-16) is decided by
-rounding: on an H100 the unpatched model in bf16 and in fp32 chose different tokens at a gap of 0.024."""
+def near_tie(bf16: torch.Tensor, fp32: torch.Tensor) -> float:
+    """The gap between two logits that bf16 rounding can reverse: 3 standard deviations of the difference of two
+    logits, each off by the unpatched bf16 model's own error against fp32 (its RMS over ``bf16``'s logits)."""
+    sigma = float((bf16.float() - fp32.float()).pow(2).mean().sqrt())
+    return 3 * 2**0.5 * sigma
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -581,8 +586,9 @@ rounding: on an H100 the unpatched model in bf16 and in fp32 chose different tok
 def test_generate_64_greedy_tokens_bf16_follow_the_unpatched_model_gpu():
     """generate() with the KV cache in bf16 at llama-3-8b's layer shape, left padding, 64 greedy tokens: the prefill
     logits pass the suite's rule against the unpatched model in fp32 (as its bf16 logits do), and each row's tokens
-    equal Hugging Face's up to a step where Hugging Face's own two best logits are a near tie (:data:`NEAR_TIE`);
-    random weights have such steps, trained ones rarely. At least 32 of the 4 x 64 tokens are compared."""
+    equal Hugging Face's up to a step where Hugging Face's own two best logits are closer than its bf16 rounding
+    reaches (:func:`near_tie`, measured on the prefill); random weights have such steps, trained ones rarely. At
+    least 32 of the 4 x 64 tokens are compared."""
     ref, model = bf16_pair("llama-3-8b", initializer_range=0.05)
     ref32 = copy.deepcopy(ref).float().eval()
     apply_coda(model.eval())
@@ -595,6 +601,7 @@ def test_generate_64_greedy_tokens_bf16_follow_the_unpatched_model_gpu():
     with torch.no_grad():
         logits = [m(ids, attention_mask=mask).logits[:, -1].float() for m in (model, ref, ref32)]
         del ref32
+        tie = near_tie(logits[1], logits[2])
         for row in range(4):
             err, torch_err = rel_err(logits[0][row], logits[2][row]), rel_err(logits[1][row], logits[2][row])
             assert passes(err, torch_err, torch.bfloat16), (row, err, torch_err)
@@ -610,7 +617,7 @@ def test_generate_64_greedy_tokens_bf16_follow_the_unpatched_model_gpu():
         compared += step
         if step < 64:
             gap = theirs.logits[step][row].float().topk(2).values
-            assert float(gap[0] - gap[1]) < NEAR_TIE, (row, step, float(gap[0] - gap[1]))
+            assert float(gap[0] - gap[1]) < tie, (row, step, float(gap[0] - gap[1]), tie)
     assert compared >= 32, compared
 
 

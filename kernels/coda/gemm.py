@@ -71,14 +71,9 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return matmul(a, b)
 
 
-def mm_f32_split(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`mm_f32` split: cuBLAS's GEMM with an fp32 output (torch's ``out_dtype``, CUDA only; on the CPU the
-    same sum from fp32 copies of the operands)."""
-    if not a.is_cuda:
-        return a.float() @ b.float() if acc is None else acc.addmm_(a.float(), b.float())
-    if acc is None:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+def mm_acc_split(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`mm_acc` split: cuBLAS (``torch.mm``, ``torch.addmm`` into ``acc``)."""
+    return torch.mm(a, b) if acc is None else torch.addmm(acc, a, b, out=acc)
 
 
 def _fresh_acc(arguments: dict) -> dict:
@@ -86,12 +81,12 @@ def _fresh_acc(arguments: dict) -> dict:
     return {**arguments, "acc": None if acc is None else acc.clone()}
 
 
-@with_split(mm_f32_split, safe=_fresh_acc)
-def mm_f32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` of plain operands in fp32, or ``acc += a @ b`` into an fp32 ``acc`` (returned): a weight gradient
-    summed over chunks of rows. The mainloop, or cuBLAS where it measures faster (:mod:`kernels.coda.strategy`);
-    on an H100, cuBLAS at the LM head's 128256 x 2048 chunks (docs/performance.md)."""
-    return matmul(a, b, torch.float32, acc=acc)
+@with_split(mm_acc_split, safe=_fresh_acc)
+def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` of plain operands in their dtype, or ``acc += a @ b`` in place (returned), the sum taken in fp32 and
+    rounded to acc's dtype once per call: a weight gradient summed over chunks of rows. The mainloop, or cuBLAS
+    where it measures faster (:mod:`kernels.coda.strategy`)."""
+    return matmul(a, b, acc=acc)
 
 
 def linear(x: torch.Tensor | Fp8, w: torch.Tensor | Fp8, promote: bool = False) -> torch.Tensor:

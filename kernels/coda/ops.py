@@ -42,7 +42,6 @@ ms), forward and backward 0.07-0.3 ms (0.36-1.05 ms).
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -440,18 +439,8 @@ def pack_rows(tensor: torch.Tensor, row: torch.Tensor, weights: list[torch.Tenso
     return packed
 
 
-UNVERIFIED_ON_GPU = ("torch.compile of the CODA drop-in on a GPU is not verified: on an H100 (bf16, Inductor) "
-                     "its q/k/v weight gradients were wrong (Inductor's searchsorted on CUDA, pytorch/pytorch#182343, "
-                     "in the packing index); the index is now made outside the graph, but that has not run on a GPU "
-                     "yet. Compare a compiled step's gradients with the eager model's before training with it.")
-"""Warned when a graph that packs weights on a GPU is traced (this rule runs at trace time) until
-``tests/test_hf.py::test_compiled_fullgraph_bf16_equals_eager_patched_gpu`` passes on one."""
-
-
 @pack_rows.register_fake
 def _(tensor, row, weights):
-    if weights[0].device.type == "cuda":
-        warnings.warn(UNVERIFIED_ON_GPU, stacklevel=2)
     return _rows(weights[0], tensor.numel(), weights[0].shape[1])
 
 
