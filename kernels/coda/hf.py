@@ -169,9 +169,8 @@ def apply_coda(model: nn.Module) -> nn.Module:
 
     Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
     training, each checkpointed layer's attention and the CODA block after it run under the layer's own
-    checkpoint function and are recomputed in backward. The last layer, checkpointed, ends in its residual stream
-    (its MLP in the split form, the down projection adding the residual in cuBLAS's GEMM); the final RMSNorm, the
-    LM head and the loss run after it, outside the checkpoint, so that they are not recomputed.
+    checkpoint function and are recomputed in backward; the last layer's (which ends in the LM head and the loss)
+    is not.
 
     Weights: the parameters stay the model's own ``nn.Parameter`` objects, in Hugging Face layout, so
     ``state_dict()``, ``save_pretrained()`` and any optimizer see the model unchanged. The packed/permuted CODA
@@ -585,19 +584,18 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         (the model's own norm) and rotated like the kernel's output."""
         return out if side is None else out + _rotated(side(layers[j].input_layernorm(x)), plan, positions)
 
-    def mlp(i: int, a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma: torch.Tensor | None,
-            w: torch.Tensor | None, consumer: Consumer | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def mlp(i: int, a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma: torch.Tensor,
+            w: torch.Tensor, consumer: Consumer) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's block after attention: (x, consumer's out). One fused block, or, with a LoRA term beside
-        gate/up/down (SwiGLU's pre-activation and the down projection's input are inside the block) or without a
-        consumer, the split form: out-proj + residual + norm + gate/up GEMM, the adapters' terms and SwiGLU in
-        torch, then down-proj + residual (+ norm + the consumer; without one, ``residual + y W_down^T`` in one
-        cuBLAS GEMM and no out)."""
+        gate/up/down (SwiGLU's pre-activation and the down projection's input are inside the block), the split
+        form: out-proj + residual + norm + gate/up GEMM, the adapters' terms and SwiGLU in torch, then
+        down-proj + residual + norm + the consumer."""
         layer, name = layers[i], f"model.layers.{i}.mlp"
         (w_gate, s_gate), (w_up, s_up), (w_d, s_d) = (
             _weight(getattr(layer.mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
         w_gu, w_down = _w_gu(w_gate, w_up, plan), _w_down(w_d)
         gamma_mlp = layer.post_attention_layernorm.weight
-        if consumer is not None and s_gate is None and s_up is None and s_d is None:
+        if s_gate is None and s_up is None and s_d is None:
             return block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, plan.eps)[:2]
         x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), plan.eps)[:2]
         ffn = w_gate.shape[0]
@@ -609,24 +607,10 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         y = layer.mlp.act_fn(gate) * up
         residual = x1 if s_d is None else x1 + s_d(y)
         y = F.pad(y, (0, w_down.shape[1] - ffn))  # to the padded down_proj: an aligned row stride
-        if consumer is None:
-            return torch.addmm(residual, y, w_down.T), None
         return producer_consumer(y, residual, w_down, gamma, w, consumer, plan.eps)[:2]
 
-    def head() -> tuple[torch.Tensor, torch.Tensor, Consumer]:
-        """(gamma, W, consumer) after the last layer: the final RMSNorm, the LM head and the loss (or the logits)."""
-        w, s_lm = _weight(self.lm_head, "lm_head")
-        if s_lm is not None:
-            raise _refuse("lm_head: lora_dropout > 0 in training is not supported on the LM head (fused with the "
-                          "loss)")
-        if labels is None:  # zero rows up to an aligned vocabulary: their logits, cut below, are 0
-            w = _pad_rows(w, _aligned_rows(w.shape[0], w))
-        return self.model.norm.weight, w, final
-
-    def layer_step(i: int, qkv: torch.Tensor, x: torch.Tensor, stream: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layer i's attention and the block after it: (x, qkv) of layer i + 1 (or x and the last consumer's out;
-        ``stream``, the last layer: x and no out)."""
+    def layer_step(i: int, qkv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention and the block after it: (x, qkv) of layer i + 1 (or x and the last consumer's out)."""
         layer, name = layers[i], f"model.layers.{i}"
         attn = layer.self_attn
         a = _attend(attn, _with_bias(qkv, attn, plan, positions), masks[plan.windows[i]], plan.windows[i],
@@ -637,10 +621,14 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         if i + 1 < len(layers):
             w, side = _w_qkv(layers[i + 1].self_attn, plan, f"model.layers.{i + 1}.self_attn")
             gamma, consumer = layers[i + 1].input_layernorm.weight, rope
-        elif stream:
-            gamma, w, consumer = None, None, None
         else:
-            gamma, w, consumer = head()
+            w, s_lm = _weight(self.lm_head, "lm_head")
+            if s_lm is not None:
+                raise _refuse("lm_head: lora_dropout > 0 in training is not supported on the LM head (fused with "
+                              "the loss)")
+            if labels is None:  # zero rows up to an aligned vocabulary: their logits, cut below, are 0
+                w = _pad_rows(w, _aligned_rows(w.shape[0], w))
+            gamma, consumer = self.model.norm.weight, final
         x, out = mlp(i, a, residual, w_o, gamma, w, consumer)
         return x, (out if side is None else next_qkv(i + 1, out, x, side))
 
@@ -649,13 +637,9 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     out = next_qkv(0, norm_consumer(x, layers[0].input_layernorm.weight, w, rope, plan.eps)[0], x, side)
     for i, layer in enumerate(layers):
         # Activation checkpointing as the model's own layers do it (its function, reentrant or not, every n layers);
-        # the last layer ends in its residual stream, and the LM head and the loss after it are not recomputed.
-        if self.training and getattr(layer, "gradient_checkpointing", False):
-            last = i + 1 == len(layers)
-            x, out = layer._gradient_checkpointing_func(partial(layer_step, i, stream=last), out, x)
-            if last:
-                gamma, w, consumer = head()
-                out = norm_consumer(x, gamma, w, consumer, plan.eps)[0]
+        # the last layer's block, which ends in the LM head and the loss, is not recomputed.
+        if self.training and getattr(layer, "gradient_checkpointing", False) and i + 1 < len(layers):
+            x, out = layer._gradient_checkpointing_func(partial(layer_step, i), out, x)
         else:
             x, out = layer_step(i, out, x)
     if labels is None:
