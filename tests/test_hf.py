@@ -457,11 +457,12 @@ def test_generate_greedy_tokens_equal_the_unpatched_model(arch):
         assert_close_to("cached values", a.values, b.values)
 
 
-def test_vocab_and_ffn_sizes_off_the_16_byte_rule():
-    """vocab 257 (like Llama-2's 32000 + a pad token) and FFN 90: rows of 1028 and 360 bytes, which the tensor
-    descriptors refuse. The loss, every gradient and the logits still equal the unpatched model's (the FFN padded
-    with zero gate/up rows and down columns, the logits buffers with an aligned row stride)."""
-    model = tiny(vocab_size=VOCAB + 1, intermediate_size=90, tie_word_embeddings=False)
+def test_vocab_ffn_and_hidden_sizes_off_the_16_byte_rule():
+    """vocab 257 (like Llama-2's 32000 + a pad token), FFN 90, hidden 70 and 5 heads of 14 (qkv 98): rows of 1028,
+    360, 280 and 392 bytes, which the tensor descriptors refuse as they are. The loss, every gradient and the logits
+    still equal the unpatched model's (the kernels lay such rows out with padded strides: kernels.coda.align)."""
+    model = tiny(vocab_size=VOCAB + 1, intermediate_size=90, hidden_size=70, num_attention_heads=5,
+                 num_key_value_heads=1, head_dim=14, tie_word_embeddings=False)
     ids, mask, labels = batch()
     labels[0, 5] = VOCAB  # the ragged last column is a target
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}

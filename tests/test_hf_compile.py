@@ -162,8 +162,8 @@ def test_opcheck_backward_pieces_and_packing():
 
 def test_a_misaligned_operand_is_copied_inside_the_op():
     """Views off the 16-byte alignment the tensor descriptors need (offset by one fp32 element: a parameter in
-    safetensors' mmap, a flat buffer) give the aligned operands' results and gradients: the op copies them, since a
-    caller traced by torch.compile cannot read a data pointer."""
+    safetensors' mmap, a flat buffer) give the aligned operands' results and gradients: the kernels' host functions
+    inside the op copy them (kernels.coda.align), since a caller traced by torch.compile cannot read a data pointer."""
     c, n = consumer("rope")
     x, g, w = rand(M, D, seed=1), gamma(2, False), rand(n, D, seed=3)
     results = []

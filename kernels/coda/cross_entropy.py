@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import is_aligned
 from kernels.coda.epilogue import dequant_scale, gather_cols, load_rows, store_row_partial, store_tile, tile_lse
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import FusedGemm
@@ -122,9 +123,9 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     loss: fp32 scalar ("mean" over non-ignored rows, or "sum"); lse: fp32 [M]. With ``with_grad``:
     dlogits [M, V] in h's dtype, ``s * (softmax - onehot)`` (zero rows where ignored; s: ``grad_scale``, an fp32
     one-element device tensor such as the loss scale of :func:`kernels.coda.cross_entropy_bwd.ce_grad_scale`, or
-    1), written into ``out`` when given (a row-major [M, V] buffer in h's dtype, its row stride a multiple of 16
-    bytes, which a caller going over chunks of rows reuses), and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``;
-    otherwise the logits are never written and both are None.
+    1), written into ``out`` when given (a row-major [M, V] buffer in h's dtype, its base and row stride multiples of
+    16 bytes as :func:`kernels.coda.align.empty_rows` makes them, which a caller going over chunks of rows reuses),
+    and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the logits are never written and both are None.
     """
     gemm = FusedGemm(h, w_lm.T, promote)
     M, V = gemm.M, gemm.N
@@ -132,9 +133,9 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     kernel = gemm_cross_entropy_kernel
     lse_part = row_partials(kernel, M, V, gemm.device)
     tgt_logit = torch.zeros(M, device=gemm.device, dtype=torch.float32)
-    if out is not None and (out.shape != (M, V) or out.dtype != gemm.out_dtype or out.stride(1) != 1):
-        raise ValueError(f"out must be a row-major {(M, V)} {gemm.out_dtype} tensor, got {tuple(out.shape)}, "
-                         f"{out.dtype}")
+    if out is not None and (out.shape != (M, V) or out.dtype != gemm.out_dtype or not is_aligned(out)):
+        raise ValueError(f"out must be a row-major {(M, V)} {gemm.out_dtype} tensor with 16-byte aligned rows "
+                         f"(kernels.coda.align.empty_rows), got {tuple(out.shape)}, {out.dtype}")
     logits = (gemm.empty() if out is None else out) if with_grad else None
     gemm.launch(kernel, rstd_ptr=rstd, target_ptr=target, logits_ptr=logits if with_grad else tgt_logit,
                 lse_part_ptr=lse_part, tgt_logit_ptr=tgt_logit, stride_l=logits.stride(0) if with_grad else 0,

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.gemm import mm, mm_acc
 from kernels.coda.reduce import check_reduction
@@ -70,14 +71,16 @@ RESCALE_BLOCK = 8192
 
 
 @triton.jit
-def rescale_kernel(t_ptr, n, grad_ptr, applied_ptr, BLOCK: tl.constexpr):
-    """``t *= grad / applied`` over the program's block of the flat tensor t, read and written only when that factor
-    is not 1 (each program loads the two scalars and returns at once otherwise)."""
+def rescale_kernel(t_ptr, n, cols, stride, grad_ptr, applied_ptr, BLOCK: tl.constexpr):
+    """``t *= grad / applied`` over the program's block of the n elements of t, rows of ``cols`` elements ``stride``
+    apart (element i at ``(i // cols) stride + i % cols``), read and written only when that factor is not 1 (each
+    program loads the two scalars and returns at once otherwise)."""
     f = tl.load(grad_ptr).to(tl.float32) / tl.load(applied_ptr)
     if f != 1.0:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(t_ptr + offs, mask=offs < n)
-        tl.store(t_ptr + offs, (x.to(tl.float32) * f).to(x.dtype), mask=offs < n)
+        ptrs = t_ptr + offs // cols * stride + offs % cols
+        x = tl.load(ptrs, mask=offs < n)
+        tl.store(ptrs, (x.to(tl.float32) * f).to(x.dtype), mask=offs < n)
 
 
 @triton.jit
@@ -88,16 +91,18 @@ def store_scalar_kernel(src_ptr, dst_ptr):
 
 def rescale_(grad: torch.Tensor, applied: torch.Tensor, *tensors: torch.Tensor) -> None:
     """Gradients computed in the forward for a unit upstream gradient, brought to ``grad`` (a one-element device
-    tensor: dloss) in place: each contiguous tensor is multiplied by ``grad / applied``, then ``applied := grad``
-    (fp32 [1], the dloss they carry: 1 after the forward). No host synchronization; when the factor is 1 (a
-    training step) the kernels only read the two scalars. A second backward (``retain_graph``) rescales by the
-    ratio of the two gradients."""
+    tensor: dloss) in place: each tensor (1-D contiguous, or 2-D row-major with any row stride: the row layout of
+    :mod:`kernels.coda.align`) is multiplied by ``grad / applied``, then ``applied := grad`` (fp32 [1], the dloss
+    they carry: 1 after the forward). No host synchronization; when the factor is 1 (a training step) the kernels
+    only read the two scalars. A second backward (``retain_graph``) rescales by the ratio of the two gradients."""
     g = grad.detach().reshape(1)
     for t in tensors:
-        if not t.is_contiguous():
-            raise ValueError("rescale_ takes contiguous tensors")
-        rescale_kernel[(triton.cdiv(t.numel(), RESCALE_BLOCK),)](t, t.numel(), g, applied, BLOCK=RESCALE_BLOCK,
-                                                                 num_warps=8)
+        if t.dim() not in (1, 2) or t.stride(-1) != 1:
+            raise ValueError("rescale_ takes 1-D contiguous or 2-D row-major tensors")
+        cols = t.shape[-1]
+        stride = t.stride(0) if t.dim() == 2 else cols
+        rescale_kernel[(triton.cdiv(t.numel(), RESCALE_BLOCK),)](t, t.numel(), cols, stride, g, applied,
+                                                                 BLOCK=RESCALE_BLOCK, num_warps=8)
     store_scalar_kernel[(1,)](g, applied)
 
 
@@ -119,7 +124,8 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, lse, dx, dgamma, dW)`` of ``CE(rstd[:, None] * (h @ w_lm.T), target)`` with ``h = x * gamma``
     (see the module docstring): the loss as :func:`kernels.coda.cross_entropy.gemm_cross_entropy` computes it, and
-    the gradients of x, gamma and w_lm for ``dloss = 1``, in x's, gamma's and w_lm's dtypes.
+    the gradients of x, gamma and w_lm for ``dloss = 1``, in x's, gamma's and w_lm's dtypes (dx and dW in the row
+    layout of :mod:`kernels.coda.align`).
 
     h, x [M, d]; w_lm [V, d]; rstd fp32 [M]; target [M]. ``chunk_rows``: rows per chunk (default
     :func:`ce_chunk_rows`).
@@ -130,10 +136,8 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
     rows = chunk_rows or ce_chunk_rows(M, V, h.element_size())
     s = ce_grad_scale(torch.ones((), device=h.device, dtype=torch.float32), target, ignore_index, reduction)
     gamma32 = gamma.float()  # dgamma of each chunk in fp32, summed over the chunks before rounding
-    # Row stride rounded up to 16 bytes (the tensor descriptors' rule), so that any V works: a view of a wider buffer.
-    per = max(1, 16 // h.element_size())
-    buf = torch.empty(min(rows, M), -(-V // per) * per, device=h.device, dtype=h.dtype)[:, :V]
-    dx = torch.zeros_like(x)  # each chunk's dgrad adds its rows in place
+    buf = empty_rows(min(rows, M), V, h.dtype, h.device)  # any V: a row stride of whole 16 bytes
+    dx = empty_rows(*x.shape, x.dtype, x.device).zero_()  # each chunk's dgrad adds its rows in place
     losses, lses, dgammas, dw = [], [], [], None
     for r0 in range(0, M, rows):
         c = slice(r0, min(r0 + rows, M))
@@ -146,4 +150,4 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
         dgammas.append(dgamma)
     del buf, dlogits  # the chunk buffer goes before the copies below
     loss = (torch.stack(losses).sum() * s).reshape(())
-    return loss, torch.cat(lses), dx, torch.stack(dgammas).sum(0).to(gamma.dtype), dw.to(w_lm.dtype)
+    return loss, torch.cat(lses), dx, torch.stack(dgammas).sum(0).to(gamma.dtype), aligned(dw.to(w_lm.dtype))

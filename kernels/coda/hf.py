@@ -49,16 +49,14 @@ Parameters are compared with the plan's, without reading any data. A change (LoR
 after patching, a projection replaced or given a bias, ``torch.func.functional_call``'s parameters) makes the
 plan again: a supported model runs, an unsupported one raises :class:`CodaUnsupportedError` naming the module.
 
-Sizes: an FFN size whose rows are not a multiple of 16 bytes (the tensor descriptors' stride rule; e.g. 90 in
-fp32) is padded inside this layer: zero gate/up row pairs and zero down_proj columns, exact since
-``silu(0) * 0 = 0``. A vocabulary like that (32001: Llama-2 and a pad token) needs no padding of the weights: the
-cross-entropy's logits buffer gets an aligned row stride (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`)
-and the logits path (no labels) zero rows cut off its output.
+Sizes: any vocabulary, FFN and hidden size, also where rows are not a multiple of 16 bytes (the tensor descriptors'
+rule; 32001: Llama-2 and a pad token, an FFN of 90 in fp32): the kernels lay such tensors out with padded row
+strides themselves (:mod:`kernels.coda.align`), so nothing here pads, and the results are the unpadded math's.
 
 Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf.md``): Llama, Mistral,
 Qwen2; GQA/MQA, any head_dim; tied or untied embeddings; RoPE default / linear / llama3; padding, position_ids,
-packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary and FFN
-size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
+packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary, FFN
+and hidden size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
 state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching,
 dropout included, disable_adapter / merge_adapter; gradient checkpointing (reentrant or not); generate() (prefill
 on the CODA kernels, decode through the model's own forward); torch.compile(model), fullgraph included (the CODA
@@ -80,7 +78,6 @@ from types import MethodType
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import layouts as L
@@ -185,7 +182,7 @@ def apply_coda(model: nn.Module) -> nn.Module:
     Supported: GQA, any ``head_dim``, tied or untied embeddings (a tied LM head is the embedding's parameter,
     and both gradients reach it), RoPE types default / linear / llama3, sliding windows (Mistral, Qwen2: the
     model's own mask and attention), attention dropout (the model's attention applies it), Qwen2's q/k/v biases,
-    ``hidden_act`` silu or swish, any vocabulary and FFN size, PEFT LoRA (``model`` may be the PEFT model: its
+    ``hidden_act`` silu or swish, any vocabulary, FFN and hidden size, PEFT LoRA (``model`` may be the PEFT model: its
     base model is patched and ``model`` returned), activation checkpointing, ``generate()``.
 
     Refused with :class:`CodaUnsupportedError`, by this function or by a forward after the model changed (the
@@ -456,23 +453,11 @@ def _rotated(delta: torch.Tensor, plan: _Plan, positions: torch.Tensor) -> torch
     return L.rotate_adjacent(d, positions[:, None].to(f.dtype) * f)
 
 
-def _aligned_rows(n: int, t: torch.Tensor) -> int:
-    """n rounded up so that n elements of t's dtype are a multiple of 16 bytes (the tensor descriptors' stride rule)."""
-    per = max(1, 16 // t.element_size())
-    return -(-n // per) * per
-
-
-def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
-    """w with zero rows appended up to ``rows`` (in the autograd graph; w itself when it has them)."""
-    return w if w.shape[0] == rows else F.pad(w, (0, 0, 0, rows - w.shape[0]))
-
-
 def _w_gu(gate: torch.Tensor, up: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph), with zero row
-    pairs appended when the FFN size is not 16-byte aligned (:func:`_w_down`)."""
+    """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph)."""
     ffn = gate.shape[0]
     index = _packing_index(plan, ("gate_up", ffn), gate.device, lambda: gate_up_index(ffn, gate.device))
-    return _pad_rows(pack_rows(index, gate, up), 2 * _aligned_rows(ffn, gate))
+    return pack_rows(index, gate, up)
 
 
 def _packing_index(plan: _Plan, key: tuple[str, int], device: torch.device,
@@ -481,14 +466,6 @@ def _packing_index(plan: _Plan, key: tuple[str, int], device: torch.device,
     moved since it was planned): a compiled forward takes the plan's as an input and builds none in its graphs."""
     index = plan.indices.get(key)
     return index if index is not None and index[0].device == device else build()
-
-
-def _w_down(w: torch.Tensor) -> torch.Tensor:
-    """down_proj's weight w, with zero columns up to the FFN size rounded to 16 bytes. The appended gate/up rows
-    are zero too, so those SwiGLU outputs are ``silu(0) * 0 = 0`` and meet zero columns: the result is exact, and
-    the SwiGLU output [M, ffn] gets an aligned row stride."""
-    ffn = w.shape[1]
-    return w if ffn == _aligned_rows(ffn, w) else F.pad(w, (0, _aligned_rows(ffn, w) - ffn))
 
 
 def _with_bias(qkv: torch.Tensor, attn: nn.Module, plan: _Plan, positions: torch.Tensor) -> torch.Tensor:
@@ -593,21 +570,19 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         layer, name = layers[i], f"model.layers.{i}.mlp"
         (w_gate, s_gate), (w_up, s_up), (w_d, s_d) = (
             _weight(getattr(layer.mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
-        w_gu, w_down = _w_gu(w_gate, w_up, plan), _w_down(w_d)
+        w_gu = _w_gu(w_gate, w_up, plan)
         gamma_mlp = layer.post_attention_layernorm.weight
         if s_gate is None and s_up is None and s_d is None:
-            return block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, plan.eps)[:2]
+            return block(a, residual, w_o, gamma_mlp, w_gu, w_d, gamma, w, consumer, plan.eps)[:2]
         x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), plan.eps)[:2]
-        ffn = w_gate.shape[0]
-        gate, up = z[:, 0::2][:, :ffn], z[:, 1::2][:, :ffn]
+        gate, up = z[:, 0::2], z[:, 1::2]
         if s_gate is not None or s_up is not None:
             h = layer.post_attention_layernorm(x1)
             gate = gate if s_gate is None else gate + s_gate(h)
             up = up if s_up is None else up + s_up(h)
         y = layer.mlp.act_fn(gate) * up
         residual = x1 if s_d is None else x1 + s_d(y)
-        y = F.pad(y, (0, w_down.shape[1] - ffn))  # to the padded down_proj: an aligned row stride
-        return producer_consumer(y, residual, w_down, gamma, w, consumer, plan.eps)[:2]
+        return producer_consumer(y, residual, w_d, gamma, w, consumer, plan.eps)[:2]
 
     def layer_step(i: int, qkv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's attention and the block after it: (x, qkv) of layer i + 1 (or x and the last consumer's out)."""
@@ -626,8 +601,6 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
             if s_lm is not None:
                 raise _refuse("lm_head: lora_dropout > 0 in training is not supported on the LM head (fused with "
                               "the loss)")
-            if labels is None:  # zero rows up to an aligned vocabulary: their logits, cut below, are 0
-                w = _pad_rows(w, _aligned_rows(w.shape[0], w))
             gamma, consumer = self.model.norm.weight, final
         x, out = mlp(i, a, residual, w_o, gamma, w, consumer)
         return x, (out if side is None else next_qkv(i + 1, out, x, side))
@@ -644,7 +617,6 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
             x, out = layer_step(i, out, x)
     if labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        vocab = _base(self.lm_head).out_features
-        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep, :vocab], cache=cache)
+        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep], cache=cache)
     loss = out if num_items_in_batch is None else out / torch.as_tensor(num_items_in_batch, device=out.device)
     return CausalLMOutputWithPast(loss=loss)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import empty_rows
 from kernels.coda.epilogue import (cast, col_subtile, dequant_scale, load_rows, load_tile, row_absmax,
                                    silu_mul_pairs, store_row_partial, store_tile)
 from kernels.coda.fp8 import quantize_from_partials
@@ -94,7 +95,7 @@ def gemm_swiglu_split(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: tor
     z = split_matmul(h, w_gu.T, promote)
     M, N = z.shape
     _check_gate_up(N)
-    y = torch.empty(M, N // 2, device=z.device, dtype=z.dtype)
+    y = empty_rows(M, N // 2, z.dtype, z.device)
     amax = torch.empty(M, 1, device=z.device, dtype=torch.float32) if y_fp8 else rstd
     bm, bn = (16, 32) if INTERPRET else (16, 256)
     swiglu_rows_kernel[(triton.cdiv(M, bm),)](z, rstd, y, amax, M, N, z.stride(0), y.stride(0),
@@ -117,7 +118,7 @@ def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Ten
     gemm = FusedGemm(h, w_gu.T, promote)
     M, N = gemm.M, gemm.N
     _check_gate_up(N)
-    y = torch.empty(M, N // 2, device=gemm.device, dtype=gemm.out_dtype)
+    y = empty_rows(M, N // 2, gemm.out_dtype, gemm.device)
     z = gemm.empty() if save_preact else None
     kernel = gemm_swiglu_kernel
     amax = row_partials(kernel, M, N, gemm.device) if y_fp8 else rstd

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows, row_stride
 from kernels.coda.epilogue import (col_subtile, dequant, join_pairs, load_block, load_tile, silu_mul_pairs_bwd,
                                    split_pairs, store_block, store_row_partial, store_tile)
 from kernels.coda.gemm import split_matmul
@@ -107,8 +108,8 @@ def _swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor, y: torch.Tensor | None
     ``y`` when given (it may be dy)."""
     M, N = dy.shape
     _check_preact(z_pre, M, N)
-    dy, z_pre = dy.contiguous(), z_pre.contiguous()
-    dz_pre = torch.empty_like(z_pre)
+    dy, z_pre = aligned(dy), aligned(z_pre)
+    dz_pre = empty_rows(*z_pre.shape, z_pre.dtype, z_pre.device)
     out = y if y is not None else dy
     bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
     n_tiles = triton.cdiv(N, bn)
@@ -134,7 +135,7 @@ def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre
     """:func:`dgrad_swiglu` split: ``dy = dx @ w_down`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over
     it (:func:`swiglu_bwd_kernel`: dz_pre, zdz, and y written over dy, each block by the program that read it)."""
     dy = split_matmul(dx, w_down, promote)
-    y = dy if dy.dtype == z_pre.dtype else torch.empty(dy.shape, device=dy.device, dtype=z_pre.dtype)
+    y = dy if dy.dtype == z_pre.dtype else empty_rows(*dy.shape, z_pre.dtype, dy.device)
     dz_pre, zdz = _swiglu_bwd(dy, z_pre, y)
     return dz_pre, y, zdz
 
@@ -155,7 +156,8 @@ def gluon_applies(arguments: dict) -> bool:
     else:
         return False
     return (a.dim() == b.dim() == 2 and a.shape[1] == b.shape[0] and z.shape == (a.shape[0], 2 * b.shape[1])
-            and a.shape[1] * a.element_size() % 16 == 0 and b.shape[1] % 8 == 0 and hopper(a.device))
+            and row_stride(a.shape[1], a.element_size()) == a.shape[1]
+            and row_stride(b.shape[1], z.element_size()) == b.shape[1] and hopper(a.device))
 
 
 @with_split(dgrad_swiglu_split, gluon=Gluon("kernels.coda.swiglu_bwd_gluon", "dgrad_swiglu_gluon", gluon_applies))
@@ -171,8 +173,8 @@ def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torc
     gemm = FusedGemm(dx, w_down, promote)
     M, N = gemm.M, gemm.N
     _check_preact(z_pre, M, N)
-    z_pre = z_pre.contiguous()
-    dz_pre = torch.empty_like(z_pre)
+    z_pre = aligned(z_pre)
+    dz_pre = empty_rows(*z_pre.shape, z_pre.dtype, z_pre.device)
     y = gemm.empty(z_pre.dtype)
     kernel = dgrad_swiglu_kernel
     part = row_partials(kernel, M, N, gemm.device)
