@@ -42,7 +42,8 @@ untied embeddings, default RoPE with the shape's theta, and no dropout.
 Isolation: ``apply_liger_kernel_to_llama`` also replaces names in ``transformers.models.llama.modeling_llama``
 (``LlamaRMSNorm``, ``LlamaMLP``, ``apply_rotary_pos_emb``), which would turn every Llama built later in the worker
 process into a Liger model. They are put back as soon as the model is patched; Liger's RoPE, the one patch that
-only works through that module's global, is swapped in for the duration of hf-liger's forward only.
+only works through that module's global, is swapped in by hf-liger's attention layers for the length of each of
+their calls (so also in a checkpointed layer's recomputation in backward).
 """
 from __future__ import annotations
 
