@@ -21,7 +21,7 @@ from codabench.cli import main
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.registry import REGISTRY
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
-from kernels.coda.align import aligned, empty_rows, is_aligned, row_stride, written_back
+from kernels.coda.align import aligned, empty_rows, is_aligned, meets_rule, row_stride, written_back
 from kernels.coda.cross_entropy_bwd import rescale_
 from kernels.coda import ops
 from kernels.coda.functions import CrossEntropy, Linear, RoPE, block, norm_consumer, producer_consumer
@@ -45,6 +45,7 @@ def test_row_stride_rounds_rows_to_16_bytes_for_each_element_size():
     assert [row_stride(90, e) for e in (4, 2, 1)] == [92, 96, 96]
     assert [row_stride(72, e) for e in (4, 2, 1)] == [72, 72, 80]  # hidden 72: off the rule in fp8 only
     assert row_stride(32001, 2) == 32008 and row_stride(32000, 2) == 32000 and row_stride(3, 8) == 4
+    assert [meets_rule(72, e) for e in (4, 2, 1)] == [True, True, False]
 
 
 def test_empty_rows_pads_only_rows_off_the_rule_and_aligned_copies_only_those():

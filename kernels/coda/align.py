@@ -36,6 +36,11 @@ def row_stride(n: int, element_size: int) -> int:
     return -(-n // per) * per
 
 
+def meets_rule(n: int, element_size: int) -> bool:
+    """Whether rows of ``n`` elements of ``element_size`` bytes meet the 16-byte rule as they are (no padding)."""
+    return row_stride(n, element_size) == n
+
+
 def empty_rows(m: int, n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """An uninitialised [m, n] tensor in the row layout: ``empty(m, row_stride(n))[:, :n]`` (contiguous when n meets
     the rule). Also under fake-tensor modes, where it gives the fake rules of the ``coda::`` ops their strides."""

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.align import aligned, empty_rows, row_stride
+from kernels.coda.align import aligned, empty_rows, meets_rule
 from kernels.coda.epilogue import (add_tile, cast, col_subtile, dequant, load_tile, row_absmax, row_sumsq,
                                    scale_cols, store_row_partial, store_tile)
 from kernels.coda.fp8 import quantize_from_partials
@@ -127,7 +127,7 @@ def gluon_applies(arguments: dict) -> bool:
     plain = all(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) and t.dtype == a.dtype
                 for t in (a, w, residual))
     return (plain and arguments["h_fp8"] is None and hopper(a.device)
-            and all(row_stride(n, a.element_size()) == n for n in (a.shape[1], w.shape[0])))
+            and all(meets_rule(n, a.element_size()) for n in (a.shape[1], w.shape[0])))
 
 
 @with_split(gemm_residual_norm_split,

@@ -139,10 +139,11 @@ def rows_launch(M: int, N: int, device: torch.device) -> tuple[int, int, int, in
 
 def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None, inplace: bool,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(x, gamma, dres, dx)`` of an RMSNorm dgrad of output [M, N], checked (x [M, N]; ``inplace`` needs dres),
-    x and dres aligned for the kernels (:func:`kernels.coda.align.aligned`), gamma contiguous; dx is that dres when
+    """``(x, gamma, res, dx)`` of an RMSNorm dgrad of output [M, N], checked (x [M, N]; ``inplace`` needs dres),
+    x aligned for the kernels (:func:`kernels.coda.align.aligned`), gamma contiguous; dx is the aligned dres when
     ``inplace`` (:func:`kernels.coda.align.written_back` then returns the caller's), else a new [M, N] tensor in
-    dres's dtype (x's without dres)."""
+    dres's dtype (x's without dres); res is the kernels' residual-gradient operand: the aligned dres, or dx
+    standing in for it without one (``HAS_RES`` off)."""
     if x.shape != (M, N):
         raise ValueError(f"shape mismatch: x {tuple(x.shape)} for dz @ w of shape {(M, N)}")
     if inplace and dres is None:
@@ -150,7 +151,7 @@ def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres
     x, gamma = aligned(x), gamma.contiguous()
     dres = aligned(dres) if dres is not None else None
     dx = dres if inplace else empty_rows(M, N, (dres if dres is not None else x).dtype, device)
-    return x, gamma, dres, dx
+    return x, gamma, (dres if dres is not None else dx), dx
 
 
 def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
@@ -162,11 +163,10 @@ def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.
     partials' sum."""
     gy = split_matmul(dz, w, promote)
     M, N = gy.shape
-    x, gamma, res_in, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gy.device)
+    x, gamma, res, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gy.device)
     bm, bd, warps, programs = rows_launch(M, N, gy.device)
     dg = torch.empty(programs, N, device=gy.device, dtype=torch.float32)
     scale = scale_arg(dz_scale, gy.device)
-    res = res_in if dres is not None else dx
     rmsnorm_bwd_rows_kernel[(programs,)](
         gy, x, rstd, gamma, zdz if zdz is not None else rstd, scale if scale is not None else rstd, res, dx, dg, M, N,
         gy.stride(0), x.stride(0), res.stride(0), dx.stride(0), dg.stride(0), HAS_ZDZ=zdz is not None,
@@ -197,12 +197,11 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     """
     gemm = FusedGemm(dz, w, promote)
     M, N = gemm.M, gemm.N
-    x, gamma, res_in, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gemm.device)
+    x, gamma, res, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gemm.device)
     y = gemm.empty()
     kernel = dgrad_rmsnorm_kernel
     dg = col_partials(kernel, M, N, gemm.device)
     scale = scale_arg(dz_scale, gemm.device)
-    res = res_in if dres is not None else dx
     gemm.launch(kernel, x_ptr=x, rstd_ptr=rstd, gamma_ptr=gamma, zdz_ptr=zdz,
                 scale_ptr=scale if scale is not None else rstd, dres_ptr=res, dx_ptr=dx, y_ptr=y, dg_ptr=dg,
                 stride_x=x.stride(0), stride_dres=res.stride(0), stride_dx=dx.stride(0), stride_y=y.stride(0),

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.align import aligned, empty_rows, row_stride
+from kernels.coda.align import aligned, empty_rows, meets_rule
 from kernels.coda.epilogue import (col_subtile, dequant, join_pairs, load_block, load_tile, silu_mul_pairs_bwd,
                                    split_pairs, store_block, store_row_partial, store_tile)
 from kernels.coda.gemm import split_matmul
@@ -156,8 +156,8 @@ def gluon_applies(arguments: dict) -> bool:
     else:
         return False
     return (a.dim() == b.dim() == 2 and a.shape[1] == b.shape[0] and z.shape == (a.shape[0], 2 * b.shape[1])
-            and row_stride(a.shape[1], a.element_size()) == a.shape[1]
-            and row_stride(b.shape[1], z.element_size()) == b.shape[1] and hopper(a.device))
+            and meets_rule(a.shape[1], a.element_size()) and meets_rule(b.shape[1], z.element_size())
+            and hopper(a.device))
 
 
 @with_split(dgrad_swiglu_split, gluon=Gluon("kernels.coda.swiglu_bwd_gluon", "dgrad_swiglu_gluon", gluon_applies))
