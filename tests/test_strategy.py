@@ -256,6 +256,26 @@ def test_a_shipped_table_choice_serves_a_key_the_cache_lacks(gpu, tmp_path, monk
     assert S.Chooser(_fused, _split, dict).choose(shipped) == "fused" and gpu["log"]  # measured, table off
 
 
+@pytest.mark.parametrize("host", [dgrad_swiglu, dgrad_rmsnorm, gemm_residual_norm, gemm_swiglu, gemm_rope,
+                                  scaled_linear, gemm_cross_entropy, mm, mm_acc])
+def test_the_shipped_strategy_keys_name_every_keyed_parameter_of_their_host_function(host):
+    """Every key of a shipped strategy table names its host function's parameters in the signature's order, all of
+    them but those :func:`kernels.coda.strategy.call_key` leaves out (floats, tuples): a renamed or an added
+    parameter (dgrad_swiglu's ``overwrite``) leaves no entry silently unmatched."""
+    import inspect
+
+    params = inspect.signature(host).parameters
+    # a float or tuple is never in a key; an optional one (``tuple | None``) is when it is None
+    keyed = [n for n, p in params.items() if not any(t in str(p.annotation) for t in ("float", "tuple"))]
+    name = f"strategy:{host.__name__}"
+    tables = [p for p in tuning.TABLES.glob("*.json") if name in json.loads(p.read_text())["kernels"]]
+    assert tables
+    for path in tables:
+        for key in json.loads(path.read_text())["kernels"][name]:
+            names = [p[0] for p in json.loads(key)]
+            assert names == [n for n in params if n in names] and set(keyed) <= set(names), (path.name, key)
+
+
 def test_pick_takes_the_fastest_path_only_beyond_the_margin():
     assert S.pick({"fused": 1.0, "split": 0.97, "gluon": 0.9}) == "gluon"
     assert S.pick({"fused": 1.0, "split": 0.9, "gluon": 0.95}) == "split"

@@ -53,7 +53,7 @@ def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.cons
     return zdz
 
 
-@coda_autotune(configs=subtiled_configs())
+@coda_autotune(configs=subtiled_configs(), restore_value=("zp_ptr",))  # z_pre: dz_pre's buffer with overwrite=
 @triton.jit
 def dgrad_swiglu_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
                         PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
