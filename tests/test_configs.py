@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 import codabench.cli as cli
 from kernels.coda import configs, precompile, tuning
@@ -75,6 +76,33 @@ def test_a_new_key_gets_the_nearest_config_in_the_kernels_list_without_benchmark
     t.run(None, None, 100, **LAUNCH)  # nearest: 64
     assert launches == [B, B, A]
     assert not tuning.cache_file("Test GPU").exists()  # predictions are never stored as tuned
+
+
+def test_a_config_too_large_for_the_gpu_gives_way_to_the_next_that_fits(tables):
+    """A config whose binary needs more shared memory than the GPU has (Triton raises OutOfResources loading it,
+    before anything runs: the first config of a kernel no table vouches for, on a GPU with less shared memory) is
+    replaced for its key by the next config pruning leaves; with none left the error is raised."""
+    tables("Test GPU", {"_copy": {"[4096]": cfg(A)}})
+    launches, too_large = [], {json.dumps(cfg(A))}
+    t = tuner()
+
+    def run(*args, **kwargs):
+        c = t.cache[(args[2],)]
+        if json.dumps(cfg(c)) in too_large:
+            raise OutOfResources(312344, 232448, "shared memory")
+        launches.append(c)
+        return "ran"
+
+    t.run = run
+    t._bench = lambda *args, **kwargs: pytest.fail("the default path must not benchmark")
+    tuning.attach(t, lambda: "Test GPU")
+    assert t.run(None, None, 5000, **LAUNCH) == "ran" and launches == [B]  # A predicted, B launched
+    assert t.cache[(5000,)] == B  # kept for the key: the next launch goes straight to B
+    t.run(None, None, 5000, **LAUNCH)
+    assert launches == [B, B]
+    too_large.add(json.dumps(cfg(B)))
+    with pytest.raises(OutOfResources):
+        t.run(None, None, 6000, **LAUNCH)
 
 
 def test_a_pruned_config_is_skipped_and_with_no_neighbour_the_first_left_is_taken(tables):

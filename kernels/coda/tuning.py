@@ -39,7 +39,9 @@ Tuning is opt-in. By default a key that neither the user's cache nor the table h
 once, nothing benchmarked (:func:`predict`, :mod:`kernels.coda.configs`): the config the nearest tuned shapes in
 log(M, N, K) with the same flags and dtypes vote for, among this GPU's cache and table entries (else the table of the
 nearest GPU model, H100 <-> H200), restricted to the configs the kernel's list and pruning leave for the call; with
-no such entry, the first config pruning leaves. A predicted config is kept in memory only, never stored: the cache
+no such entry, the first config pruning leaves. A config whose binary does not fit the GPU (more shared memory than it
+has: Triton raises ``OutOfResources`` loading it) gives way to the next that does (:func:`run_fitting`), so a GPU
+without a table (an A100, an L40S) runs every kernel. A predicted config is kept in memory only, never stored: the cache
 holds measured winners alone, so a later tuning run still tunes that key. ``CODABENCH_TUNE=1`` (``--tune`` on the
 run command; ``python -m kernels.coda.tuning tune`` for given models) tunes such keys as described above, and
 stores the winners in the user cache, where later runs read them.
@@ -71,6 +73,7 @@ from typing import Any, Callable
 
 import triton
 from triton.runtime.autotuner import Autotuner
+from triton.runtime.errors import OutOfResources
 
 from codabench.registry import TUNE_ENV
 from kernels.coda import configs, precompile
@@ -273,16 +276,39 @@ def sources(gpu: str, name: str, entry: str | None = None) -> list[dict[str, Any
     return [own] + [configs.table_records(p, name) for p in stand_ins]
 
 
+def _allowed(tuner: Autotuner, args: tuple, kwargs: dict) -> list[triton.Config]:
+    """The configs pruning leaves for a launch of ``tuner`` with ``args``, in the kernel's order."""
+    tuner.nargs = dict(zip(tuner.arg_names, args))
+    try:
+        return tuner.prune_configs(kwargs)
+    finally:
+        tuner.nargs = None
+
+
+def run_fitting(tuner: Autotuner, run: Callable, key: tuple, args: tuple, kwargs: dict) -> Any:
+    """``run`` under the config ``tuner`` holds for ``key`` (one nothing measured), else the next that fits: where a
+    config's binary needs more shared memory or registers than this GPU has, Triton raises :class:`OutOfResources`
+    loading it, before anything runs, and the next config pruning leaves takes its place for the key (pruning
+    bounds the mainloop's stages, not the epilogue's buffers: on a GPU with less shared memory than the tables'
+    or a kernel's first config that no table vouches for). Raises when none fits."""
+    tried = []
+    while True:
+        try:
+            return run(*args, **kwargs)
+        except OutOfResources:
+            tried.append(tuner.cache[key])
+            left = [c for c in _allowed(tuner, args, kwargs) if c not in tried]
+            if not left:
+                raise
+            tuner.cache[key] = left[0]
+
+
 def predict(tuner: Autotuner, key: tuple, args: tuple, kwargs: dict, gpu: str) -> tuple[triton.Config, str]:
     """A config for a launch of ``tuner`` under tuning key ``key`` without benchmarking, and how it was chosen:
     ``predicted`` (the nearest tuned keys' vote, :func:`kernels.coda.configs.predict` over :func:`sources`, among
     the configs pruning leaves for the launch) or ``default`` (no tuned key of its signature: the first config
     pruning leaves)."""
-    tuner.nargs = dict(zip(tuner.arg_names, args))
-    try:
-        allowed = tuner.prune_configs(kwargs)
-    finally:
-        tuner.nargs = None
+    allowed = _allowed(tuner, args, kwargs)
     by_json = {json.dumps(_config_json(c), sort_keys=True): c for c in allowed}
 
     def accept(record: Any) -> bool:
@@ -315,7 +341,7 @@ def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
             return run(*args, **kwargs)
         if not tuning_on():  # kept in memory only: a tuning run still tunes this key
             tuner.cache[key], _ = predict(tuner, key, args, kwargs, gpu)
-            return run(*args, **kwargs)
+            return run_fitting(tuner, run, key, args, kwargs)
         precompile.untuned(f"{kernel_name(tuner)}: no tuned config for {key}")  # a dry pass ends here
         known = set(tuner.cache)
         best = tune(tuner, args, kwargs)
