@@ -180,7 +180,8 @@ def compile_case(case: str) -> dict:
     from triton.runtime.driver import driver
     name, dtype = case.rsplit("-", 1)
     module, kernel_name, call, _ = KERNELS[name]
-    kernel = getattr(importlib.import_module(module), kernel_name)
+    kernel = next(k for k in (getattr(v, "kernel", v) for v in vars(importlib.import_module(module)).values())
+                  if getattr(k, "base_fn", None) and k.base_fn.__name__ == kernel_name)  # declared kernels: .kernel
     launch = {}
 
     def catch(*args, **kwargs):

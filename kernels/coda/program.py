@@ -194,7 +194,7 @@ class Declaration:
     epilogue: Callable
     outputs: tuple[Output, ...]
     inputs: tuple[str, ...]
-    row_scale: bool
+    row_scale: str | None
     subtiled: bool
 
     @property
@@ -212,12 +212,12 @@ class Declaration:
         store = ", ".join(o.when.upper() if o.when else "True" for o in self.outputs)
         cols = ", ".join(str(o.cols) for o in self.outputs)
         amax = "AMAX" if self.amax_of >= 0 else "False"
-        return f"EPILOGUE, {self.row_scale}, {len(self.outputs)}, ({cols},), ({store},), {self.amax_of}, {amax}"
+        return f"EPILOGUE, {self.row_scale is not None}, {len(self.outputs)}, ({cols},), ({store},), {self.amax_of}, {amax}"
 
     def _params(self, ptrs: Sequence[str]) -> list[str]:
         names = [o.name for o in self.outputs]
         amax = self.amax_of >= 0
-        return [*(["row_ptr"] if self.row_scale else []), *self.inputs, *(f"{n}_ptr" for n in names),
+        return [*([f"{self.row_scale}_ptr"] if self.row_scale else []), *self.inputs, *(f"{n}_ptr" for n in names),
                 *(["amax_ptr"] if amax else []), *(f"stride_{n}" for n in names), *ptrs,
                 *(f"{f}: tl.constexpr" for f in self.flags), *(["AMAX: tl.constexpr"] if amax else [])]
 
@@ -225,7 +225,7 @@ class Declaration:
         """The programs' row scale, inputs, outputs, strides and partials, as source (``unused`` for those the
         kernel lacks)."""
         names = [o.name for o in self.outputs]
-        return (f"{'row_ptr' if self.row_scale else unused}, {_tuple(self.inputs)}, "
+        return (f"{f'{self.row_scale}_ptr' if self.row_scale else unused}, {_tuple(self.inputs)}, "
                 f"{_tuple([f'{n}_ptr' for n in names])}, {_tuple([f'stride_{n}' for n in names])}, "
                 f"{'amax_ptr' if self.amax_of >= 0 else unused}")
 
@@ -248,13 +248,14 @@ class Declaration:
                                                        "EPILOGUE": self.epilogue}))
 
 
-def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str] = (), row_scale: bool = False,
+def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str] = (), row_scale: str | None = None,
          configs: list[triton.Config] | None = None) -> Callable:
     """Decorate a host function that returns the :class:`Gemm` of its call: it becomes the declared kernel's host
     function (same name and signature; fused or split by :func:`kernels.coda.strategy.with_split`), with the fused
     kernel ``<host>_kernel`` as ``.kernel`` and the split one ``<host>_rows_kernel`` as ``.rows_kernel``.
     ``inputs``: the names of the epilogue's extra arguments (``Gemm.inputs``, its ``args``); ``row_scale``: the
-    GEMM rows are scaled by ``Gemm.row_scale`` before the epilogue; ``configs``: the tile configs (with ``EPI_SUB``
+    name of ``Gemm.row_scale`` (the kernel's ``<row_scale>_ptr``), which scales the GEMM's rows before the
+    epilogue; ``configs``: the tile configs (with ``EPI_SUB``
     in them the epilogue runs on column sub-tiles)."""
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
         raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
@@ -320,7 +321,7 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     outs = [torch.empty(M, N // o.cols, device=gemm.device, dtype=gemm.out_dtype) if s else None
             for o, s in zip(decl.outputs, asked.stored)]
     live = next(t for t in outs if t is not None)  # an output not asked for: this one as a placeholder never written
-    args = {"row_ptr": g.row_scale} if decl.row_scale else {}
+    args = {f"{decl.row_scale}_ptr": g.row_scale} if decl.row_scale else {}
     args.update(zip(decl.inputs, g.inputs))
     args.update({f"{o.name}_ptr": live if t is None else t for o, t in zip(decl.outputs, outs)})
     args.update({f"stride_{o.name}": 0 if t is None else t.stride(0) for o, t in zip(decl.outputs, outs)})

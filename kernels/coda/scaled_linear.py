@@ -21,7 +21,7 @@ def row_scaled(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     return (z,)
 
 
-@coda(row_scaled, outputs=(Output("z"),), row_scale=True)
+@coda(row_scaled, outputs=(Output("z"),), row_scale="rstd")
 def scaled_linear(h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, promote: bool = False) -> Gemm:
     """``rstd[:, None] * (h @ w.T)`` in h's dtype (bf16 for fp8 h, w); w in nn.Linear layout (N, K), rstd fp32 [M]."""
     return Gemm(h, w.T, promote, row_scale=rstd)

@@ -27,7 +27,7 @@ def swiglu(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     return silu_mul_pairs(z, BM, BN), z
 
 
-@coda(swiglu, outputs=(Output("y", cols=2, fp8="y_fp8"), Output("z_pre", when="save_preact")), row_scale=True,
+@coda(swiglu, outputs=(Output("y", cols=2, fp8="y_fp8"), Output("z", when="save_preact")), row_scale="rstd",
       configs=subtiled_configs((2, 1, 4)))
 def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Tensor, save_preact: bool,
                 promote: bool = False, y_fp8: Recipe | None = None) -> Gemm:
