@@ -209,7 +209,7 @@ def test_gemm_rope(dtype, strategy):
     pos = (torch.arange(M) * 797) % 60000  # large positions: angles up to 6e4 rad
     with launches() as names:
         qkv = gemm_rope(h, L.qkv_rows_to_adjacent(w, H, HKV, DH), rstd, pos, H, HKV, DH, THETA)
-    assert names == [{"fused": "gemm_rope_kernel", "split": "rope_rows_kernel"}[strategy]]
+    assert names == [{"fused": "gemm_rope_kernel", "split": "gemm_rope_rows_kernel"}[strategy]]
     ref = R.qkv_rope(n64 @ w.double().T, pos, H, HKV, DH, THETA)
     check("qkv", L.qkv_cols_to_halfsplit(qkv, H, HKV, DH), ref, R.qkv_rope(F.linear(nt, w), pos, H, HKV, DH, THETA))
     if dtype == torch.float32:  # the reduced angle: far below the error of a plain fp32 angle (~2e-3 here)
