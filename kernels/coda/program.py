@@ -233,7 +233,8 @@ class Declaration:
         """The fused kernel: :data:`MAINLOOP_PARAMS`, then the row scale, inputs, outputs, partials, strides and
         flags, each a parameter; its body :func:`fused_program`."""
         amax = self.amax_of >= 0
-        params = [*(f"{p}: tl.constexpr" if p.isupper() else p for p in MAINLOOP_PARAMS),
+        first_constexpr = MAINLOOP_PARAMS.index("SCALING")
+        params = [*MAINLOOP_PARAMS[:first_constexpr], *(f"{p}: tl.constexpr" for p in MAINLOOP_PARAMS[first_constexpr:]),
                   *self._params(["stride_amax"] if amax else []), *(["EPI_SUB: tl.constexpr"] if self.subtiled else [])]
         call = (f"fused_program({', '.join(MAINLOOP_PARAMS)}, {self._operands('a_ptr')}, {'stride_amax' if amax else 0}, "
                 f"{self._tail()}, {'EPI_SUB' if self.subtiled else 1})")
@@ -327,7 +328,7 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     args.update({f"stride_{o.name}": 0 if t is None else t.stride(0) for o, t in zip(decl.outputs, outs)})
     amax = row_partials(kernel, M, N, gemm.device) if asked.recipe else None
     if decl.amax_of >= 0:
-        part = live if amax is None else amax
+        part = amax if amax is not None else live if g.row_scale is None else g.row_scale  # unused unless asked
         args.update(amax_ptr=part, stride_amax=part.stride(0))
     gemm.launch(kernel, **args, **asked.kernel_flags(decl))
     return asked.results(decl, outs, amax, launched_tiles(kernel, M, N)[1] if asked.recipe else 0)
