@@ -57,6 +57,8 @@ from workloads.fp8 import Fp8, Recipe
 
 MAX_OUTPUTS = 2
 """Outputs an epilogue may declare (the programs below spell each one out)."""
+RESERVED = ("gemm_ptr", "stride_gemm", "amax_ptr", "stride_amax", "EPI_SUB", "AMAX", "BM", "BN")
+"""Parameter names of the built kernels besides the mainloop block, which no input, output or flag may take."""
 
 
 @dataclass(frozen=True)
@@ -243,8 +245,8 @@ class Declaration:
 
     def rows_kernel(self, name: str) -> Callable:
         """The split kernel over the GEMM output ``c``; its body :func:`rows_program`."""
-        params = ["c_ptr", "M", "N", "stride_c", *self._params([]), "BM: tl.constexpr", "BN: tl.constexpr"]
-        call = f"rows_program(c_ptr, M, N, stride_c, {self._operands('c_ptr')}, {self._tail()}, BM, BN)"
+        params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params([]), "BM: tl.constexpr", "BN: tl.constexpr"]
+        call = f"rows_program(gemm_ptr, M, N, stride_gemm, {self._operands('gemm_ptr')}, {self._tail()}, BM, BN)"
         return triton.jit(_entry(name, params, call, {"tl": tl, "rows_program": rows_program,
                                                        "EPILOGUE": self.epilogue}))
 
@@ -264,6 +266,11 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str] = 
         raise ValueError("an epilogue declares a full-width output (the split path writes it over the GEMM's)")
     decl = Declaration(epilogue, tuple(outputs), tuple(inputs), row_scale,
                        any("EPI_SUB" in c.kwargs for c in configs or ()))
+    names = [*([f"{row_scale}_ptr"] if row_scale else []), *inputs, *decl.flags,
+             *(n for o in outputs for n in (f"{o.name}_ptr", f"stride_{o.name}"))]
+    taken = {*MAINLOOP_PARAMS, *RESERVED} & set(names) | {n for n in names if names.count(n) > 1}
+    if taken:
+        raise ValueError(f"{epilogue.__name__}: names the kernels already use: {sorted(taken)}")
 
     def deco(host: Callable[..., Gemm]) -> Callable:
         bind = binder(host)

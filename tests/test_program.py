@@ -1,0 +1,70 @@
+"""Declared CODA kernels (kernels/coda/program.py): an epilogue declared outside the package gets a fused kernel and a
+split twin that compute the same outputs, optional outputs and an fp8 output as declared, and bad declarations fail."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels.coda.epilogue import load_cols
+from kernels.coda.mainloop import subtiled_configs
+from kernels.coda.program import Gemm, Output, coda
+from tests.kernel_helpers import DTYPES, check, launches, rand
+from workloads.fp8 import Recipe, quantize
+
+M, K, N = 40, 24, 64
+
+
+@triton.jit
+def shift_square(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(z + c, (z + c)^2 on the even columns): c a column vector."""
+    u = z + load_cols(args[0], off_n, N, BN)[None, :]
+    even, _ = u.reshape(BM, BN // 2, 2).split()
+    return u, even * even
+
+
+@coda(shift_square, outputs=(Output("u", when="keep_u"), Output("sq", cols=2, fp8="sq_fp8")), inputs=("c_ptr",),
+      row_scale="r", configs=subtiled_configs((2, 1)))
+def gemm_shift_square(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, c: torch.Tensor, keep_u: bool,
+                      sq_fp8: Recipe | None = None) -> Gemm:
+    return Gemm(x, w.T, row_scale=r, inputs=(c,))
+
+
+def _reference(x, w, r, c):
+    u = r.double()[:, None] * (x.double() @ w.double().T) + c.double()
+    return u, u[:, 0::2] ** 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_declared_kernel_runs_fused_and_split(dtype, strategy):
+    x, w = rand(M, K, dtype=dtype, seed=1), rand(N, K, dtype=dtype, seed=2, scale=K ** -0.5)
+    r, c = rand(M, seed=3, scale=0.1, mean=1.0), rand(N, dtype=dtype, seed=4)
+    with launches() as names:
+        u, sq = gemm_shift_square(x, w, r, c, keep_u=True)
+        none, sq2 = gemm_shift_square(x, w, r, c, keep_u=False)
+    assert names == [f"gemm_shift_square_{'kernel' if strategy == 'fused' else 'rows_kernel'}"] * 2
+    assert none is None and torch.equal(sq, sq2)
+    u64, sq64 = _reference(x, w, r, c)
+    ut = (r[:, None] * (x.float() @ w.float().T) + c.float()).to(dtype)
+    check("u", u, u64, ut)
+    check("sq", sq, sq64, (ut.float()[:, 0::2] ** 2).to(dtype))
+
+
+def test_an_fp8_output_is_quantized_from_the_epilogues_partials(strategy):
+    x, w = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5)
+    r, c = rand(M, seed=3, scale=0.1, mean=1.0), rand(N, seed=4)
+    for rowwise in (False, True):
+        _, sq = gemm_shift_square(x, w, r, c, keep_u=False)
+        _, q = gemm_shift_square(x, w, r, c, keep_u=False, sq_fp8=Recipe(rowwise=rowwise))
+        want = quantize(sq, rowwise=rowwise)
+        assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
+
+
+def test_bad_declarations_fail_at_import():
+    with pytest.raises(ValueError, match="1 to 2 outputs"):
+        coda(shift_square, outputs=())
+    with pytest.raises(ValueError, match="full-width output"):
+        coda(shift_square, outputs=(Output("half", cols=2),))
+    with pytest.raises(ValueError, match=r"already use: \['a_ptr', 'stride_a'\]"):
+        coda(shift_square, outputs=(Output("a"),))
