@@ -2,36 +2,38 @@
 function that chooses between them.
 
 An epilogue is a ``@triton.jit`` function of one fp32 tile ``z`` of ``A @ B`` (dequantized, times the row scale
-when the kernel has one) that returns the tiles of its outputs, in the declared order::
+when the kernel has one) that returns the fp32 tiles of its outputs, in the declared order::
 
     @triton.jit
     def swiglu(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
-        return silu_mul_pairs(z, BM, BN), z          # y [M, N / 2], z_pre [M, N]
+        return silu_mul_pairs(z, BM, BN), z          # y [M, N / 2], z [M, N]
 
-``args`` is the tuple of the declared ``inputs`` (pointers or scalars of the host call, in order); (off_m, off_n)
-is the tile's place in the (M, N) product and (BM, BN) its shape (a column sub-tile of the autotuned tile, when the
-configs have ``EPI_SUB``). :func:`coda` binds an epilogue to a host function, whose body only says which GEMM the
-call is (:class:`Gemm`)::
+``args`` is the tuple of the declared ``inputs``: the host call's pointers and scalars, and for a :class:`Tile`
+input the descriptor of that [M, N] matrix, blocks of the tile's shape; (off_m, off_n) is the tile's place in the
+(M, N) product and (BM, BN) its shape (a column sub-tile of the autotuned tile, when the configs have ``EPI_SUB``).
+:func:`coda` binds an epilogue to a host function, whose body only says which GEMM the call is (:class:`Gemm`)::
 
-    @coda(swiglu, outputs=(Output("y", cols=2, fp8="y_fp8"), Output("z_pre", when="save_preact")),
+    @coda(swiglu, outputs=(Output("y", cols=2, fp8="y_fp8"), Output("z", when="save_preact")), row_scale="rstd",
           configs=subtiled_configs((2, 1, 4)))
-    def gemm_swiglu(h, w_gu, rstd, save_preact, promote=False, y_fp8=None):
+    def gemm_swiglu(h, w_gu, rstd, save_preact, promote=False, y_fp8=None) -> Gemm:
         return Gemm(h, w_gu.T, promote, row_scale=rstd)
 
 Built from it:
 
-- the fused kernel ``<epilogue>_kernel`` (here ``swiglu_kernel`` unless ``kernel=`` names it), autotuned by
-  :func:`kernels.coda.mainloop.coda_autotune`: the mainloop block (:data:`kernels.coda.launch.MAINLOOP_PARAMS`),
-  then the row scale, the inputs, the outputs, the absmax partials, their row strides and the flags, every one a
-  parameter of its own (so the tuning key, the argument dtypes in that order, is what a hand-written kernel of
-  that signature had). Its body is one call of :func:`fused_program`, the same for every kernel;
-- the split kernel ``<epilogue>_rows_kernel``: :func:`rows_program` over the plain GEMM's output
-  (:func:`kernels.coda.gemm.split_matmul`), calling the SAME epilogue on each tile; its first full-width output is
-  written over that output, in place;
-- the host function, under :func:`kernels.coda.strategy.with_split` with both paths. It returns the outputs (one:
-  the tensor; several: a tuple in the declared order); an output whose ``when`` argument is false is None and not
-  written; an output with ``fp8`` is returned quantized (:func:`kernels.coda.fp8.quantize_from_partials`) when
-  that argument holds a :class:`workloads.fp8.Recipe`, from the row absmax partials the epilogue stores.
+- the fused kernel ``<host>_kernel``, autotuned by :func:`kernels.coda.mainloop.coda_autotune` (its key: M, N, K
+  and the ``when`` flags): the mainloop block (:data:`kernels.coda.launch.MAINLOOP_PARAMS`), then the row scale,
+  the inputs, the outputs and the partials (pointers), their row strides, the flags, every one a parameter of its
+  own, so that the tuning key (the argument dtypes, in that order) is what a hand-written kernel of that signature
+  had. Its body is one call of :func:`fused_program`, the same for every kernel;
+- the split kernel ``<host>_rows_kernel`` (unless the declaration brings its own split path): the plain GEMM
+  (:func:`kernels.coda.gemm.split_matmul`), then :func:`rows_program` over its output, calling the SAME epilogue on
+  each tile and writing the first full-width output over that output, in place;
+- the host function, under :func:`kernels.coda.strategy.with_split` with both paths (and a Gluon one if declared).
+  It returns the outputs (one: the tensor; several: a tuple in the declared order); an output whose ``when``
+  argument is false is None and not written; an output with ``fp8`` is returned quantized
+  (:func:`kernels.coda.fp8.quantize_from_partials`) when that argument holds a :class:`workloads.fp8.Recipe`, from
+  the row absmax partials of its stored tiles; an output with ``sumsq`` has the per-N-tile partial sums of squares
+  of its fp32 tiles stored, which ``finish`` turns into the host function's further results.
 """
 from __future__ import annotations
 
@@ -45,40 +47,52 @@ import triton
 import triton.language as tl
 
 from kernels.coda.epilogue import cast, col_subtile, dequant, dequant_scale, load_rows, load_tile, row_absmax, \
-    store_row_partial, store_tile
+    row_sumsq, store_row_partial, store_tile
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import MAINLOOP_PARAMS, FusedGemm
 from kernels.coda.mainloop import INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, \
     tile_desc
 from kernels.coda.reduce import launched_tiles, row_partials
-from kernels.coda.strategy import binder, with_split
+from kernels.coda.strategy import Gluon, binder, with_split
 from workloads.fp8 import Fp8, Recipe
 
 MAX_OUTPUTS = 2
 """Outputs an epilogue may declare (the programs below spell each one out)."""
-RESERVED = ("gemm_ptr", "stride_gemm", "amax_ptr", "stride_amax", "EPI_SUB", "AMAX", "BM", "BN")
+RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "stride_ss", "stride_amax", "EPI_SUB", "AMAX", "BM",
+            "BN")
 """Parameter names of the built kernels besides the mainloop block, which no input, output or flag may take."""
 
 
 @dataclass(frozen=True)
 class Output:
-    """One output of an epilogue: ``name`` [M, N // cols] in the GEMM's output dtype. ``when``: the host function's
-    bool argument that asks for it (None: always). ``fp8``: the host argument that, holding a Recipe, asks for it
-    quantized (its row absmax partials are stored by the epilogue); ``role``: its role in that recipe."""
+    """One output of an epilogue: ``name`` [M, N // cols], in the GEMM's output dtype or that of the host argument
+    ``like``. ``when``: the host function's bool argument that asks for it (None: always). ``fp8``: the host argument
+    that, holding a Recipe, asks for it quantized (``role``: its role in that recipe). ``sumsq``: its row sums of
+    squares are stored as partials, for the declaration's ``finish``."""
 
     name: str
     cols: int = 1
     when: str | None = None
+    like: str | None = None
     fp8: str | None = None
     role: str = "act"
+    sumsq: bool = False
+
+
+@dataclass(frozen=True)
+class Tile:
+    """An input matrix [M, N] the epilogue reads tile by tile (a residual): the kernel gets ``<name>_ptr`` and
+    ``stride_<name>``, the epilogue its descriptor."""
+
+    name: str
 
 
 @dataclass(frozen=True)
 class Gemm:
     """The GEMM of one host call: ``a @ b`` (:class:`kernels.coda.launch.FusedGemm`'s operands), ``promote`` the fp8
     accumulation mode, ``row_scale`` an optional fp32 [M] factor of each row (RMSNorm's rstd), ``inputs`` the values
-    of the declared inputs, in order."""
+    of the declared inputs, in order (a row-major [M, N] tensor for a :class:`Tile`)."""
 
     a: torch.Tensor | Fp8
     b: torch.Tensor | Fp8
@@ -95,24 +109,27 @@ def _desc(ptr, stride, M, N, COLS: tl.constexpr, BM: tl.constexpr, SN: tl.conste
 
 
 @triton.jit
-def _store(desc, off_m, off_n, COLS: tl.constexpr, val, amax, TRACK: tl.constexpr):
-    """Store ``val`` at (off_m, off_n / COLS); with TRACK, ``amax`` maxed with the row absmax of what was stored."""
-    val = cast(val, desc.dtype)
+def _store(desc, off_m, off_n, COLS: tl.constexpr, val, amax, ss, ABSMAX: tl.constexpr, SUMSQ: tl.constexpr):
+    """Store ``val`` at (off_m, off_n / COLS); with SUMSQ, ``ss`` plus the row sums of squares of the fp32 ``val``;
+    with ABSMAX, ``amax`` maxed with the row absmax of what was stored."""
     store_tile(desc, off_m, off_n // COLS, val)
-    if TRACK:
-        amax = tl.maximum(amax, row_absmax(val))
-    return amax
+    if SUMSQ:
+        ss += row_sumsq(val)
+    if ABSMAX:
+        amax = tl.maximum(amax, row_absmax(cast(val, desc.dtype)))
+    return amax, ss
 
 
 @triton.jit
 def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
                   PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, outs, strides, amax_ptr, stride_amax,
-                  EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
-                  STORE: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, EPI_SUB: tl.constexpr):
+                  BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, outs, strides, ss_ptr, amax_ptr,
+                  stride_part, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr,
+                  COLS: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, AMAX_OF: tl.constexpr,
+                  AMAX: tl.constexpr, EPI_SUB: tl.constexpr):
     """The persistent fused kernel: for each tile, the mainloop, the dequantization (with the row scale), then
-    EPILOGUE on each of EPI_SUB column sub-tiles, its outputs stored (those STORE asks for) and, with AMAX, the row
-    absmax partial of output AMAX_OF over the tile."""
+    EPILOGUE on each of EPI_SUB column sub-tiles, its outputs stored (those STORE asks for); the row partials of the
+    tile: sums of squares of output SUMSQ_OF (-1: none), and with AMAX the absmax of output AMAX_OF."""
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB
     if STORE[0]:
@@ -128,17 +145,21 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
                               SCALING)
         else:
             z = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        ss = tl.zeros((BM,), dtype=tl.float32)
         amax = tl.zeros((BM,), dtype=tl.float32)
         for i in tl.static_range(EPI_SUB):
             off_s = off_n + i * SN
             res = EPILOGUE(col_subtile(z, i, EPI_SUB, BM, BN), args, off_m, off_s, M, N, BM, SN)
             if STORE[0]:
-                amax = _store(d0, off_m, off_s, COLS[0], res[0], amax, AMAX and AMAX_OF == 0)
+                amax, ss = _store(d0, off_m, off_s, COLS[0], res[0], amax, ss, AMAX and AMAX_OF == 0, SUMSQ_OF == 0)
             if NOUT > 1:
                 if STORE[1]:
-                    amax = _store(d1, off_m, off_s, COLS[1], res[1], amax, AMAX and AMAX_OF == 1)
+                    amax, ss = _store(d1, off_m, off_s, COLS[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
+                                      SUMSQ_OF == 1)
+        if SUMSQ_OF >= 0:
+            store_row_partial(ss_ptr, ss, off_m, off_n, M, stride_part, BM, BN)
         if AMAX:
-            store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_amax, BM, BN)
+            store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_part, BM, BN)
 
 
 @triton.jit
@@ -163,10 +184,10 @@ def rows_program(c_ptr, M, N, stride_c, row_ptr, args, outs, strides, amax_ptr, 
             z = z * row[:, None]
         res = EPILOGUE(z, args, off_m, off_n, M, N, BM, BN)
         if STORE[0]:
-            amax = _store(d0, off_m, off_n, COLS[0], res[0], amax, AMAX and AMAX_OF == 0)
+            amax, _ = _store(d0, off_m, off_n, COLS[0], res[0], amax, amax, AMAX and AMAX_OF == 0, False)
         if NOUT > 1:
             if STORE[1]:
-                amax = _store(d1, off_m, off_n, COLS[1], res[1], amax, AMAX and AMAX_OF == 1)
+                amax, _ = _store(d1, off_m, off_n, COLS[1], res[1], amax, amax, AMAX and AMAX_OF == 1, False)
     if AMAX:
         rows = off_m + tl.arange(0, BM)
         tl.store(amax_ptr + rows, amax, mask=rows < M)
@@ -174,28 +195,18 @@ def rows_program(c_ptr, M, N, stride_c, row_ptr, args, outs, strides, amax_ptr, 
 
 # ---- building a declared kernel ------------------------------------------------------------------------------
 
-def _entry(name: str, params: Sequence[str], call: str, scope: dict[str, Any]) -> Callable:
-    """A kernel ``name(params)`` whose body is ``call``, as a function with source of its own (Triton reads a
-    kernel's source; it is kept in :mod:`linecache` under ``<coda:name>``)."""
-    src = f"def {name}({', '.join(params)}):\n    {call}\n"
-    filename = f"<coda:{name}>"
-    linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
-    exec(compile(src, filename, "exec"), scope)
-    return scope[name]
-
-
-def _tuple(names: Sequence[str]) -> str:
-    return f"({''.join(f'{n}, ' for n in names)})"
+def _tuple(items: Sequence[str]) -> str:
+    return f"({''.join(f'{n}, ' for n in items)})"
 
 
 @dataclass(frozen=True)
 class Declaration:
-    """An epilogue with its outputs, inputs and row scale: what the two kernels and the two host paths are built
-    from."""
+    """An epilogue with its outputs, inputs, row scale and sub-tiling: what the two kernels and the two host paths
+    are built from."""
 
     epilogue: Callable
     outputs: tuple[Output, ...]
-    inputs: tuple[str, ...]
+    inputs: tuple[str | Tile, ...]
     row_scale: str | None
     subtiled: bool
 
@@ -209,65 +220,102 @@ class Declaration:
         """The output whose row absmax partials the epilogue can store (-1: none)."""
         return next((i for i, o in enumerate(self.outputs) if o.fp8), -1)
 
-    def _tail(self) -> str:
-        """The programs' constexpr arguments after the epilogue, as source."""
+    @property
+    def sumsq_of(self) -> int:
+        """The output whose row sums of squares the epilogue stores (-1: none)."""
+        return next((i for i, o in enumerate(self.outputs) if o.sumsq), -1)
+
+    @property
+    def partials(self) -> list[str]:
+        """The partials' pointers, in order; they share one row stride, ``stride_<first>``."""
+        return ["ss"] * (self.sumsq_of >= 0) + ["amax"] * (self.amax_of >= 0)
+
+    def names(self) -> list[str]:
+        """Every parameter name the declaration chooses."""
+        outs = [o.name for o in self.outputs]
+        tiles = [i.name for i in self.inputs if isinstance(i, Tile)]
+        return [*([f"{self.row_scale}_ptr"] if self.row_scale else []),
+                *(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs), *(f"{n}_ptr" for n in outs),
+                *(f"stride_{n}" for n in tiles + outs), *self.flags]
+
+    def _params(self, partial_stride: bool) -> list[str]:
+        outs = [o.name for o in self.outputs]
+        tiles = [i.name for i in self.inputs if isinstance(i, Tile)]
+        return [*([f"{self.row_scale}_ptr"] if self.row_scale else []),
+                *(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs), *(f"{n}_ptr" for n in outs),
+                *(f"{p}_ptr" for p in self.partials), *(f"stride_{n}" for n in tiles + outs),
+                *([f"stride_{self.partials[0]}"] if partial_stride and self.partials else []),
+                *(f"{f}: tl.constexpr" for f in self.flags),
+                *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
+
+    def _body(self, program: str, head: str, cols: str, unused: str, tail: str) -> list[str]:
+        """The entry's lines: the tile inputs' descriptors (blocks of ``cols`` columns), then the program's call."""
+        outs = [o.name for o in self.outputs]
+        descs = [f"{i.name}_desc = tile_desc({i.name}_ptr, M, N, stride_{i.name}, BM, {cols})"
+                 for i in self.inputs if isinstance(i, Tile)]
+        args = [f"{i.name}_desc" if isinstance(i, Tile) else i for i in self.inputs]
         store = ", ".join(o.when.upper() if o.when else "True" for o in self.outputs)
-        cols = ", ".join(str(o.cols) for o in self.outputs)
-        amax = "AMAX" if self.amax_of >= 0 else "False"
-        return f"EPILOGUE, {self.row_scale is not None}, {len(self.outputs)}, ({cols},), ({store},), {self.amax_of}, {amax}"
-
-    def _params(self, ptrs: Sequence[str]) -> list[str]:
-        names = [o.name for o in self.outputs]
-        amax = self.amax_of >= 0
-        return [*([f"{self.row_scale}_ptr"] if self.row_scale else []), *self.inputs, *(f"{n}_ptr" for n in names),
-                *(["amax_ptr"] if amax else []), *(f"stride_{n}" for n in names), *ptrs,
-                *(f"{f}: tl.constexpr" for f in self.flags), *(["AMAX: tl.constexpr"] if amax else [])]
-
-    def _operands(self, unused: str) -> str:
-        """The programs' row scale, inputs, outputs, strides and partials, as source (``unused`` for those the
-        kernel lacks)."""
-        names = [o.name for o in self.outputs]
-        return (f"{f'{self.row_scale}_ptr' if self.row_scale else unused}, {_tuple(self.inputs)}, "
-                f"{_tuple([f'{n}_ptr' for n in names])}, {_tuple([f'stride_{n}' for n in names])}, "
-                f"{'amax_ptr' if self.amax_of >= 0 else unused}")
+        consts = (f"EPILOGUE, {self.row_scale is not None}, {len(self.outputs)}, "
+                  f"({', '.join(str(o.cols) for o in self.outputs)},), ({store},)")
+        return [*descs, f"{program}({head}, {f'{self.row_scale}_ptr' if self.row_scale else unused}, {_tuple(args)}, "
+                        f"{_tuple([f'{n}_ptr' for n in outs])}, {_tuple([f'stride_{n}' for n in outs])}, "
+                        f"{tail.format(consts=consts, amax='AMAX' if self.amax_of >= 0 else 'False')})"]
 
     def fused_kernel(self, name: str, configs: list[triton.Config] | None) -> Callable:
-        """The fused kernel: :data:`MAINLOOP_PARAMS`, then the row scale, inputs, outputs, partials, strides and
-        flags, each a parameter; its body :func:`fused_program`."""
-        amax = self.amax_of >= 0
-        first_constexpr = MAINLOOP_PARAMS.index("SCALING")
-        params = [*MAINLOOP_PARAMS[:first_constexpr], *(f"{p}: tl.constexpr" for p in MAINLOOP_PARAMS[first_constexpr:]),
-                  *self._params(["stride_amax"] if amax else []), *(["EPI_SUB: tl.constexpr"] if self.subtiled else [])]
-        call = (f"fused_program({', '.join(MAINLOOP_PARAMS)}, {self._operands('a_ptr')}, {'stride_amax' if amax else 0}, "
-                f"{self._tail()}, {'EPI_SUB' if self.subtiled else 1})")
-        entry = _entry(name, params, call, {"tl": tl, "fused_program": fused_program, "EPILOGUE": self.epilogue})
+        """The fused kernel: :data:`MAINLOOP_PARAMS`, then the declaration's parameters; its body
+        :func:`fused_program`."""
+        first = MAINLOOP_PARAMS.index("SCALING")  # the block's constexprs
+        params = [*MAINLOOP_PARAMS[:first], *(f"{p}: tl.constexpr" for p in MAINLOOP_PARAMS[first:]),
+                  *self._params(True), *(["EPI_SUB: tl.constexpr"] if self.subtiled else [])]
+        ptr = {p: f"{p}_ptr" if p in self.partials else "a_ptr" for p in ("ss", "amax")}
+        stride = f"stride_{self.partials[0]}" if self.partials else "0"
+        sub = "EPI_SUB" if self.subtiled else "1"
+        tail = (f"{ptr['ss']}, {ptr['amax']}, {stride}, {{consts}}, {self.sumsq_of}, {self.amax_of}, {{amax}}, "
+                f"{sub}")
+        body = self._body("fused_program", ", ".join(MAINLOOP_PARAMS), f"BN // {sub}", "a_ptr", tail)
+        entry = self._compile(name, params, body, {"fused_program": fused_program})
         return coda_autotune(key=("M", "N", "K", *self.flags), configs=configs)(triton.jit(entry))
 
     def rows_kernel(self, name: str) -> Callable:
-        """The split kernel over the GEMM output ``c``; its body :func:`rows_program`."""
-        params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params([]), "BM: tl.constexpr", "BN: tl.constexpr"]
-        call = f"rows_program(gemm_ptr, M, N, stride_gemm, {self._operands('gemm_ptr')}, {self._tail()}, BM, BN)"
-        return triton.jit(_entry(name, params, call, {"tl": tl, "rows_program": rows_program,
-                                                       "EPILOGUE": self.epilogue}))
+        """The split kernel over the GEMM output; its body :func:`rows_program`."""
+        params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(False), "BM: tl.constexpr", "BN: tl.constexpr"]
+        amax = "amax_ptr" if self.amax_of >= 0 else "gemm_ptr"
+        body = self._body("rows_program", "gemm_ptr, M, N, stride_gemm", "BN", "gemm_ptr",
+                          f"{amax}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
+        return triton.jit(self._compile(name, params, body, {"rows_program": rows_program}))
+
+    def _compile(self, name: str, params: list[str], body: list[str], scope: dict[str, Any]) -> Callable:
+        src = f"def {name}({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
+        filename = f"<coda:{name}>"  # Triton reads a kernel's source: kept in linecache under this name
+        linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+        namespace = {"tl": tl, "tile_desc": tile_desc, "EPILOGUE": self.epilogue, **scope}
+        exec(compile(src, filename, "exec"), namespace)
+        return namespace[name]
 
 
-def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str] = (), row_scale: str | None = None,
-         configs: list[triton.Config] | None = None) -> Callable:
+def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | Tile] = (),
+         row_scale: str | None = None, configs: list[triton.Config] | None = None,
+         finish: Callable[..., tuple] | None = None, split: Callable | None = None,
+         gluon: Gluon | None = None) -> Callable:
     """Decorate a host function that returns the :class:`Gemm` of its call: it becomes the declared kernel's host
-    function (same name and signature; fused or split by :func:`kernels.coda.strategy.with_split`), with the fused
-    kernel ``<host>_kernel`` as ``.kernel`` and the split one ``<host>_rows_kernel`` as ``.rows_kernel``.
-    ``inputs``: the names of the epilogue's extra arguments (``Gemm.inputs``, its ``args``); ``row_scale``: the
-    name of ``Gemm.row_scale`` (the kernel's ``<row_scale>_ptr``), which scales the GEMM's rows before the
-    epilogue; ``configs``: the tile configs (with ``EPI_SUB``
-    in them the epilogue runs on column sub-tiles)."""
-    if not 1 <= len(outputs) <= MAX_OUTPUTS:
-        raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
-    if not any(o.cols == 1 for o in outputs):
-        raise ValueError("an epilogue declares a full-width output (the split path writes it over the GEMM's)")
+    function (same name and signature; fused, split or Gluon by :func:`kernels.coda.strategy.with_split`), with the
+    fused kernel ``<host>_kernel`` as ``.kernel`` and the split one ``<host>_rows_kernel`` as ``.rows_kernel``.
+
+    ``inputs``: the epilogue's extra arguments (``Gemm.inputs``, its ``args``), by parameter name, or :class:`Tile`;
+    ``row_scale``: the name of ``Gemm.row_scale`` (the kernel's ``<row_scale>_ptr``), which scales the GEMM's rows
+    before the epilogue; ``configs``: the tile configs (``EPI_SUB`` in them: the epilogue runs on column sub-tiles);
+    ``finish(arguments, outputs, ss, n_tiles)``: the host function's results from its outputs and the sums of
+    squares partials (``ss[:, :n_tiles]``) of the ``sumsq`` output; ``split``: a split path of the host function's
+    signature and results instead of the built one; ``gluon``: its Gluon path."""
     decl = Declaration(epilogue, tuple(outputs), tuple(inputs), row_scale,
                        any("EPI_SUB" in c.kwargs for c in configs or ()))
-    names = [*([f"{row_scale}_ptr"] if row_scale else []), *inputs, *decl.flags,
-             *(n for o in outputs for n in (f"{o.name}_ptr", f"stride_{o.name}"))]
+    if not 1 <= len(outputs) <= MAX_OUTPUTS:
+        raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
+    if split is None and not any(o.cols == 1 for o in outputs):
+        raise ValueError("an epilogue declares a full-width output (the split path writes it over the GEMM's)")
+    if (decl.sumsq_of >= 0) != (finish is not None) or (decl.sumsq_of >= 0 and split is None):
+        raise ValueError("a sumsq output goes with finish and a split path of the declaration's own")
+    names = decl.names()
     taken = {*MAINLOOP_PARAMS, *RESERVED} & set(names) | {n for n in names if names.count(n) > 1}
     if taken:
         raise ValueError(f"{epilogue.__name__}: names the kernels already use: {sorted(taken)}")
@@ -275,19 +323,19 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str] = 
     def deco(host: Callable[..., Gemm]) -> Callable:
         bind = binder(host)
         fused_kernel = decl.fused_kernel(f"{host.__name__}_kernel", configs)
-        rows_kernel = decl.rows_kernel(f"{host.__name__}_rows_kernel")
+        rows_kernel = None if split else decl.rows_kernel(f"{host.__name__}_rows_kernel")
 
         @functools.wraps(host)
         def fused(*args: Any, **kwargs: Any) -> Any:
             named = bind(args, kwargs)
-            return _run_fused(decl, fused_kernel, host(**named), named)
+            return _run_fused(decl, fused_kernel, host(**named), named, finish)
 
         @functools.wraps(host)
-        def split(*args: Any, **kwargs: Any) -> Any:
+        def built_split(*args: Any, **kwargs: Any) -> Any:
             named = bind(args, kwargs)
             return _run_split(decl, rows_kernel, host(**named), named)
 
-        dispatch = with_split(split)(fused)
+        dispatch = with_split(split or built_split, gluon=gluon)(fused)
         dispatch.kernel, dispatch.rows_kernel = fused_kernel, rows_kernel
         return dispatch
 
@@ -296,7 +344,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str] = 
 
 @dataclass
 class _Asked:
-    """What one call asks of a declaration: which outputs are stored, and whether the partials are."""
+    """What one call asks of a declaration: which outputs are stored, and whether the absmax partials are."""
 
     flags: dict[str, bool]
     stored: list[bool]
@@ -312,33 +360,45 @@ class _Asked:
     def kernel_flags(self, decl: Declaration) -> dict[str, bool]:
         return {**self.flags, **({"AMAX": self.recipe is not None} if decl.amax_of >= 0 else {})}
 
-    def results(self, decl: Declaration, outs: list[torch.Tensor], amax: torch.Tensor | None, n_tiles: int) -> Any:
-        """The host function's return: the outputs asked for (None for the others), the fp8 one quantized."""
+    def results(self, decl: Declaration, outs: list[torch.Tensor | None], amax: torch.Tensor | None,
+                n_tiles: int) -> list[Any]:
+        """The outputs asked for (None for the others), the fp8 one quantized."""
         results = []
-        for i, (o, t, s) in enumerate(zip(decl.outputs, outs, self.stored)):
+        for i, (o, t) in enumerate(zip(decl.outputs, outs)):
             if i == decl.amax_of and self.recipe is not None:
                 t = quantize_from_partials(t, amax, n_tiles, rowwise=self.recipe.rowwise_for(o.role))
-            results.append(t if s else None)
-        return results[0] if len(results) == 1 else tuple(results)
+            results.append(t)
+        return results
 
 
-def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any]) -> Any:
+def _returned(results: list[Any]) -> Any:
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
+               finish: Callable[..., tuple] | None) -> Any:
     asked = _Asked.of(decl, named)
     gemm = FusedGemm(g.a, g.b, g.promote)
     M, N = gemm.M, gemm.N
-    outs = [torch.empty(M, N // o.cols, device=gemm.device, dtype=gemm.out_dtype) if s else None
-            for o, s in zip(decl.outputs, asked.stored)]
+    outs = [torch.empty(M, N // o.cols, device=gemm.device, dtype=named[o.like].dtype if o.like else gemm.out_dtype)
+            if s else None for o, s in zip(decl.outputs, asked.stored)]
     live = next(t for t in outs if t is not None)  # an output not asked for: this one as a placeholder never written
     args = {f"{decl.row_scale}_ptr": g.row_scale} if decl.row_scale else {}
-    args.update(zip(decl.inputs, g.inputs))
+    for i, v in zip(decl.inputs, g.inputs):
+        args.update({f"{i.name}_ptr": v, f"stride_{i.name}": v.stride(0)} if isinstance(i, Tile) else {i: v})
     args.update({f"{o.name}_ptr": live if t is None else t for o, t in zip(decl.outputs, outs)})
     args.update({f"stride_{o.name}": 0 if t is None else t.stride(0) for o, t in zip(decl.outputs, outs)})
-    amax = row_partials(kernel, M, N, gemm.device) if asked.recipe else None
-    if decl.amax_of >= 0:
-        part = amax if amax is not None else live if g.row_scale is None else g.row_scale  # unused unless asked
-        args.update(amax_ptr=part, stride_amax=part.stride(0))
+    ss = row_partials(kernel, M, N, gemm.device) if decl.sumsq_of >= 0 else None
+    amax = (row_partials(kernel, M, N, gemm.device) if ss is None else torch.empty_like(ss)) if asked.recipe else None
+    parts = {"ss": ss, "amax": amax}
+    if decl.partials:  # one not asked for points at one that is, else at the row scale (stride 1), else an output
+        spare = next((t for t in (ss, amax, g.row_scale) if t is not None), live)
+        args.update({f"{p}_ptr": spare if parts[p] is None else parts[p] for p in decl.partials})
+        args[f"stride_{decl.partials[0]}"] = spare.stride(0)
     gemm.launch(kernel, **args, **asked.kernel_flags(decl))
-    return asked.results(decl, outs, amax, launched_tiles(kernel, M, N)[1] if asked.recipe else 0)
+    n_tiles = launched_tiles(kernel, M, N)[1] if ss is not None or amax is not None else 0
+    results = asked.results(decl, outs, amax, n_tiles)
+    return _returned(finish(named, results, ss, n_tiles) if finish else results)
 
 
 def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any]) -> Any:
@@ -349,8 +409,9 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     outs = [c if i == inplace else torch.empty(M, N // o.cols, device=c.device, dtype=c.dtype)
             for i, o in enumerate(decl.outputs)]
     amax = torch.empty(M, 1, device=c.device, dtype=torch.float32) if asked.recipe else None
+    tiles = [v for i, v in zip(decl.inputs, g.inputs) if isinstance(i, Tile)]
     bm, bn = (16, 32) if INTERPRET else (16, 256)
     kernel[(triton.cdiv(M, bm),)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *g.inputs, *outs,
                                   *([c if amax is None else amax] if decl.amax_of >= 0 else []),
-                                  *(t.stride(0) for t in outs), **asked.kernel_flags(decl), BM=bm, BN=bn)
-    return asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1)
+                                  *(t.stride(0) for t in tiles + outs), **asked.kernel_flags(decl), BM=bm, BN=bn)
+    return _returned(asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1))
