@@ -123,8 +123,9 @@ def _store(desc, off_m, off_n, COLS: tl.constexpr, val, amax, ss, ABSMAX: tl.con
 @triton.jit
 def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
                   PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, outs, strides, ss_ptr, amax_ptr,
-                  stride_part, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr,
+                  BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, in_strides, outs, strides, ss_ptr,
+                  amax_ptr, stride_part, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr,
+                  NOUT: tl.constexpr,
                   COLS: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, AMAX_OF: tl.constexpr,
                   AMAX: tl.constexpr, EPI_SUB: tl.constexpr):
     """The persistent fused kernel: for each tile, the mainloop, the dequantization (with the row scale), then
@@ -132,6 +133,7 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
     tile: sums of squares of output SUMSQ_OF (-1: none), and with AMAX the absmax of output AMAX_OF."""
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB
+    args = INPUTS(args, in_strides, M, N, BM, SN)
     if STORE[0]:
         d0 = _desc(outs[0], strides[0], M, N, COLS[0], BM, SN)
     if NOUT > 1:
@@ -163,13 +165,14 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
 
 
 @triton.jit
-def rows_program(c_ptr, M, N, stride_c, row_ptr, args, outs, strides, amax_ptr, EPILOGUE: tl.constexpr,
-                 ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr, STORE: tl.constexpr,
+def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides, amax_ptr,
+                 INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr, STORE: tl.constexpr,
                  AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """The split kernel: rows [pid BM, pid BM + BM) of the GEMM output c [M, N], tile by tile, through EPILOGUE
     (c times the row scale is its ``z``); with AMAX, the row absmax of output AMAX_OF in ``amax[M]``."""
     off_m = tl.program_id(0) * BM
     c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
+    args = INPUTS(args, in_strides, M, N, BM, BN)
     if STORE[0]:
         d0 = _desc(outs[0], strides[0], M, N, COLS[0], BM, BN)
     if NOUT > 1:
@@ -248,18 +251,30 @@ class Declaration:
                 *(f"{f}: tl.constexpr" for f in self.flags),
                 *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
 
-    def _body(self, program: str, head: str, cols: str, unused: str, tail: str) -> list[str]:
-        """The entry's lines: the tile inputs' descriptors (blocks of ``cols`` columns), then the program's call."""
+    def _body(self, program: str, head: str, unused: str, tail: str) -> list[str]:
+        """The entry's one line: the program's call."""
         outs = [o.name for o in self.outputs]
-        descs = [f"{i.name}_desc = tile_desc({i.name}_ptr, M, N, stride_{i.name}, BM, {cols})"
-                 for i in self.inputs if isinstance(i, Tile)]
-        args = [f"{i.name}_desc" if isinstance(i, Tile) else i for i in self.inputs]
+        ptrs = [f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs]
+        tiles = [f"stride_{i.name}" for i in self.inputs if isinstance(i, Tile)]
         store = ", ".join(o.when.upper() if o.when else "True" for o in self.outputs)
-        consts = (f"EPILOGUE, {self.row_scale is not None}, {len(self.outputs)}, "
+        consts = (f"INPUTS, EPILOGUE, {self.row_scale is not None}, {len(self.outputs)}, "
                   f"({', '.join(str(o.cols) for o in self.outputs)},), ({store},)")
-        return [*descs, f"{program}({head}, {f'{self.row_scale}_ptr' if self.row_scale else unused}, {_tuple(args)}, "
-                        f"{_tuple([f'{n}_ptr' for n in outs])}, {_tuple([f'stride_{n}' for n in outs])}, "
-                        f"{tail.format(consts=consts, amax='AMAX' if self.amax_of >= 0 else 'False')})"]
+        return [f"{program}({head}, {f'{self.row_scale}_ptr' if self.row_scale else unused}, {_tuple(ptrs)}, "
+                f"{_tuple(tiles)}, {_tuple([f'{n}_ptr' for n in outs])}, {_tuple([f'stride_{n}' for n in outs])}, "
+                f"{tail.format(consts=consts, amax='AMAX' if self.amax_of >= 0 else 'False')})"]
+
+    def _scope(self, kernel: str) -> dict[str, Callable]:
+        return {"EPILOGUE": self.epilogue, "INPUTS": self.inputs_fn(f"{kernel}_inputs")}
+
+    def inputs_fn(self, name: str) -> Callable:
+        """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's input pointers, a
+        :class:`Tile`'s pointer replaced by its descriptor (blocks (BM, BN); its row stride the next of ``strides``)."""
+        items, t = [], 0
+        for k, i in enumerate(self.inputs):
+            items.append(f"tile_desc(args[{k}], M, N, strides[{t}], BM, BN)" if isinstance(i, Tile) else f"args[{k}]")
+            t += isinstance(i, Tile)
+        return triton.jit(self._compile(name, ["args", "strides", "M", "N", "BM: tl.constexpr", "BN: tl.constexpr"],
+                                        [f"return {_tuple(items)}"], {}))
 
     def fused_kernel(self, name: str, configs: list[triton.Config] | None) -> Callable:
         """The fused kernel: :data:`MAINLOOP_PARAMS`, then the declaration's parameters; its body
@@ -272,23 +287,23 @@ class Declaration:
         sub = "EPI_SUB" if self.subtiled else "1"
         tail = (f"{ptr['ss']}, {ptr['amax']}, {stride}, {{consts}}, {self.sumsq_of}, {self.amax_of}, {{amax}}, "
                 f"{sub}")
-        body = self._body("fused_program", ", ".join(MAINLOOP_PARAMS), f"BN // {sub}", "a_ptr", tail)
-        entry = self._compile(name, params, body, {"fused_program": fused_program})
+        body = self._body("fused_program", ", ".join(MAINLOOP_PARAMS), "a_ptr", tail)
+        entry = self._compile(name, params, body, {"fused_program": fused_program, **self._scope(name)})
         return coda_autotune(key=("M", "N", "K", *self.flags), configs=configs)(triton.jit(entry))
 
     def rows_kernel(self, name: str) -> Callable:
         """The split kernel over the GEMM output; its body :func:`rows_program`."""
         params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(False), "BM: tl.constexpr", "BN: tl.constexpr"]
         amax = "amax_ptr" if self.amax_of >= 0 else "gemm_ptr"
-        body = self._body("rows_program", "gemm_ptr, M, N, stride_gemm", "BN", "gemm_ptr",
+        body = self._body("rows_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr",
                           f"{amax}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
-        return triton.jit(self._compile(name, params, body, {"rows_program": rows_program}))
+        return triton.jit(self._compile(name, params, body, {"rows_program": rows_program, **self._scope(name)}))
 
     def _compile(self, name: str, params: list[str], body: list[str], scope: dict[str, Any]) -> Callable:
         src = f"def {name}({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
         filename = f"<coda:{name}>"  # Triton reads a kernel's source: kept in linecache under this name
         linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
-        namespace = {"tl": tl, "tile_desc": tile_desc, "EPILOGUE": self.epilogue, **scope}
+        namespace = {"tl": tl, "tile_desc": tile_desc, **scope}
         exec(compile(src, filename, "exec"), namespace)
         return namespace[name]
 
