@@ -23,6 +23,7 @@ persistent grid, with the epilogue's arguments by keyword::
 
 The block is passed by position (the autotuner's pruning reads M, N and A's element size from there), the
 epilogue by name; the autotuning key is (the kernel's ``key`` values, then the dtype of every tensor argument).
+A kernel declared as its epilogue (:mod:`kernels.coda.program`) is built with this contract and launched this way.
 """
 from __future__ import annotations
 
