@@ -233,23 +233,23 @@ class Declaration:
         """The partials' pointers, in order; they share one row stride, ``stride_<first>``."""
         return ["ss"] * (self.sumsq_of >= 0) + ["amax"] * (self.amax_of >= 0)
 
+    def _pointers(self) -> list[str]:
+        return [*([f"{self.row_scale}_ptr"] if self.row_scale else []),
+                *(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs),
+                *(f"{o.name}_ptr" for o in self.outputs)]
+
+    def _strides(self) -> list[str]:
+        return [*(f"stride_{i.name}" for i in self.inputs if isinstance(i, Tile)),
+                *(f"stride_{o.name}" for o in self.outputs)]
+
     def names(self) -> list[str]:
         """Every parameter name the declaration chooses."""
-        outs = [o.name for o in self.outputs]
-        tiles = [i.name for i in self.inputs if isinstance(i, Tile)]
-        return [*([f"{self.row_scale}_ptr"] if self.row_scale else []),
-                *(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs), *(f"{n}_ptr" for n in outs),
-                *(f"stride_{n}" for n in tiles + outs), *self.flags]
+        return [*self._pointers(), *self._strides(), *self.flags]
 
     def _params(self, partial_stride: bool) -> list[str]:
-        outs = [o.name for o in self.outputs]
-        tiles = [i.name for i in self.inputs if isinstance(i, Tile)]
-        return [*([f"{self.row_scale}_ptr"] if self.row_scale else []),
-                *(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs), *(f"{n}_ptr" for n in outs),
-                *(f"{p}_ptr" for p in self.partials), *(f"stride_{n}" for n in tiles + outs),
+        return [*self._pointers(), *(f"{p}_ptr" for p in self.partials), *self._strides(),
                 *([f"stride_{self.partials[0]}"] if partial_stride and self.partials else []),
-                *(f"{f}: tl.constexpr" for f in self.flags),
-                *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
+                *(f"{f}: tl.constexpr" for f in self.flags), *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
 
     def _body(self, program: str, head: str, unused: str, tail: str) -> list[str]:
         """The entry's one line: the program's call."""
@@ -303,7 +303,7 @@ class Declaration:
         src = f"def {name}({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
         filename = f"<coda:{name}>"  # Triton reads a kernel's source: kept in linecache under this name
         linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
-        namespace = {"tl": tl, "tile_desc": tile_desc, **scope}
+        namespace = {"__name__": __name__, "tl": tl, "tile_desc": tile_desc, **scope}  # Triton reads __module__
         exec(compile(src, filename, "exec"), namespace)
         return namespace[name]
 
