@@ -5,8 +5,9 @@
     rstd_m = (sum_j x_mj^2 / d + eps)^(-1/2)
 
 One fused GEMM, declared as its epilogue (:mod:`kernels.coda.program`), writes x, h and per-N-tile partial sums of
-squares of the fp32 x (before rounding); :func:`kernels.coda.reduce.finish_rstd` turns them into rstd. On fp8 operands the epilogue first
-dequantizes, and can write absmax partials of h so that h is quantized for the next fp8 GEMM.
+squares of the fp32 x (before rounding); :func:`kernels.coda.reduce.finish_rstd` turns them into rstd. On fp8
+operands the epilogue first dequantizes, and can write absmax partials of h so that h is quantized for the next fp8
+GEMM.
 :func:`norm_input` does the same for an x that no GEMM produces (the first layer's input, the LM head's input).
 Split path (:mod:`kernels.coda.strategy`): the plain GEMM c = a @ w^T, then that same row pass on x = residual + c.
 Gluon path, on Hopper: the warp-specialized kernel of :mod:`kernels.coda.producer_gluon` (h from the rounded x).

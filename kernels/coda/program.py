@@ -125,9 +125,8 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
                   PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, in_strides, outs, strides, ss_ptr,
                   amax_ptr, stride_part, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr,
-                  NOUT: tl.constexpr,
-                  COLS: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, AMAX_OF: tl.constexpr,
-                  AMAX: tl.constexpr, EPI_SUB: tl.constexpr):
+                  NOUT: tl.constexpr, COLS: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr,
+                  AMAX_OF: tl.constexpr, AMAX: tl.constexpr, EPI_SUB: tl.constexpr):
     """The persistent fused kernel: for each tile, the mainloop, the dequantization (with the row scale), then
     EPILOGUE on each of EPI_SUB column sub-tiles, its outputs stored (those STORE asks for); the row partials of the
     tile: sums of squares of output SUMSQ_OF (-1: none), and with AMAX the absmax of output AMAX_OF."""
@@ -165,9 +164,9 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
 
 
 @triton.jit
-def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides, amax_ptr,
-                 INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr, STORE: tl.constexpr,
-                 AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides, amax_ptr, INPUTS: tl.constexpr,
+                 EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
+                 STORE: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """The split kernel: rows [pid BM, pid BM + BM) of the GEMM output c [M, N], tile by tile, through EPILOGUE
     (c times the row scale is its ``z``); with AMAX, the row absmax of output AMAX_OF in ``amax[M]``."""
     off_m = tl.program_id(0) * BM
