@@ -321,7 +321,8 @@ def _ordered_decls(ptx: str, kernel: str, params: list[str], names: dict[str, st
 
 def compare(base: dict, new: dict) -> dict[str, list[str]]:
     """The differences between two compiled cases, per artefact (resources, PTX, SASS; empty: identical)."""
-    kernel, names = new["kernel"], BASE_NAMES.get(new["kernel"], {})
+    kernel = new["kernel"]  # a rename applies where the base lacks its new name (a base that has it is newer)
+    names = {old: now for old, now in BASE_NAMES.get(kernel, {}).items() if now not in base["params"]}
     resources = [f"{key}: {base[key]} -> {new[key]}" for key in ("shared", "num_warps", "num_stages", "regs", "stack",
                                                                   "local") if base[key] != new[key]]
     (bdecl, bbody), (ndecl, nbody) = (normalise_ptx(base["ptx"], kernel, base["params"], names),
