@@ -7,9 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import load_cols
+from kernels.coda.epilogue import add_tile, load_cols
 from kernels.coda.mainloop import subtiled_configs
-from kernels.coda.program import Gemm, Output, coda
+from kernels.coda.program import Gemm, Output, Tile, coda
 from tests.kernel_helpers import DTYPES, check, launches, rand
 from workloads.fp8 import Recipe, quantize
 
@@ -61,10 +61,27 @@ def test_an_fp8_output_is_quantized_from_the_epilogues_partials(strategy):
         assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
 
 
+@triton.jit
+def plus_tile(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """z plus the tile of a matrix (descriptor ``args[1]``), times a scalar ``args[0]``."""
+    return (args[0] * add_tile(z, args[1], off_m, off_n),)
+
+
+@coda(plus_tile, outputs=(Output("out", like="res"),), inputs=("alpha", Tile("res")), configs=subtiled_configs((2,)))
+def gemm_plus_tile(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, alpha: float) -> Gemm:
+    return Gemm(x, w.T, inputs=(alpha, res))
+
+
+def test_a_tile_input_is_read_by_both_paths_in_its_own_dtype(strategy):
+    x, w = rand(M, K, dtype=torch.float16, seed=1), rand(N, K, dtype=torch.float16, seed=2, scale=K ** -0.5)
+    res = rand(M, N, seed=5)
+    out = gemm_plus_tile(x, w, res, 0.5)
+    ref = 0.5 * (x.double() @ w.double().T + res.double())
+    check("out", out, ref, 0.5 * ((x @ w.T).float() + res))  # PyTorch's GEMM rounds to fp16, as the split path's
+
+
 def test_bad_declarations_fail_at_import():
     with pytest.raises(ValueError, match="1 to 2 outputs"):
         coda(shift_square, outputs=())
-    with pytest.raises(ValueError, match="full-width output"):
-        coda(shift_square, outputs=(Output("half", cols=2),))
     with pytest.raises(ValueError, match=r"already use: \['a_ptr', 'stride_a'\]"):
         coda(shift_square, outputs=(Output("a"),))

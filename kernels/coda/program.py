@@ -27,7 +27,7 @@ Built from it:
   had. Its body is one call of :func:`fused_program`, the same for every kernel;
 - the split kernel ``<host>_rows_kernel`` (unless the declaration brings its own split path): the plain GEMM
   (:func:`kernels.coda.gemm.split_matmul`), then :func:`rows_program` over its output, calling the SAME epilogue on
-  each tile and writing the first full-width output over that output, in place;
+  each tile and writing the first full-width output of the GEMM's dtype over that output, in place;
 - the host function, under :func:`kernels.coda.strategy.with_split` with both paths (and a Gluon one if declared).
   It returns the outputs (one: the tensor; several: a tuple in the declared order); an output whose ``when``
   argument is false is None and not written; an output with ``fp8`` is returned quantized
@@ -325,8 +325,6 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
                        any("EPI_SUB" in c.kwargs for c in configs or ()))
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
         raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
-    if split is None and not any(o.cols == 1 for o in outputs):
-        raise ValueError("an epilogue declares a full-width output (the split path writes it over the GEMM's)")
     if (decl.sumsq_of >= 0) != (finish is not None) or (decl.sumsq_of >= 0 and split is None):
         raise ValueError("a sumsq output goes with finish and a split path of the declaration's own")
     names = decl.names()
@@ -419,9 +417,10 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     asked = _Asked.of(decl, named)
     c = split_matmul(g.a, g.b, g.promote)
     M, N = c.shape
-    inplace = next(i for i, o in enumerate(decl.outputs) if o.cols == 1)
-    outs = [c if i == inplace else torch.empty(M, N // o.cols, device=c.device, dtype=c.dtype)
-            for i, o in enumerate(decl.outputs)]
+    dtypes = [named[o.like].dtype if o.like else c.dtype for o in decl.outputs]
+    inplace = next((i for i, (o, dt) in enumerate(zip(decl.outputs, dtypes)) if o.cols == 1 and dt == c.dtype), -1)
+    outs = [c if i == inplace else torch.empty(M, N // o.cols, device=c.device, dtype=dt)
+            for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))]
     amax = torch.empty(M, 1, device=c.device, dtype=torch.float32) if asked.recipe else None
     tiles = [v for i, v in zip(decl.inputs, g.inputs) if isinstance(i, Tile)]
     bm, bn = (16, 32) if INTERPRET else (16, 256)
