@@ -38,6 +38,7 @@ Built from it:
 from __future__ import annotations
 
 import functools
+import inspect
 import linecache
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -347,6 +348,8 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
             named = bind(args, kwargs)
             return _run_split(decl, rows_kernel, host(**named), named)
 
+        signature = inspect.signature(host).replace(return_annotation=Any)  # the outputs, not the declared Gemm
+        fused.__signature__ = built_split.__signature__ = signature
         dispatch = with_split(split or built_split, gluon=gluon)(fused)
         dispatch.kernel, dispatch.rows_kernel = fused_kernel, rows_kernel
         return dispatch
