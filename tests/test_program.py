@@ -7,9 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import add_tile, load_cols
+from kernels.coda.epilogue import add_tile, join_pairs, load_cols, load_tile
 from kernels.coda.mainloop import subtiled_configs
 from kernels.coda.program import Gemm, Output, Tile, coda
+from kernels.coda.reduce import finish_row_sum
 from tests.kernel_helpers import DTYPES, check, launches, rand
 from workloads.fp8 import Recipe, quantize
 
@@ -80,8 +81,47 @@ def test_a_tile_input_is_read_by_both_paths_in_its_own_dtype(strategy):
     check("out", out, ref, 0.5 * ((x @ w.T).float() + res))  # PyTorch's GEMM rounds to fp16, as the split path's
 
 
+@triton.jit
+def pairs_and_sums(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(t + z on both columns of each pair, z), and the rows' sums of z: t the [M, 2N] tile of ``args[0]``."""
+    t = load_tile(args[0], off_m, 2 * off_n)
+    return t + join_pairs(z, z, BM, 2 * BN), z, tl.sum(z, axis=1)
+
+
+def _sums(arguments: dict, outputs: list, ss: torch.Tensor, n_tiles: int) -> tuple:
+    return (*outputs, finish_row_sum(ss, n_tiles))
+
+
+@coda(pairs_and_sums, outputs=(Output("p", wide=2, like="t"), Output("z")), inputs=(Tile("t", wide=2),),
+      row_sum=True, configs=subtiled_configs((2,)), finish=_sums)
+def gemm_pairs(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Gemm:
+    g = Gemm(x, w.T, inputs=(t.contiguous(),))
+    assert t.shape == (g.shape[0], 2 * g.shape[1])
+    return g
+
+
+def test_wide_tiles_and_row_sums_of_the_epilogue_in_both_paths(strategy):
+    """A [M, 2N] input and output (blocks twice as wide as the GEMM's tile) and the rows' sums of a value the
+    epilogue returns, summed over the N tiles by ``finish``."""
+    x, w = rand(M, K, dtype=torch.float16, seed=1), rand(N, K, dtype=torch.float16, seed=2, scale=K ** -0.5)
+    t = rand(M, 2 * N, seed=6)
+    with launches() as names:
+        p, z, s = gemm_pairs(x, w, t)
+    assert names[0] == f"gemm_pairs_{'kernel' if strategy == 'fused' else 'rows_kernel'}"
+    assert p.shape == (M, 2 * N) and p.dtype == torch.float32 and z.dtype == torch.float16 and s.shape == (M,)
+    z64 = x.double() @ w.double().T
+    zt = (x @ w.T).float()  # PyTorch's GEMM rounds to fp16, as the split path's
+    check("p", p, t.double() + z64.repeat_interleave(2, dim=1), t + zt.repeat_interleave(2, dim=1))
+    check("z", z, z64, zt.half())
+    check("s", s, z64.sum(1), zt.sum(1))
+
+
 def test_bad_declarations_fail_at_import():
     with pytest.raises(ValueError, match="1 to 2 outputs"):
         coda(shift_square, outputs=())
+    with pytest.raises(ValueError, match="go with finish"):
+        coda(pairs_and_sums, outputs=(Output("p", wide=2), Output("z")), row_sum=True)
+    with pytest.raises(ValueError, match="one kind of row sums"):
+        coda(pairs_and_sums, outputs=(Output("p", sumsq=True), Output("z")), row_sum=True, finish=_sums)
     with pytest.raises(ValueError, match=r"already use: \['a_ptr', 'stride_a'\]"):
         coda(shift_square, outputs=(Output("a"),))

@@ -33,7 +33,9 @@ Built from it:
   argument is false is None and not written; an output with ``fp8`` is returned quantized
   (:func:`kernels.coda.fp8.quantize_from_partials`) when that argument holds a :class:`workloads.fp8.Recipe`, from
   the row absmax partials of its stored tiles; an output with ``sumsq`` has the per-N-tile partial sums of squares
-  of its fp32 tiles stored, which ``finish`` turns into the host function's further results.
+  of its fp32 tiles stored (with ``row_sum``, the sums of a row vector the epilogue returns after its outputs
+  instead), which ``finish`` turns into the host function's further results. An output or :class:`Tile` input
+  may be ``wide``: [M, N * wide], the epilogue's tile of it [BM, BN * wide] (an interleaved pair per column).
 """
 from __future__ import annotations
 
@@ -67,13 +69,15 @@ RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "stride_ss", "strid
 
 @dataclass(frozen=True)
 class Output:
-    """One output of an epilogue: ``name`` [M, N // cols], in the GEMM's output dtype or that of the host argument
-    ``like``. ``when``: the host function's bool argument that asks for it (None: always). ``fp8``: the host argument
-    that, holding a Recipe, asks for it quantized (``role``: its role in that recipe). ``sumsq``: its row sums of
-    squares are stored as partials, for the declaration's ``finish``."""
+    """One output of an epilogue: ``name`` [M, N * wide // cols], in the GEMM's output dtype or that of the host
+    argument ``like`` (the epilogue's tile of it: [BM, BN * wide // cols], stored at column off_n * wide // cols).
+    ``when``: the host function's bool argument that asks for it (None: always). ``fp8``: the host argument that,
+    holding a Recipe, asks for it quantized (``role``: its role in that recipe). ``sumsq``: its row sums of squares
+    are stored as partials, for the declaration's ``finish``."""
 
     name: str
     cols: int = 1
+    wide: int = 1
     when: str | None = None
     like: str | None = None
     fp8: str | None = None
@@ -83,17 +87,18 @@ class Output:
 
 @dataclass(frozen=True)
 class Tile:
-    """An input matrix [M, N] the epilogue reads tile by tile (a residual): the kernel gets ``<name>_ptr`` and
-    ``stride_<name>``, the epilogue its descriptor."""
+    """An input matrix [M, N * wide] the epilogue reads tile by tile (a residual; blocks [BM, BN * wide]): the
+    kernel gets ``<name>_ptr`` and ``stride_<name>``, the epilogue its descriptor."""
 
     name: str
+    wide: int = 1
 
 
 @dataclass(frozen=True)
 class Gemm:
     """The GEMM of one host call: ``a @ b`` (:class:`kernels.coda.launch.FusedGemm`'s operands), ``promote`` the fp8
     accumulation mode, ``row_scale`` an optional fp32 [M] factor of each row (RMSNorm's rstd), ``inputs`` the values
-    of the declared inputs, in order (a row-major [M, N] tensor for a :class:`Tile`)."""
+    of the declared inputs, in order (a row-major [M, N * wide] tensor for a :class:`Tile`)."""
 
     a: torch.Tensor | Fp8
     b: torch.Tensor | Fp8
@@ -101,19 +106,26 @@ class Gemm:
     row_scale: torch.Tensor | None = None
     inputs: tuple = ()
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(M, N) of ``a @ b``."""
+        a, b = (t.data if isinstance(t, Fp8) else t for t in (self.a, self.b))
+        return a.shape[0], b.shape[1]
+
 
 # ---- the two programs every declared kernel runs -------------------------------------------------------------
 
 @triton.jit
-def _desc(ptr, stride, M, N, COLS: tl.constexpr, BM: tl.constexpr, SN: tl.constexpr):
-    return tile_desc(ptr, M, N // COLS, stride, BM, SN // COLS)
+def _desc(ptr, stride, M, N, COLS: tl.constexpr, WIDE: tl.constexpr, BM: tl.constexpr, SN: tl.constexpr):
+    return tile_desc(ptr, M, N * WIDE // COLS, stride, BM, SN * WIDE // COLS)
 
 
 @triton.jit
-def _store(desc, off_m, off_n, COLS: tl.constexpr, val, amax, ss, ABSMAX: tl.constexpr, SUMSQ: tl.constexpr):
-    """Store ``val`` at (off_m, off_n / COLS); with SUMSQ, ``ss`` plus the row sums of squares of the fp32 ``val``;
-    with ABSMAX, ``amax`` maxed with the row absmax of what was stored."""
-    store_tile(desc, off_m, off_n // COLS, val)
+def _store(desc, off_m, off_n, COLS: tl.constexpr, WIDE: tl.constexpr, val, amax, ss, ABSMAX: tl.constexpr,
+           SUMSQ: tl.constexpr):
+    """Store ``val`` at (off_m, off_n * WIDE / COLS); with SUMSQ, ``ss`` plus the row sums of squares of the fp32
+    ``val``; with ABSMAX, ``amax`` maxed with the row absmax of what was stored."""
+    store_tile(desc, off_m, off_n * WIDE // COLS, val)
     if SUMSQ:
         ss += row_sumsq(val)
     if ABSMAX:
@@ -126,19 +138,21 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
                   PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, in_strides, outs, strides, ss_ptr,
                   amax_ptr, stride_part, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr,
-                  NOUT: tl.constexpr, COLS: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr,
-                  AMAX_OF: tl.constexpr, AMAX: tl.constexpr, EPI_SUB: tl.constexpr):
+                  NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr, STORE: tl.constexpr,
+                  SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr,
+                  EPI_SUB: tl.constexpr):
     """The persistent fused kernel: for each tile, the mainloop, the dequantization (with the row scale), then
     EPILOGUE on each of EPI_SUB column sub-tiles, its outputs stored (those STORE asks for); the row partials of the
-    tile: sums of squares of output SUMSQ_OF (-1: none), and with AMAX the absmax of output AMAX_OF."""
+    tile: sums of squares of output SUMSQ_OF (-1: none) or (ROW_SUM) sums of the row values EPILOGUE returns after
+    its outputs, and with AMAX the absmax of output AMAX_OF."""
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB
     args = INPUTS(args, in_strides, M, N, BM, SN)
     if STORE[0]:
-        d0 = _desc(outs[0], strides[0], M, N, COLS[0], BM, SN)
+        d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, SN)
     if NOUT > 1:
         if STORE[1]:
-            d1 = _desc(outs[1], strides[1], M, N, COLS[1], BM, SN)
+            d1 = _desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, SN)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
@@ -153,33 +167,40 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
             off_s = off_n + i * SN
             res = EPILOGUE(col_subtile(z, i, EPI_SUB, BM, BN), args, off_m, off_s, M, N, BM, SN)
             if STORE[0]:
-                amax, ss = _store(d0, off_m, off_s, COLS[0], res[0], amax, ss, AMAX and AMAX_OF == 0, SUMSQ_OF == 0)
+                amax, ss = _store(d0, off_m, off_s, COLS[0], WIDE[0], res[0], amax, ss, AMAX and AMAX_OF == 0,
+                                  SUMSQ_OF == 0)
             if NOUT > 1:
                 if STORE[1]:
-                    amax, ss = _store(d1, off_m, off_s, COLS[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
+                    amax, ss = _store(d1, off_m, off_s, COLS[1], WIDE[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
                                       SUMSQ_OF == 1)
-        if SUMSQ_OF >= 0:
+            if ROW_SUM:
+                ss += res[NOUT]
+        if SUMSQ_OF >= 0 or ROW_SUM:
             store_row_partial(ss_ptr, ss, off_m, off_n, M, stride_part, BM, BN)
         if AMAX:
             store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_part, BM, BN)
 
 
 @triton.jit
-def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides, amax_ptr, INPUTS: tl.constexpr,
-                 EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
-                 STORE: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides, ss_ptr, amax_ptr,
+                 INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr,
+                 COLS: tl.constexpr, WIDE: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr,
+                 ROW_SUM: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr):
     """The split kernel: rows [pid BM, pid BM + BM) of the GEMM output c [M, N], tile by tile, through EPILOGUE
-    (c times the row scale is its ``z``); with AMAX, the row absmax of output AMAX_OF in ``amax[M]``."""
+    (c times the row scale is its ``z``); the row sums (of squares of output SUMSQ_OF, or with ROW_SUM of the row
+    values EPILOGUE returns) in ``ss[M]``, and with AMAX the row absmax of output AMAX_OF in ``amax[M]``."""
     off_m = tl.program_id(0) * BM
     c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
     args = INPUTS(args, in_strides, M, N, BM, BN)
     if STORE[0]:
-        d0 = _desc(outs[0], strides[0], M, N, COLS[0], BM, BN)
+        d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, BN)
     if NOUT > 1:
         if STORE[1]:
-            d1 = _desc(outs[1], strides[1], M, N, COLS[1], BM, BN)
+            d1 = _desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, BN)
     if ROW_SCALE:
         row = load_rows(row_ptr, off_m, M, BM)
+    ss = tl.zeros((BM,), dtype=tl.float32)
     amax = tl.zeros((BM,), dtype=tl.float32)
     for off_n in range(0, N, BN):
         z = load_tile(c_desc, off_m, off_n)
@@ -187,12 +208,18 @@ def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides
             z = z * row[:, None]
         res = EPILOGUE(z, args, off_m, off_n, M, N, BM, BN)
         if STORE[0]:
-            amax, _ = _store(d0, off_m, off_n, COLS[0], res[0], amax, amax, AMAX and AMAX_OF == 0, False)
+            amax, ss = _store(d0, off_m, off_n, COLS[0], WIDE[0], res[0], amax, ss, AMAX and AMAX_OF == 0,
+                              SUMSQ_OF == 0)
         if NOUT > 1:
             if STORE[1]:
-                amax, _ = _store(d1, off_m, off_n, COLS[1], res[1], amax, amax, AMAX and AMAX_OF == 1, False)
+                amax, ss = _store(d1, off_m, off_n, COLS[1], WIDE[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
+                                  SUMSQ_OF == 1)
+        if ROW_SUM:
+            ss += res[NOUT]
+    rows = off_m + tl.arange(0, BM)
+    if SUMSQ_OF >= 0 or ROW_SUM:
+        tl.store(ss_ptr + rows, ss, mask=rows < M)
     if AMAX:
-        rows = off_m + tl.arange(0, BM)
         tl.store(amax_ptr + rows, amax, mask=rows < M)
 
 
@@ -204,13 +231,14 @@ def _tuple(items: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class Declaration:
-    """An epilogue with its outputs, inputs, row scale and sub-tiling: what the two kernels and the two host paths
-    are built from."""
+    """An epilogue with its outputs, inputs, row scale, row sums and sub-tiling: what the two kernels and the two
+    host paths are built from."""
 
     epilogue: Callable
     outputs: tuple[Output, ...]
     inputs: tuple[str | Tile, ...]
     row_scale: str | None
+    row_sum: bool
     subtiled: bool
 
     @property
@@ -230,8 +258,9 @@ class Declaration:
 
     @property
     def partials(self) -> list[str]:
-        """The partials' pointers, in order; they share one row stride, ``stride_<first>``."""
-        return ["ss"] * (self.sumsq_of >= 0) + ["amax"] * (self.amax_of >= 0)
+        """The partials' pointers, in order (``ss``: row sums, of squares of the sumsq output or of the epilogue's
+        row values; ``amax``); they share one row stride, ``stride_<first>``."""
+        return ["ss"] * (self.sumsq_of >= 0 or self.row_sum) + ["amax"] * (self.amax_of >= 0)
 
     def _pointers(self) -> list[str]:
         return [*([f"{self.row_scale}_ptr"] if self.row_scale else []),
@@ -257,8 +286,9 @@ class Declaration:
         ptrs = [f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs]
         tiles = [f"stride_{i.name}" for i in self.inputs if isinstance(i, Tile)]
         store = ", ".join(o.when.upper() if o.when else "True" for o in self.outputs)
-        consts = (f"INPUTS, EPILOGUE, {self.row_scale is not None}, {len(self.outputs)}, "
-                  f"({', '.join(str(o.cols) for o in self.outputs)},), ({store},)")
+        cols, wide = (", ".join(str(getattr(o, f)) for o in self.outputs) for f in ("cols", "wide"))
+        consts = (f"INPUTS, EPILOGUE, {self.row_scale is not None}, {len(self.outputs)}, ({cols},), ({wide},), "
+                  f"({store},), {self.sumsq_of}, {self.row_sum}")
         return [f"{program}({head}, {f'{self.row_scale}_ptr' if self.row_scale else unused}, {_tuple(ptrs)}, "
                 f"{_tuple(tiles)}, {_tuple([f'{n}_ptr' for n in outs])}, {_tuple([f'stride_{n}' for n in outs])}, "
                 f"{tail.format(consts=consts, amax='AMAX' if self.amax_of >= 0 else 'False')})"]
@@ -268,10 +298,13 @@ class Declaration:
 
     def inputs_fn(self, name: str) -> Callable:
         """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's input pointers, a
-        :class:`Tile`'s pointer replaced by its descriptor (blocks (BM, BN); its row stride the next of ``strides``)."""
+        :class:`Tile`'s pointer replaced by its descriptor (blocks (BM, BN * wide); its row stride the next of
+        ``strides``)."""
         items, t = [], 0
         for k, i in enumerate(self.inputs):
-            items.append(f"tile_desc(args[{k}], M, N, strides[{t}], BM, BN)" if isinstance(i, Tile) else f"args[{k}]")
+            wide = f"{i.wide} * " if isinstance(i, Tile) and i.wide > 1 else ""
+            items.append(f"tile_desc(args[{k}], M, {wide}N, strides[{t}], BM, {wide}BN)" if isinstance(i, Tile)
+                         else f"args[{k}]")
             t += isinstance(i, Tile)
         return triton.jit(self._compile(name, ["args", "strides", "M", "N", "BM: tl.constexpr", "BN: tl.constexpr"],
                                         [f"return {_tuple(items)}"], {}))
@@ -285,8 +318,7 @@ class Declaration:
         ptr = {p: f"{p}_ptr" if p in self.partials else "a_ptr" for p in ("ss", "amax")}
         stride = f"stride_{self.partials[0]}" if self.partials else "0"
         sub = "EPI_SUB" if self.subtiled else "1"
-        tail = (f"{ptr['ss']}, {ptr['amax']}, {stride}, {{consts}}, {self.sumsq_of}, {self.amax_of}, {{amax}}, "
-                f"{sub}")
+        tail = f"{ptr['ss']}, {ptr['amax']}, {stride}, {{consts}}, {self.amax_of}, {{amax}}, {sub}"
         body = self._body("fused_program", ", ".join(MAINLOOP_PARAMS), "a_ptr", tail)
         entry = self._compile(name, params, body, {"fused_program": fused_program, **self._scope(name)})
         return coda_autotune(key=("M", "N", "K", *self.flags), configs=configs)(triton.jit(entry))
@@ -294,9 +326,9 @@ class Declaration:
     def rows_kernel(self, name: str) -> Callable:
         """The split kernel over the GEMM output; its body :func:`rows_program`."""
         params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(False), "BM: tl.constexpr", "BN: tl.constexpr"]
-        amax = "amax_ptr" if self.amax_of >= 0 else "gemm_ptr"
+        ptr = {p: f"{p}_ptr" if p in self.partials else "gemm_ptr" for p in ("ss", "amax")}
         body = self._body("rows_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr",
-                          f"{amax}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
+                          f"{ptr['ss']}, {ptr['amax']}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
         return triton.jit(self._compile(name, params, body, {"rows_program": rows_program, **self._scope(name)}))
 
     def _compile(self, name: str, params: list[str], body: list[str], scope: dict[str, Any]) -> Callable:
@@ -309,7 +341,7 @@ class Declaration:
 
 
 def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | Tile] = (),
-         row_scale: str | None = None, configs: list[triton.Config] | None = None,
+         row_scale: str | None = None, row_sum: bool = False, configs: list[triton.Config] | None = None,
          finish: Callable[..., tuple] | None = None, split: Callable | None = None,
          gluon: Gluon | None = None) -> Callable:
     """Decorate a host function that returns the :class:`Gemm` of its call: it becomes the declared kernel's host
@@ -318,16 +350,20 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
 
     ``inputs``: the epilogue's extra arguments (``Gemm.inputs``, its ``args``), by parameter name, or :class:`Tile`;
     ``row_scale``: the name of ``Gemm.row_scale`` (the kernel's ``<row_scale>_ptr``), which scales the GEMM's rows
-    before the epilogue; ``configs``: the tile configs (``EPI_SUB`` in them: the epilogue runs on column sub-tiles);
-    ``finish(arguments, outputs, ss, n_tiles)``: the host function's results from its outputs and the sums of
-    squares partials (``ss[:, :n_tiles]``) of the ``sumsq`` output; ``split``: a split path of the host function's
-    signature and results instead of the built one; ``gluon``: its Gluon path."""
-    decl = Declaration(epilogue, tuple(outputs), tuple(inputs), row_scale,
+    before the epilogue; ``row_sum``: the epilogue returns, after its outputs, an fp32 [BM] vector of its tile
+    whose sums over each row are kept (as partials, like a ``sumsq`` output's); ``configs``: the tile configs
+    (``EPI_SUB`` in them: the epilogue runs on column sub-tiles); ``finish(arguments, outputs, ss, n_tiles)``: the
+    host function's results from its outputs and the row sums partials (``ss[:, :n_tiles]``: of squares of the
+    ``sumsq`` output, or the ``row_sum`` ones); ``split``: a split path of the host function's signature and results
+    instead of the built one; ``gluon``: its Gluon path."""
+    decl = Declaration(epilogue, tuple(outputs), tuple(inputs), row_scale, row_sum,
                        any("EPI_SUB" in c.kwargs for c in configs or ()))
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
         raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
-    if (decl.sumsq_of >= 0) != (finish is not None) or (decl.sumsq_of >= 0 and split is None):
-        raise ValueError("a sumsq output goes with finish and a split path of the declaration's own")
+    if decl.sumsq_of >= 0 and row_sum:
+        raise ValueError("an epilogue keeps one kind of row sums: a sumsq output or row_sum")
+    if (decl.sumsq_of >= 0 or row_sum) != (finish is not None):
+        raise ValueError("row sums (a sumsq output or row_sum) go with finish, which turns them into results")
     names = decl.names()
     taken = {*MAINLOOP_PARAMS, *RESERVED} & set(names) | {n for n in names if names.count(n) > 1}
     if taken:
@@ -346,7 +382,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
         @functools.wraps(host)
         def built_split(*args: Any, **kwargs: Any) -> Any:
             named = bind(args, kwargs)
-            return _run_split(decl, rows_kernel, host(**named), named)
+            return _run_split(decl, rows_kernel, host(**named), named, finish)
 
         signature = inspect.signature(host).replace(return_annotation=Any)  # the outputs, not the declared Gemm
         fused.__signature__ = built_split.__signature__ = signature
@@ -395,7 +431,8 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     asked = _Asked.of(decl, named)
     gemm = FusedGemm(g.a, g.b, g.promote)
     M, N = gemm.M, gemm.N
-    outs = [torch.empty(M, N // o.cols, device=gemm.device, dtype=named[o.like].dtype if o.like else gemm.out_dtype)
+    outs = [torch.empty(M, N * o.wide // o.cols, device=gemm.device,
+                        dtype=named[o.like].dtype if o.like else gemm.out_dtype)
             if s else None for o, s in zip(decl.outputs, asked.stored)]
     live = next(t for t in outs if t is not None)  # an output not asked for: this one as a placeholder never written
     args = {f"{decl.row_scale}_ptr": g.row_scale} if decl.row_scale else {}
@@ -403,7 +440,7 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
         args.update({f"{i.name}_ptr": v, f"stride_{i.name}": v.stride(0)} if isinstance(i, Tile) else {i: v})
     args.update({f"{o.name}_ptr": live if t is None else t for o, t in zip(decl.outputs, outs)})
     args.update({f"stride_{o.name}": 0 if t is None else t.stride(0) for o, t in zip(decl.outputs, outs)})
-    ss = row_partials(kernel, M, N, gemm.device) if decl.sumsq_of >= 0 else None
+    ss = row_partials(kernel, M, N, gemm.device) if "ss" in decl.partials else None
     amax = (row_partials(kernel, M, N, gemm.device) if ss is None else torch.empty_like(ss)) if asked.recipe else None
     parts = {"ss": ss, "amax": amax}
     if decl.partials:  # one not asked for points at one that is, else at the row scale (stride 1), else an output
@@ -416,18 +453,23 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     return _returned(finish(named, results, ss, n_tiles) if finish else results)
 
 
-def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any]) -> Any:
+def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
+               finish: Callable[..., tuple] | None) -> Any:
     asked = _Asked.of(decl, named)
     c = split_matmul(g.a, g.b, g.promote)
     M, N = c.shape
     dtypes = [named[o.like].dtype if o.like else c.dtype for o in decl.outputs]
-    inplace = next((i for i, (o, dt) in enumerate(zip(decl.outputs, dtypes)) if o.cols == 1 and dt == c.dtype), -1)
-    outs = [c if i == inplace else torch.empty(M, N // o.cols, device=c.device, dtype=dt)
+    inplace = next((i for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))
+                    if o.cols == o.wide == 1 and dt == c.dtype), -1)
+    outs = [c if i == inplace else torch.empty(M, N * o.wide // o.cols, device=c.device, dtype=dt)
             for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))]
+    ss = torch.empty(M, 1, device=c.device, dtype=torch.float32) if "ss" in decl.partials else None
     amax = torch.empty(M, 1, device=c.device, dtype=torch.float32) if asked.recipe else None
+    parts = {"ss": ss, "amax": amax}
     tiles = [v for i, v in zip(decl.inputs, g.inputs) if isinstance(i, Tile)]
     bm, bn = (16, 32) if INTERPRET else (16, 256)
     kernel[(triton.cdiv(M, bm),)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *g.inputs, *outs,
-                                  *([c if amax is None else amax] if decl.amax_of >= 0 else []),
+                                  *(c if parts[p] is None else parts[p] for p in decl.partials),
                                   *(t.stride(0) for t in tiles + outs), **asked.kernel_flags(decl), BM=bm, BN=bn)
-    return _returned(asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1))
+    results = asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1)
+    return _returned(finish(named, results, ss, 1) if finish else results)
