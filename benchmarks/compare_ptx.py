@@ -45,12 +45,14 @@ BASE_NAMES = {
            **({"stride_o": "stride_out"} if k == "gemm_rope_kernel" else {})}
        for k in ("scaled_linear_kernel", "gemm_swiglu_kernel", "gemm_rope_kernel", "gemm_cross_entropy_kernel")},
     "dgrad_rmsnorm_kernel": {"dz_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dz": "stride_a", "stride_w": "stride_b"},
-    "dgrad_swiglu_kernel": {"dx_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dx": "stride_a", "stride_w": "stride_b"},
+    "dgrad_swiglu_kernel": {"dx_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dx": "stride_a", "stride_w": "stride_b",
+                            "part_ptr": "ss_ptr", "stride_p": "stride_ss"},
     "gemm_bias_gelu_kernel": {"x_ptr": "a_ptr", "w_ptr": "b_ptr", "b_ptr": "bias_ptr", "stride_x": "stride_a",
                               "stride_w": "stride_b"},
 }
 """Parameter names of the fused kernels before the mainloop block (commit 9d59c22) that the block renamed, and that
-the declared kernels (:mod:`kernels.coda.program`) name after their outputs (``stride_out``)."""
+the declared kernels (:mod:`kernels.coda.program`) name after their outputs (``stride_out``) and partials
+(``ss_ptr``)."""
 
 M, D, F, V = 4096, 2048, 8192, 128256
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
