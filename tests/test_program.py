@@ -7,10 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import add_tile, join_pairs, load_cols, load_tile
+from kernels.coda.epilogue import add_tile, join_pairs, load_cols, load_rows, load_tile
 from kernels.coda.mainloop import subtiled_configs
-from kernels.coda.program import Gemm, Output, Tile, coda
-from kernels.coda.reduce import finish_row_sum
+from kernels.coda.program import Gemm, Output, Partials, Tile, coda
+from kernels.coda.reduce import finish_col_sum, finish_row_sum
 from tests.kernel_helpers import DTYPES, check, launches, rand
 from workloads.fp8 import Recipe, quantize
 
@@ -88,8 +88,8 @@ def pairs_and_sums(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constex
     return t + join_pairs(z, z, BM, 2 * BN), z, tl.sum(z, axis=1)
 
 
-def _sums(arguments: dict, outputs: list, ss: torch.Tensor, n_tiles: int) -> tuple:
-    return (*outputs, finish_row_sum(ss, n_tiles))
+def _sums(arguments: dict, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, finish_row_sum(partials.ss, partials.n_tiles))
 
 
 @coda(pairs_and_sums, outputs=(Output("p", wide=2, like="t"), Output("z")), inputs=(Tile("t", wide=2),),
@@ -116,11 +116,61 @@ def test_wide_tiles_and_row_sums_of_the_epilogue_in_both_paths(strategy):
     check("s", s, z64.sum(1), zt.sum(1))
 
 
+@triton.jit
+def _scale_rows(z, args, off_m, M, N, BM: tl.constexpr):
+    """Once per tile: 2 z, and the epilogue's args with the tile's rows of v loaded."""
+    v_ptr, acc, ADD = args
+    return 2.0 * z, (load_rows(v_ptr, off_m, M, BM), acc, ADD)
+
+
+@triton.jit
+def add_into(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(u, u): ``u = z v`` per row, plus the tile of acc with the flag ADD; the second u's column sums are kept."""
+    v, acc, ADD = args
+    u = z * v[:, None]
+    if ADD:
+        u = add_tile(u, acc, off_m, off_n)
+    return u, u
+
+
+def _col_sums(arguments: dict, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, finish_col_sum(partials.cs, partials.m_tiles))
+
+
+@coda(add_into, outputs=(Output("out"),), inputs=("v_ptr", Tile("acc")), flags=("ADD",), tile=_scale_rows,
+      col_sum=True, configs=subtiled_configs((2,)), restore=("out",), finish=_col_sums,
+      fuses=lambda arguments: arguments["fuse"])
+def gemm_add_into(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor, acc: torch.Tensor, add: bool,
+                  fuse: bool = True) -> Gemm:
+    return Gemm(x, w.T, inputs=(v, acc), flags={"ADD": add}, outputs={"out": acc})
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_flags_a_tile_hook_column_sums_and_an_output_given_in_place(strategy, add):
+    """A flag of the call, row values loaded once per tile, column sums finished per M tile, and an output the call
+    brings (written in place over an input it reads); ``fuses`` false sends a call to the split path."""
+    x, w = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5)
+    v, acc = rand(M, seed=3, mean=1.0), rand(M, N, seed=4)
+    u64 = 2 * (x.double() @ w.double().T) * v.double()[:, None] + (acc.double() if add else 0)
+    ut = 2 * (x @ w.T) * v[:, None] + (acc if add else 0)
+    with launches() as names:
+        out, cs = gemm_add_into(x, w, v, acc, add)
+    assert out is acc and names[0] == f"gemm_add_into_{'kernel' if strategy == 'fused' else 'rows_kernel'}"
+    check("out", out, u64, ut)
+    check("cs", cs, u64.sum(0), ut.sum(0))
+    with launches() as names:
+        gemm_add_into(x, w, v, acc.clone(), add, fuse=False)
+    assert names[0] == "gemm_add_into_rows_kernel"
+    assert gemm_add_into.kernel.restore_value == ["out_ptr"] and gemm_add_into.kernel.keys[-1] == "ADD"
+
+
 def test_bad_declarations_fail_at_import():
     with pytest.raises(ValueError, match="1 to 2 outputs"):
         coda(shift_square, outputs=())
     with pytest.raises(ValueError, match="go with finish"):
         coda(pairs_and_sums, outputs=(Output("p", wide=2), Output("z")), row_sum=True)
+    with pytest.raises(ValueError, match="go with finish"):
+        coda(add_into, outputs=(Output("out"),), col_sum=True)
     with pytest.raises(ValueError, match="one kind of row sums"):
         coda(pairs_and_sums, outputs=(Output("p", sumsq=True), Output("z")), row_sum=True, finish=_sums)
     with pytest.raises(ValueError, match=r"already use: \['a_ptr', 'stride_a'\]"):

@@ -22,7 +22,7 @@ from kernels.coda.epilogue import add_tile, cast, load_tile, row_absmax, row_sum
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import subtiled_configs, tile_desc
-from kernels.coda.program import Gemm, Output, Tile, coda
+from kernels.coda.program import Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_rstd
 from kernels.coda.strategy import Gluon, hopper
 from workloads.fp8 import Fp8, Recipe
@@ -102,8 +102,8 @@ def gluon_applies(arguments: dict) -> bool:
             and hopper(a.device))
 
 
-def _finish(arguments: dict, outputs: list, ss: torch.Tensor, n_tiles: int) -> tuple:
-    return (*outputs, finish_rstd(ss, n_tiles, outputs[0].shape[1], arguments["eps"]))
+def _finish(arguments: dict, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, finish_rstd(partials.ss, partials.n_tiles, outputs[0].shape[1], arguments["eps"]))
 
 
 @coda(residual_norm, outputs=(Output("x", like="residual", sumsq=True), Output("h", like="residual", fp8="h_fp8")),

@@ -42,28 +42,28 @@ from __future__ import annotations
 import functools
 import inspect
 import linecache
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import cast, col_subtile, dequant, dequant_scale, load_rows, load_tile, row_absmax, \
-    row_sumsq, store_row_partial, store_tile
+from kernels.coda.epilogue import cast, col_subtile, col_sum_partial, dequant, dequant_scale, load_rows, load_tile, \
+    row_absmax, row_sumsq, store_row_partial, store_tile
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import MAINLOOP_PARAMS, FusedGemm
 from kernels.coda.mainloop import INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, \
     tile_desc
-from kernels.coda.reduce import launched_tiles, row_partials
-from kernels.coda.strategy import Gluon, binder, with_split
+from kernels.coda.reduce import col_partials, launched_tiles, row_partials
+from kernels.coda.strategy import Gluon, always, binder, with_split
 from workloads.fp8 import Fp8, Recipe
 
 MAX_OUTPUTS = 2
 """Outputs an epilogue may declare (the programs below spell each one out)."""
-RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "stride_ss", "stride_amax", "EPI_SUB", "AMAX", "BM",
-            "BN")
+RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "cs_ptr", "stride_ss", "stride_amax", "stride_cs",
+            "EPI_SUB", "AMAX", "BM", "BN")
 """Parameter names of the built kernels besides the mainloop block, which no input, output or flag may take."""
 
 
@@ -95,22 +95,42 @@ class Tile:
 
 
 @dataclass(frozen=True)
+class Partials:
+    """The partials a call's kernel stored, for the declaration's ``finish``: ``ss`` [M, >= n_tiles], the row sums
+    per N tile (of squares of the ``sumsq`` output, or the ``row_sum`` ones), ``cs`` [>= m_tiles, N], the
+    ``col_sum`` column sums per M tile (None: not declared)."""
+
+    ss: torch.Tensor | None
+    n_tiles: int
+    cs: torch.Tensor | None
+    m_tiles: int
+
+
+@dataclass(frozen=True)
 class Gemm:
     """The GEMM of one host call: ``a @ b`` (:class:`kernels.coda.launch.FusedGemm`'s operands), ``promote`` the fp8
     accumulation mode, ``row_scale`` an optional fp32 [M] factor of each row (RMSNorm's rstd), ``inputs`` the values
-    of the declared inputs, in order (a row-major [M, N * wide] tensor for a :class:`Tile`)."""
+    of the declared inputs, in order (a row-major [M, N * wide] tensor for a :class:`Tile`), ``flags`` the values of
+    the declared flags, by name; ``outputs``: outputs the call brings, by name (written in place; row-major, of the
+    declared shape and dtype), the others are allocated."""
 
     a: torch.Tensor | Fp8
     b: torch.Tensor | Fp8
     promote: bool = False
     row_scale: torch.Tensor | None = None
     inputs: tuple = ()
+    flags: Mapping[str, bool] = field(default_factory=dict)
+    outputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, int]:
         """(M, N) of ``a @ b``."""
         a, b = (t.data if isinstance(t, Fp8) else t for t in (self.a, self.b))
         return a.shape[0], b.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return (self.a.data if isinstance(self.a, Fp8) else self.a).device
 
 
 # ---- the two programs every declared kernel runs -------------------------------------------------------------
@@ -137,14 +157,15 @@ def _store(desc, off_m, off_n, COLS: tl.constexpr, WIDE: tl.constexpr, val, amax
 def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
                   PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, in_strides, outs, strides, ss_ptr,
-                  amax_ptr, stride_part, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr,
-                  NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr, STORE: tl.constexpr,
-                  SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr,
-                  EPI_SUB: tl.constexpr):
-    """The persistent fused kernel: for each tile, the mainloop, the dequantization (with the row scale), then
-    EPILOGUE on each of EPI_SUB column sub-tiles, its outputs stored (those STORE asks for); the row partials of the
-    tile: sums of squares of output SUMSQ_OF (-1: none) or (ROW_SUM) sums of the row values EPILOGUE returns after
-    its outputs, and with AMAX the absmax of output AMAX_OF."""
+                  amax_ptr, stride_part, cs_ptr, stride_cs, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr,
+                  TILE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
+                  WIDE: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr,
+                  COL_SUM: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, EPI_SUB: tl.constexpr):
+    """The persistent fused kernel: for each tile, the mainloop, the dequantization (with the row scale), TILE (the
+    tile and the epilogue's args on it), then EPILOGUE on each of EPI_SUB column sub-tiles, its outputs stored
+    (those STORE asks for) and the column sums of its result COL_SUM (-1: none) stored per M tile; the row partials
+    of the tile: sums of squares of output SUMSQ_OF (-1: none) or (ROW_SUM) sums of the row values EPILOGUE returns
+    after its outputs, and with AMAX the absmax of output AMAX_OF."""
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB
     args = INPUTS(args, in_strides, M, N, BM, SN)
@@ -161,11 +182,12 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
                               SCALING)
         else:
             z = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        z, tile_args = TILE(z, args, off_m, M, N, BM)
         ss = tl.zeros((BM,), dtype=tl.float32)
         amax = tl.zeros((BM,), dtype=tl.float32)
         for i in tl.static_range(EPI_SUB):
             off_s = off_n + i * SN
-            res = EPILOGUE(col_subtile(z, i, EPI_SUB, BM, BN), args, off_m, off_s, M, N, BM, SN)
+            res = EPILOGUE(col_subtile(z, i, EPI_SUB, BM, BN), tile_args, off_m, off_s, M, N, BM, SN)
             if STORE[0]:
                 amax, ss = _store(d0, off_m, off_s, COLS[0], WIDE[0], res[0], amax, ss, AMAX and AMAX_OF == 0,
                                   SUMSQ_OF == 0)
@@ -175,6 +197,8 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
                                       SUMSQ_OF == 1)
             if ROW_SUM:
                 ss += res[NOUT]
+            if COL_SUM >= 0:
+                col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_s, N, stride_cs, BM, SN)
         if SUMSQ_OF >= 0 or ROW_SUM:
             store_row_partial(ss_ptr, ss, off_m, off_n, M, stride_part, BM, BN)
         if AMAX:
@@ -182,14 +206,15 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
 
 
 @triton.jit
-def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides, ss_ptr, amax_ptr,
-                 INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr,
-                 COLS: tl.constexpr, WIDE: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr,
-                 ROW_SUM: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr):
-    """The split kernel: rows [pid BM, pid BM + BM) of the GEMM output c [M, N], tile by tile, through EPILOGUE
-    (c times the row scale is its ``z``); the row sums (of squares of output SUMSQ_OF, or with ROW_SUM of the row
-    values EPILOGUE returns) in ``ss[M]``, and with AMAX the row absmax of output AMAX_OF in ``amax[M]``."""
+def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides, ss_ptr, amax_ptr, cs_ptr,
+                 stride_cs, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, TILE: tl.constexpr, ROW_SCALE: tl.constexpr,
+                 NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr, STORE: tl.constexpr,
+                 SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr, COL_SUM: tl.constexpr, AMAX_OF: tl.constexpr,
+                 AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The split kernel: rows [pid BM, pid BM + BM) of the GEMM output c [M, N], tile by tile, through TILE and
+    EPILOGUE (c times the row scale is its ``z``); the row sums (of squares of output SUMSQ_OF, or with ROW_SUM of
+    the row values EPILOGUE returns) in ``ss[M]``, the column sums of result COL_SUM over these rows in ``cs[pid]``,
+    and with AMAX the row absmax of output AMAX_OF in ``amax[M]``."""
     off_m = tl.program_id(0) * BM
     c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
     args = INPUTS(args, in_strides, M, N, BM, BN)
@@ -206,7 +231,8 @@ def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides
         z = load_tile(c_desc, off_m, off_n)
         if ROW_SCALE:
             z = z * row[:, None]
-        res = EPILOGUE(z, args, off_m, off_n, M, N, BM, BN)
+        z, tile_args = TILE(z, args, off_m, M, N, BM)
+        res = EPILOGUE(z, tile_args, off_m, off_n, M, N, BM, BN)
         if STORE[0]:
             amax, ss = _store(d0, off_m, off_n, COLS[0], WIDE[0], res[0], amax, ss, AMAX and AMAX_OF == 0,
                               SUMSQ_OF == 0)
@@ -216,6 +242,8 @@ def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides
                                   SUMSQ_OF == 1)
         if ROW_SUM:
             ss += res[NOUT]
+        if COL_SUM >= 0:
+            col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_n, N, stride_cs, BM, BN)
     rows = off_m + tl.arange(0, BM)
     if SUMSQ_OF >= 0 or ROW_SUM:
         tl.store(ss_ptr + rows, ss, mask=rows < M)
@@ -231,20 +259,29 @@ def _tuple(items: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class Declaration:
-    """An epilogue with its outputs, inputs, row scale, row sums and sub-tiling: what the two kernels and the two
-    host paths are built from."""
+    """An epilogue with its outputs, inputs, flags, row scale, row and column sums and sub-tiling: what the two
+    kernels and the two host paths are built from."""
 
     epilogue: Callable
     outputs: tuple[Output, ...]
     inputs: tuple[str | Tile, ...]
+    call_flags: tuple[str, ...]
+    tile: Callable | None
     row_scale: str | None
     row_sum: bool
+    col_sum: bool
     subtiled: bool
 
     @property
     def flags(self) -> tuple[str, ...]:
-        """The constexpr flags of the outputs' ``when`` arguments (``save_preact`` -> ``SAVE_PREACT``)."""
-        return tuple(o.when.upper() for o in self.outputs if o.when)
+        """The constexpr flags: of the outputs' ``when`` arguments (``save_preact`` -> ``SAVE_PREACT``), then the
+        declared ones."""
+        return (*(o.when.upper() for o in self.outputs if o.when), *self.call_flags)
+
+    @property
+    def col_sum_of(self) -> int:
+        """The epilogue's result whose column sums are stored (-1: none): the one after the outputs and row sums."""
+        return len(self.outputs) + self.row_sum if self.col_sum else -1
 
     @property
     def amax_of(self) -> int:
@@ -276,32 +313,35 @@ class Declaration:
         return [*self._pointers(), *self._strides(), *self.flags]
 
     def _params(self, partial_stride: bool) -> list[str]:
-        return [*self._pointers(), *(f"{p}_ptr" for p in self.partials), *self._strides(),
-                *([f"stride_{self.partials[0]}"] if partial_stride and self.partials else []),
-                *(f"{f}: tl.constexpr" for f in self.flags), *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
+        return [*self._pointers(), *(f"{p}_ptr" for p in self.partials), *(["cs_ptr"] if self.col_sum else []),
+                *self._strides(), *([f"stride_{self.partials[0]}"] if partial_stride and self.partials else []),
+                *(["stride_cs"] if self.col_sum else []), *(f"{f}: tl.constexpr" for f in self.flags),
+                *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
 
     def _body(self, program: str, head: str, unused: str, tail: str) -> list[str]:
         """The entry's one line: the program's call."""
         outs = [o.name for o in self.outputs]
-        ptrs = [f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs]
+        ptrs = [*(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs), *self.call_flags]
         tiles = [f"stride_{i.name}" for i in self.inputs if isinstance(i, Tile)]
         store = ", ".join(o.when.upper() if o.when else "True" for o in self.outputs)
         cols, wide = (", ".join(str(getattr(o, f)) for o in self.outputs) for f in ("cols", "wide"))
-        consts = (f"INPUTS, EPILOGUE, {self.row_scale is not None}, {len(self.outputs)}, ({cols},), ({wide},), "
-                  f"({store},), {self.sumsq_of}, {self.row_sum}")
+        consts = (f"INPUTS, EPILOGUE, TILE, {self.row_scale is not None}, {len(self.outputs)}, ({cols},), ({wide},), "
+                  f"({store},), {self.sumsq_of}, {self.row_sum}, {self.col_sum_of}")
         return [f"{program}({head}, {f'{self.row_scale}_ptr' if self.row_scale else unused}, {_tuple(ptrs)}, "
                 f"{_tuple(tiles)}, {_tuple([f'{n}_ptr' for n in outs])}, {_tuple([f'stride_{n}' for n in outs])}, "
                 f"{tail.format(consts=consts, amax='AMAX' if self.amax_of >= 0 else 'False')})"]
 
     def _scope(self, kernel: str) -> dict[str, Callable]:
-        return {"EPILOGUE": self.epilogue, "INPUTS": self.inputs_fn(f"{kernel}_inputs")}
+        tile = self.tile or triton.jit(self._compile(f"{kernel}_tile", ["z", "args", "off_m", "M", "N",
+                                                                         "BM: tl.constexpr"], ["return z, args"], {}))
+        return {"EPILOGUE": self.epilogue, "INPUTS": self.inputs_fn(f"{kernel}_inputs"), "TILE": tile}
 
     def inputs_fn(self, name: str) -> Callable:
-        """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's input pointers, a
-        :class:`Tile`'s pointer replaced by its descriptor (blocks (BM, BN * wide); its row stride the next of
-        ``strides``)."""
+        """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's inputs and declared
+        flags, a :class:`Tile`'s pointer replaced by its descriptor (blocks (BM, BN * wide); its row stride the next
+        of ``strides``)."""
         items, t = [], 0
-        for k, i in enumerate(self.inputs):
+        for k, i in enumerate((*self.inputs, *self.call_flags)):
             wide = f"{i.wide} * " if isinstance(i, Tile) and i.wide > 1 else ""
             items.append(f"tile_desc(args[{k}], M, {wide}N, strides[{t}], BM, {wide}BN)" if isinstance(i, Tile)
                          else f"args[{k}]")
@@ -309,26 +349,29 @@ class Declaration:
         return triton.jit(self._compile(name, ["args", "strides", "M", "N", "BM: tl.constexpr", "BN: tl.constexpr"],
                                         [f"return {_tuple(items)}"], {}))
 
-    def fused_kernel(self, name: str, configs: list[triton.Config] | None) -> Callable:
+    def fused_kernel(self, name: str, configs: list[triton.Config] | None, restore: Sequence[str]) -> Callable:
         """The fused kernel: :data:`MAINLOOP_PARAMS`, then the declaration's parameters; its body
-        :func:`fused_program`."""
+        :func:`fused_program`; autotuned with the outputs ``restore`` restored between runs."""
         first = MAINLOOP_PARAMS.index("SCALING")  # the block's constexprs
         params = [*MAINLOOP_PARAMS[:first], *(f"{p}: tl.constexpr" for p in MAINLOOP_PARAMS[first:]),
                   *self._params(True), *(["EPI_SUB: tl.constexpr"] if self.subtiled else [])]
         ptr = {p: f"{p}_ptr" if p in self.partials else "a_ptr" for p in ("ss", "amax")}
         stride = f"stride_{self.partials[0]}" if self.partials else "0"
         sub = "EPI_SUB" if self.subtiled else "1"
-        tail = f"{ptr['ss']}, {ptr['amax']}, {stride}, {{consts}}, {self.amax_of}, {{amax}}, {sub}"
+        cs = "cs_ptr, stride_cs" if self.col_sum else "a_ptr, 0"
+        tail = f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, {sub}"
         body = self._body("fused_program", ", ".join(MAINLOOP_PARAMS), "a_ptr", tail)
         entry = self._compile(name, params, body, {"fused_program": fused_program, **self._scope(name)})
-        return coda_autotune(key=("M", "N", "K", *self.flags), configs=configs)(triton.jit(entry))
+        return coda_autotune(key=("M", "N", "K", *self.flags), configs=configs,
+                             restore_value=[f"{o}_ptr" for o in restore])(triton.jit(entry))
 
     def rows_kernel(self, name: str) -> Callable:
         """The split kernel over the GEMM output; its body :func:`rows_program`."""
         params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(False), "BM: tl.constexpr", "BN: tl.constexpr"]
         ptr = {p: f"{p}_ptr" if p in self.partials else "gemm_ptr" for p in ("ss", "amax")}
+        cs = "cs_ptr, stride_cs" if self.col_sum else "gemm_ptr, 0"
         body = self._body("rows_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr",
-                          f"{ptr['ss']}, {ptr['amax']}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
+                          f"{ptr['ss']}, {ptr['amax']}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
         return triton.jit(self._compile(name, params, body, {"rows_program": rows_program, **self._scope(name)}))
 
     def _compile(self, name: str, params: list[str], body: list[str], scope: dict[str, Any]) -> Callable:
@@ -341,29 +384,38 @@ class Declaration:
 
 
 def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | Tile] = (),
-         row_scale: str | None = None, row_sum: bool = False, configs: list[triton.Config] | None = None,
-         finish: Callable[..., tuple] | None = None, split: Callable | None = None,
-         gluon: Gluon | None = None) -> Callable:
+         flags: Sequence[str] = (), tile: Callable | None = None, row_scale: str | None = None,
+         row_sum: bool = False, col_sum: bool = False, configs: list[triton.Config] | None = None,
+         restore: Sequence[str] = (), finish: Callable[..., tuple] | None = None, split: Callable | None = None,
+         gluon: Gluon | None = None,
+         safe: Callable[[dict[str, Any]], dict[str, Any]] = dict, fuses: Callable[[dict[str, Any]], bool] = always
+         ) -> Callable:
     """Decorate a host function that returns the :class:`Gemm` of its call: it becomes the declared kernel's host
     function (same name and signature; fused, split or Gluon by :func:`kernels.coda.strategy.with_split`), with the
     fused kernel ``<host>_kernel`` as ``.kernel`` and the split one ``<host>_rows_kernel`` as ``.rows_kernel``.
 
     ``inputs``: the epilogue's extra arguments (``Gemm.inputs``, its ``args``), by parameter name, or :class:`Tile`;
-    ``row_scale``: the name of ``Gemm.row_scale`` (the kernel's ``<row_scale>_ptr``), which scales the GEMM's rows
-    before the epilogue; ``row_sum``: the epilogue returns, after its outputs, an fp32 [BM] vector of its tile
-    whose sums over each row are kept (as partials, like a ``sumsq`` output's); ``configs``: the tile configs
-    (``EPI_SUB`` in them: the epilogue runs on column sub-tiles); ``finish(arguments, outputs, ss, n_tiles)``: the
-    host function's results from its outputs and the row sums partials (``ss[:, :n_tiles]``: of squares of the
-    ``sumsq`` output, or the ``row_sum`` ones); ``split``: a split path of the host function's signature and results
-    instead of the built one; ``gluon``: its Gluon path."""
-    decl = Declaration(epilogue, tuple(outputs), tuple(inputs), row_scale, row_sum,
+    ``flags``: constexpr flags of the kernels (``Gemm.flags``; part of the tuning key), which the epilogue finds
+    after its inputs in ``args``; ``tile(z, args, off_m, M, N, BM)``: a ``@triton.jit`` function run once per
+    tile of the GEMM output before the epilogue (before the column sub-tiles) that returns the tile and the ``args``
+    the epilogue gets on it (what is the same for every sub-tile: row vectors, scalars); ``row_scale``: the name of
+    ``Gemm.row_scale`` (the kernel's ``<row_scale>_ptr``), which scales the GEMM's rows before the epilogue;
+    ``row_sum``: the epilogue returns, after its outputs, an fp32 [BM] vector of its tile whose sums over each row
+    are kept (as partials, like a ``sumsq`` output's); ``col_sum``: it returns after those an fp32 tile whose column
+    sums are kept, per M tile; ``configs``: the tile configs (``EPI_SUB`` in them: the epilogue runs on column
+    sub-tiles); ``restore``: outputs the fused kernel may read before writing (given in place), restored between
+    the autotuner's runs; ``finish(arguments, outputs, partials)``: the host function's results from its outputs
+    and the :class:`Partials`; ``split``: a split path of the host function's signature and results instead of the
+    built one; ``gluon``: its Gluon path; ``safe`` and ``fuses``: :func:`kernels.coda.strategy.with_split`'s."""
+    decl = Declaration(epilogue, tuple(outputs), tuple(inputs), tuple(flags), tile, row_scale, row_sum, col_sum,
                        any("EPI_SUB" in c.kwargs for c in configs or ()))
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
         raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
     if decl.sumsq_of >= 0 and row_sum:
         raise ValueError("an epilogue keeps one kind of row sums: a sumsq output or row_sum")
-    if (decl.sumsq_of >= 0 or row_sum) != (finish is not None):
-        raise ValueError("row sums (a sumsq output or row_sum) go with finish, which turns them into results")
+    if (decl.sumsq_of >= 0 or row_sum or col_sum) != (finish is not None):
+        raise ValueError("partial sums (a sumsq output, row_sum or col_sum) go with finish, which turns them into "
+                         "results")
     names = decl.names()
     taken = {*MAINLOOP_PARAMS, *RESERVED} & set(names) | {n for n in names if names.count(n) > 1}
     if taken:
@@ -371,7 +423,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
 
     def deco(host: Callable[..., Gemm]) -> Callable:
         bind = binder(host)
-        fused_kernel = decl.fused_kernel(f"{host.__name__}_kernel", configs)
+        fused_kernel = decl.fused_kernel(f"{host.__name__}_kernel", configs, restore)
         rows_kernel = None if split else decl.rows_kernel(f"{host.__name__}_rows_kernel")
 
         @functools.wraps(host)
@@ -386,7 +438,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
 
         signature = inspect.signature(host).replace(return_annotation=Any)  # the outputs, not the declared Gemm
         fused.__signature__ = built_split.__signature__ = signature
-        dispatch = with_split(split or built_split, gluon=gluon)(fused)
+        dispatch = with_split(split or built_split, safe=safe, gluon=gluon, fuses=fuses)(fused)
         dispatch.kernel, dispatch.rows_kernel = fused_kernel, rows_kernel
         return dispatch
 
@@ -408,8 +460,17 @@ class _Asked:
         recipe = named[decl.outputs[decl.amax_of].fp8] if decl.amax_of >= 0 else None
         return cls(flags, stored, recipe)
 
-    def kernel_flags(self, decl: Declaration) -> dict[str, bool]:
-        return {**self.flags, **({"AMAX": self.recipe is not None} if decl.amax_of >= 0 else {})}
+    def kernel_flags(self, decl: Declaration, g: Gemm) -> dict[str, bool]:
+        return {**self.flags, **{f: bool(g.flags[f]) for f in decl.call_flags},
+                **({"AMAX": self.recipe is not None} if decl.amax_of >= 0 else {})}
+
+    def outputs(self, decl: Declaration, g: Gemm, M: int, N: int, device: torch.device, dtypes: list[torch.dtype],
+                reuse: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+        """The outputs asked for: those the call brings, else those of ``reuse`` (by index), else new
+        [M, N * wide // cols] ones; None for the others."""
+        return [g.outputs[o.name] if o.name in g.outputs else None if not s else reuse[i] if i in reuse else
+                torch.empty(M, N * o.wide // o.cols, device=device, dtype=dt)
+                for i, (o, s, dt) in enumerate(zip(decl.outputs, self.stored, dtypes))]
 
     def results(self, decl: Declaration, outs: list[torch.Tensor | None], amax: torch.Tensor | None,
                 n_tiles: int) -> list[Any]:
@@ -431,9 +492,8 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     asked = _Asked.of(decl, named)
     gemm = FusedGemm(g.a, g.b, g.promote)
     M, N = gemm.M, gemm.N
-    outs = [torch.empty(M, N * o.wide // o.cols, device=gemm.device,
-                        dtype=named[o.like].dtype if o.like else gemm.out_dtype)
-            if s else None for o, s in zip(decl.outputs, asked.stored)]
+    outs = asked.outputs(decl, g, M, N, gemm.device,
+                         [named[o.like].dtype if o.like else gemm.out_dtype for o in decl.outputs], {})
     live = next(t for t in outs if t is not None)  # an output not asked for: this one as a placeholder never written
     args = {f"{decl.row_scale}_ptr": g.row_scale} if decl.row_scale else {}
     for i, v in zip(decl.inputs, g.inputs):
@@ -447,10 +507,13 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
         spare = next((t for t in (ss, amax, g.row_scale) if t is not None), live)
         args.update({f"{p}_ptr": spare if parts[p] is None else parts[p] for p in decl.partials})
         args[f"stride_{decl.partials[0]}"] = spare.stride(0)
-    gemm.launch(kernel, **args, **asked.kernel_flags(decl))
-    n_tiles = launched_tiles(kernel, M, N)[1] if ss is not None or amax is not None else 0
+    cs = col_partials(kernel, M, N, gemm.device) if decl.col_sum else None
+    if cs is not None:
+        args.update(cs_ptr=cs, stride_cs=cs.stride(0))
+    gemm.launch(kernel, **args, **asked.kernel_flags(decl, g))
+    m_tiles, n_tiles = launched_tiles(kernel, M, N)
     results = asked.results(decl, outs, amax, n_tiles)
-    return _returned(finish(named, results, ss, n_tiles) if finish else results)
+    return _returned(finish(named, results, Partials(ss, n_tiles, cs, m_tiles)) if finish else results)
 
 
 def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
@@ -460,16 +523,19 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     M, N = c.shape
     dtypes = [named[o.like].dtype if o.like else c.dtype for o in decl.outputs]
     inplace = next((i for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))
-                    if o.cols == o.wide == 1 and dt == c.dtype), -1)
-    outs = [c if i == inplace else torch.empty(M, N * o.wide // o.cols, device=c.device, dtype=dt)
-            for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))]
+                    if o.cols == o.wide == 1 and dt == c.dtype and o.name not in g.outputs), -1)
+    outs = [c if t is None else t  # an output not asked for: the GEMM output, never written
+            for t in asked.outputs(decl, g, M, N, c.device, dtypes, {inplace: c})]
     ss = torch.empty(M, 1, device=c.device, dtype=torch.float32) if "ss" in decl.partials else None
     amax = torch.empty(M, 1, device=c.device, dtype=torch.float32) if asked.recipe else None
     parts = {"ss": ss, "amax": amax}
     tiles = [v for i, v in zip(decl.inputs, g.inputs) if isinstance(i, Tile)]
     bm, bn = (16, 32) if INTERPRET else (16, 256)
-    kernel[(triton.cdiv(M, bm),)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *g.inputs, *outs,
-                                  *(c if parts[p] is None else parts[p] for p in decl.partials),
-                                  *(t.stride(0) for t in tiles + outs), **asked.kernel_flags(decl), BM=bm, BN=bn)
+    m_tiles = triton.cdiv(M, bm)
+    cs = torch.empty(m_tiles, N, device=c.device, dtype=torch.float32) if decl.col_sum else None
+    kernel[(m_tiles,)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *g.inputs, *outs,
+                       *(c if parts[p] is None else parts[p] for p in decl.partials), *([cs] if cs is not None else []),
+                       *(t.stride(0) for t in tiles + outs), *([cs.stride(0)] if cs is not None else []),
+                       **asked.kernel_flags(decl, g), BM=bm, BN=bn)
     results = asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1)
-    return _returned(finish(named, results, ss, 1) if finish else results)
+    return _returned(finish(named, results, Partials(ss, 1, cs, m_tiles)) if finish else results)

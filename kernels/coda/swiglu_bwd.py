@@ -28,7 +28,7 @@ from kernels.coda.epilogue import join_pairs, load_block, load_tile, silu_mul_pa
     store_row_partial
 from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET, subtiled_configs
-from kernels.coda.program import Gemm, Output, Tile, coda
+from kernels.coda.program import Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_row_sum
 from kernels.coda.strategy import Gluon, hopper
 from workloads.fp8 import Fp8
@@ -135,9 +135,9 @@ def gluon_applies(arguments: dict) -> bool:
             and a.shape[1] * a.element_size() % 16 == 0 and b.shape[1] % 8 == 0 and hopper(a.device))
 
 
-def _finish(arguments: dict, outputs: list, ss: torch.Tensor, n_tiles: int) -> tuple:
+def _finish(arguments: dict, outputs: list, partials: Partials) -> tuple:
     y, dz_pre = outputs
-    return dz_pre, y, finish_row_sum(ss, n_tiles)
+    return dz_pre, y, finish_row_sum(partials.ss, partials.n_tiles)
 
 
 @coda(swiglu_dgrad, outputs=(Output("y", like="z_pre"), Output("dzp", wide=2, like="z_pre")), inputs=(Tile("zp", 2),),
