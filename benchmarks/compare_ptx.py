@@ -44,7 +44,8 @@ BASE_NAMES = {
     **{k: {"h_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_h": "stride_a", "stride_w": "stride_b",
            **({"stride_o": "stride_out"} if k == "gemm_rope_kernel" else {})}
        for k in ("scaled_linear_kernel", "gemm_swiglu_kernel", "gemm_rope_kernel", "gemm_cross_entropy_kernel")},
-    "dgrad_rmsnorm_kernel": {"dz_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dz": "stride_a", "stride_w": "stride_b"},
+    "dgrad_rmsnorm_kernel": {"dz_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dz": "stride_a", "stride_w": "stride_b",
+                             "dg_ptr": "cs_ptr", "stride_dg": "stride_cs"},
     "dgrad_swiglu_kernel": {"dx_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dx": "stride_a", "stride_w": "stride_b",
                             "part_ptr": "ss_ptr", "stride_p": "stride_ss"},
     "gemm_bias_gelu_kernel": {"x_ptr": "a_ptr", "w_ptr": "b_ptr", "b_ptr": "bias_ptr", "stride_x": "stride_a",
@@ -52,7 +53,7 @@ BASE_NAMES = {
 }
 """Parameter names of the fused kernels before the mainloop block (commit 9d59c22) that the block renamed, and that
 the declared kernels (:mod:`kernels.coda.program`) name after their outputs (``stride_out``) and partials
-(``ss_ptr``)."""
+(``ss_ptr``, ``cs_ptr``)."""
 
 M, D, F, V = 4096, 2048, 8192, 128256
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
