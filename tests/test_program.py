@@ -116,6 +116,26 @@ def test_wide_tiles_and_row_sums_of_the_epilogue_in_both_paths(strategy):
     check("s", s, z64.sum(1), zt.sum(1))
 
 
+def _sumsq(arguments: dict, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, finish_row_sum(partials.ss, partials.n_tiles))
+
+
+@coda(plus_tile, outputs=(Output("out", sumsq=True),), inputs=("alpha", Tile("res")), configs=subtiled_configs((2,)),
+      finish=_sumsq)
+def gemm_plus_tile_sumsq(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, alpha: float) -> Gemm:
+    return Gemm(x, w.T, inputs=(alpha, res))
+
+
+def test_the_sums_of_squares_of_an_output_in_both_paths(strategy):
+    """A sumsq output without a split path of the declaration's own: the built one keeps the row sums too."""
+    x, w, res = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5), rand(M, N, seed=5)
+    out, ss = gemm_plus_tile_sumsq(x, w, res, 0.5)
+    ref = 0.5 * (x.double() @ w.double().T + res.double())
+    torch_out = 0.5 * (x @ w.T + res)
+    check("out", out, ref, torch_out)
+    check("ss", ss, (ref ** 2).sum(1), (torch_out ** 2).sum(1))
+
+
 @triton.jit
 def _scale_rows(z, args, off_m, M, N, BM: tl.constexpr):
     """Once per tile: 2 z, and the epilogue's args with the tile's rows of v loaded."""
