@@ -154,6 +154,18 @@ def _store(desc, off_m, off_n, COLS: tl.constexpr, WIDE: tl.constexpr, val, amax
 
 
 @triton.jit
+def _sums(res, ss, cs_ptr, off_m, off_n, N, stride_cs, NOUT: tl.constexpr, ROW_SUM: tl.constexpr,
+          COL_SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """``ss`` plus (ROW_SUM) the row values the epilogue returned after its NOUT outputs; the column sums of its
+    result COL_SUM (-1: none) stored at (off_m / BM, off_n)."""
+    if ROW_SUM:
+        ss += res[NOUT]
+    if COL_SUM >= 0:
+        col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_n, N, stride_cs, BM, BN)
+    return ss
+
+
+@triton.jit
 def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
                   PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, in_strides, outs, strides, ss_ptr,
@@ -195,10 +207,7 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
                 if STORE[1]:
                     amax, ss = _store(d1, off_m, off_s, COLS[1], WIDE[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
                                       SUMSQ_OF == 1)
-            if ROW_SUM:
-                ss += res[NOUT]
-            if COL_SUM >= 0:
-                col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_s, N, stride_cs, BM, SN)
+            ss = _sums(res, ss, cs_ptr, off_m, off_s, N, stride_cs, NOUT, ROW_SUM, COL_SUM, BM, SN)
         if SUMSQ_OF >= 0 or ROW_SUM:
             store_row_partial(ss_ptr, ss, off_m, off_n, M, stride_part, BM, BN)
         if AMAX:
@@ -240,10 +249,7 @@ def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides
             if STORE[1]:
                 amax, ss = _store(d1, off_m, off_n, COLS[1], WIDE[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
                                   SUMSQ_OF == 1)
-        if ROW_SUM:
-            ss += res[NOUT]
-        if COL_SUM >= 0:
-            col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_n, N, stride_cs, BM, BN)
+        ss = _sums(res, ss, cs_ptr, off_m, off_n, N, stride_cs, NOUT, ROW_SUM, COL_SUM, BM, BN)
     rows = off_m + tl.arange(0, BM)
     if SUMSQ_OF >= 0 or ROW_SUM:
         tl.store(ss_ptr + rows, ss, mask=rows < M)
