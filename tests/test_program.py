@@ -88,7 +88,7 @@ def pairs_and_sums(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constex
     return t + join_pairs(z, z, BM, 2 * BN), z, tl.sum(z, axis=1)
 
 
-def _sums(arguments: dict, outputs: list, partials: Partials) -> tuple:
+def _sums(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
     return (*outputs, finish_row_sum(partials.ss, partials.n_tiles))
 
 
@@ -116,7 +116,7 @@ def test_wide_tiles_and_row_sums_of_the_epilogue_in_both_paths(strategy):
     check("s", s, z64.sum(1), zt.sum(1))
 
 
-def _sumsq(arguments: dict, outputs: list, partials: Partials) -> tuple:
+def _sumsq(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
     return (*outputs, finish_row_sum(partials.ss, partials.n_tiles))
 
 
@@ -153,7 +153,7 @@ def add_into(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     return u, u
 
 
-def _col_sums(arguments: dict, outputs: list, partials: Partials) -> tuple:
+def _col_sums(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
     return (*outputs, finish_col_sum(partials.cs, partials.m_tiles))
 
 

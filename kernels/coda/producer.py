@@ -102,7 +102,7 @@ def gluon_applies(arguments: dict) -> bool:
             and hopper(a.device))
 
 
-def _finish(arguments: dict, outputs: list, partials: Partials) -> tuple:
+def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
     return (*outputs, finish_rstd(partials.ss, partials.n_tiles, outputs[0].shape[1], arguments["eps"]))
 
 

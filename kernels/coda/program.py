@@ -27,15 +27,18 @@ Built from it:
   had. Its body is one call of :func:`fused_program`, the same for every kernel;
 - the split kernel ``<host>_rows_kernel`` (unless the declaration brings its own split path): the plain GEMM
   (:func:`kernels.coda.gemm.split_matmul`), then :func:`rows_program` over its output, calling the SAME epilogue on
-  each tile and writing the first full-width output of the GEMM's dtype over that output, in place;
+  each tile and writing the first output of the GEMM output's shape and dtype over it, in place;
 - the host function, under :func:`kernels.coda.strategy.with_split` with both paths (and a Gluon one if declared).
-  It returns the outputs (one: the tensor; several: a tuple in the declared order); an output whose ``when``
-  argument is false is None and not written; an output with ``fp8`` is returned quantized
+  It returns the outputs (one: the tensor; several: a tuple in the declared order), or what ``finish`` makes of
+  them; an output whose ``when`` argument is false is None and not written (all of them may be), one the call
+  brings (``Gemm.outputs``) is written in place; an output with ``fp8`` is returned quantized
   (:func:`kernels.coda.fp8.quantize_from_partials`) when that argument holds a :class:`workloads.fp8.Recipe`, from
   the row absmax partials of its stored tiles; an output with ``sumsq`` has the per-N-tile partial sums of squares
   of its fp32 tiles stored (with ``row_sum``, the sums of a row vector the epilogue returns after its outputs
-  instead), which ``finish`` turns into the host function's further results. An output or :class:`Tile` input
-  may be ``wide``: [M, N * wide], the epilogue's tile of it [BM, BN * wide] (an interleaved pair per column).
+  instead), which ``finish`` turns into the host function's further results, as it does the column sums per M
+  tile of a tile the epilogue returns last (``col_sum``). An output or :class:`Tile` input may be ``wide``:
+  [M, N * wide], the epilogue's tile of it [BM, BN * wide] (an interleaved pair per column). Flags of the call
+  (``flags``) and values loaded once per tile (``tile``) reach the epilogue through its ``args``.
 """
 from __future__ import annotations
 
@@ -410,9 +413,10 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
     are kept (as partials, like a ``sumsq`` output's); ``col_sum``: it returns after those an fp32 tile whose column
     sums are kept, per M tile; ``configs``: the tile configs (``EPI_SUB`` in them: the epilogue runs on column
     sub-tiles); ``restore``: outputs the fused kernel may read before writing (given in place), restored between
-    the autotuner's runs; ``finish(arguments, outputs, partials)``: the host function's results from its outputs
-    and the :class:`Partials`; ``split``: a split path of the host function's signature and results instead of the
-    built one; ``gluon``: its Gluon path; ``safe`` and ``fuses``: :func:`kernels.coda.strategy.with_split`'s."""
+    the autotuner's runs; ``finish(arguments, gemm, outputs, partials)``: the host function's results from its
+    arguments, its :class:`Gemm`, its outputs and the :class:`Partials`; ``split``: a split path of the host
+    function's signature and results instead of the built one; ``gluon``: its Gluon path; ``safe`` and ``fuses``:
+    :func:`kernels.coda.strategy.with_split`'s."""
     decl = Declaration(epilogue, tuple(outputs), tuple(inputs), tuple(flags), tile, row_scale, row_sum, col_sum,
                        any("EPI_SUB" in c.kwargs for c in configs or ()))
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
@@ -473,8 +477,8 @@ class _Asked:
     def outputs(self, decl: Declaration, g: Gemm, M: int, N: int, device: torch.device, dtypes: list[torch.dtype],
                 reuse: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
         """The outputs asked for: those the call brings, else those of ``reuse`` (by index), else new
-        [M, N * wide // cols] ones; None for the others."""
-        return [g.outputs[o.name] if o.name in g.outputs else None if not s else reuse[i] if i in reuse else
+        [M, N * wide // cols] ones; None for the others (a brought one too)."""
+        return [None if not s else g.outputs[o.name] if o.name in g.outputs else reuse[i] if i in reuse else
                 torch.empty(M, N * o.wide // o.cols, device=device, dtype=dt)
                 for i, (o, s, dt) in enumerate(zip(decl.outputs, self.stored, dtypes))]
 
@@ -500,7 +504,8 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     M, N = gemm.M, gemm.N
     outs = asked.outputs(decl, g, M, N, gemm.device,
                          [named[o.like].dtype if o.like else gemm.out_dtype for o in decl.outputs], {})
-    live = next(t for t in outs if t is not None)  # an output not asked for: this one as a placeholder never written
+    # an output not asked for: a placeholder never written (another output, else the row scale or an input)
+    live = next(t for t in (*outs, g.row_scale, *g.inputs) if isinstance(t, torch.Tensor))
     args = {f"{decl.row_scale}_ptr": g.row_scale} if decl.row_scale else {}
     for i, v in zip(decl.inputs, g.inputs):
         args.update({f"{i.name}_ptr": v, f"stride_{i.name}": v.stride(0)} if isinstance(i, Tile) else {i: v})
@@ -519,7 +524,7 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     gemm.launch(kernel, **args, **asked.kernel_flags(decl, g))
     m_tiles, n_tiles = launched_tiles(kernel, M, N)
     results = asked.results(decl, outs, amax, n_tiles)
-    return _returned(finish(named, results, Partials(ss, n_tiles, cs, m_tiles)) if finish else results)
+    return _returned(finish(named, g, results, Partials(ss, n_tiles, cs, m_tiles)) if finish else results)
 
 
 def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
@@ -544,4 +549,4 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
                        *(t.stride(0) for t in tiles + outs), *([cs.stride(0)] if cs is not None else []),
                        **asked.kernel_flags(decl, g), BM=bm, BN=bn)
     results = asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1)
-    return _returned(finish(named, results, Partials(ss, 1, cs, m_tiles)) if finish else results)
+    return _returned(finish(named, g, results, Partials(ss, 1, cs, m_tiles)) if finish else results)

@@ -161,7 +161,7 @@ def _not_inplace(arguments: dict) -> dict:
     return {**arguments, "inplace": False}
 
 
-def _finish(arguments: dict, outputs: list, partials: Partials) -> tuple:
+def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
     return (*outputs, finish_col_sum(partials.cs, partials.m_tiles, arguments["gamma"].dtype))
 
 

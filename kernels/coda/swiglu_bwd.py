@@ -135,7 +135,7 @@ def gluon_applies(arguments: dict) -> bool:
             and a.shape[1] * a.element_size() % 16 == 0 and b.shape[1] % 8 == 0 and hopper(a.device))
 
 
-def _finish(arguments: dict, outputs: list, partials: Partials) -> tuple:
+def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
     y, dz_pre = outputs
     return dz_pre, y, finish_row_sum(partials.ss, partials.n_tiles)
 
