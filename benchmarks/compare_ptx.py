@@ -42,7 +42,9 @@ from typing import Callable
 BASE_NAMES = {
     "gemm_residual_norm_kernel": {"w_ptr": "b_ptr", "stride_w": "stride_b"},
     **{k: {"h_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_h": "stride_a", "stride_w": "stride_b",
-           **({"stride_o": "stride_out"} if k == "gemm_rope_kernel" else {})}
+           **({"stride_o": "stride_out"} if k == "gemm_rope_kernel" else {}),
+           **({"lse_part_ptr": "ss_ptr", "stride_p": "stride_ss", "stride_l": "stride_logits"}
+              if k == "gemm_cross_entropy_kernel" else {})}
        for k in ("scaled_linear_kernel", "gemm_swiglu_kernel", "gemm_rope_kernel", "gemm_cross_entropy_kernel")},
     "dgrad_rmsnorm_kernel": {"dz_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dz": "stride_a", "stride_w": "stride_b",
                              "dg_ptr": "cs_ptr", "stride_dg": "stride_cs"},
