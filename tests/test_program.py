@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import add_tile, join_pairs, load_cols, load_rows, load_tile
+from kernels.coda.epilogue import add_tile, gather_cols, join_pairs, load_cols, load_rows, load_tile
 from kernels.coda.mainloop import subtiled_configs
 from kernels.coda.program import Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_col_sum, finish_row_sum
@@ -184,6 +184,31 @@ def test_flags_a_tile_hook_column_sums_and_an_output_given_in_place(strategy, ad
     assert gemm_add_into.kernel.restore_value == ["out_ptr"] and gemm_add_into.kernel.keys[-1] == "ADD"
 
 
+@triton.jit
+def diagonal(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(z,), and each row's z[m, m % N] written into the vector ``args[0]`` by the tile that holds it."""
+    rows = off_m + tl.arange(0, BM)
+    v, hit = gather_cols(z, rows % N, off_n, BN)
+    tl.store(args[0] + rows, v, mask=hit & (rows < M))
+    return (z,)
+
+
+def _diagonal(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, partials.vectors["d"])
+
+
+@coda(diagonal, outputs=(Output("z"),), vectors=("d",), finish=_diagonal)
+def gemm_diagonal(x: torch.Tensor, w: torch.Tensor) -> Gemm:
+    return Gemm(x, w.T)
+
+
+def test_a_vector_the_epilogue_scatters_into_reaches_finish_in_both_paths(strategy):
+    x, w = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5)
+    z, d = gemm_diagonal(x, w)
+    rows = torch.arange(M)
+    assert d.dtype == torch.float32 and torch.equal(d, z.float()[rows, rows % N])
+
+
 def test_bad_declarations_fail_at_import():
     with pytest.raises(ValueError, match="1 to 2 outputs"):
         coda(shift_square, outputs=())
@@ -191,6 +216,8 @@ def test_bad_declarations_fail_at_import():
         coda(pairs_and_sums, outputs=(Output("p", wide=2), Output("z")), row_sum=True)
     with pytest.raises(ValueError, match="go with finish"):
         coda(add_into, outputs=(Output("out"),), col_sum=True)
+    with pytest.raises(ValueError, match="go with finish"):
+        coda(diagonal, outputs=(Output("z"),), vectors=("d",))
     with pytest.raises(ValueError, match="one kind of row sums"):
         coda(pairs_and_sums, outputs=(Output("p", sumsq=True), Output("z")), row_sum=True, finish=_sums)
     with pytest.raises(ValueError, match=r"already use: \['a_ptr', 'stride_a'\]"):

@@ -8,7 +8,7 @@ ignored rows), the reduction, and (with_grad) ``dlogits = s * (softmax - onehot)
 optional loss scale, a device scalar) plus ``zdz_m = sum_j logits_mj dlogits_mj``
 (see :func:`kernels.coda.reduce.finish_cross_entropy`). Declared as its epilogue (:mod:`kernels.coda.program`): the
 tiles' log-sum-exps are its row partials (the kernel does not sub-tile: one per tile), and the target logits a
-vector its host body allocates and its finish reads.
+declared vector its finish reads.
 Split path (:mod:`kernels.coda.strategy`): the plain GEMM's output c (so the logits are written, also without grad),
 then one bandwidth-bound kernel over its rows (:func:`ce_split_rows_kernel`): an online log-sum-exp, the loss and,
 with grad, dlogits written over c by the finishing kernel's own row loop.
@@ -33,8 +33,8 @@ from workloads.fp8 import Fp8
 @triton.jit
 def cross_entropy(logits, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     """The fused kernel's epilogue on the tile of logits (already times rstd): the target logit of each row whose
-    target column the tile holds, stored into ``tgt_logit`` (``args``: the target and tgt_logit pointers); returns
-    the logits and the tile's per-row log-sum-exp."""
+    target column the tile holds, stored into the vector ``tgt_logit`` (``args``: the target and tgt_logit
+    pointers); returns the logits and the tile's per-row log-sum-exp."""
     target_ptr, tgt_logit_ptr = args
     lse = tile_lse(logits, off_n, N, BN)
     rows = off_m + tl.arange(0, BM)
@@ -105,14 +105,14 @@ def gemm_cross_entropy_split(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rs
 
 
 def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
-    [logits] = outputs
-    target, tgt_logit = gemm.inputs
-    loss, lse, zdz = finish_cross_entropy(partials.ss, partials.n_tiles, tgt_logit, target, arguments["ignore_index"],
-                                          arguments["reduction"], logits, arguments["grad_scale"])
+    [logits], [target] = outputs, gemm.inputs
+    loss, lse, zdz = finish_cross_entropy(partials.ss, partials.n_tiles, partials.vectors["tgt_logit"], target,
+                                          arguments["ignore_index"], arguments["reduction"], logits,
+                                          arguments["grad_scale"])
     return loss, lse, logits, zdz
 
 
-@coda(cross_entropy, outputs=(Output("logits", when="with_grad"),), inputs=("target_ptr", "tgt_logit_ptr"),
+@coda(cross_entropy, outputs=(Output("logits", when="with_grad"),), inputs=("target_ptr",), vectors=("tgt_logit",),
       row_scale="rstd", row_sum=True, finish=_finish, split=gemm_cross_entropy_split)
 def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: torch.Tensor, target: torch.Tensor,
                        ignore_index: int = -100, reduction: str = "mean", with_grad: bool = False,
@@ -131,5 +131,4 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     (M, V), dtype = gemm.shape, result_dtype(h.data if isinstance(h, Fp8) else h)
     if out is not None and (out.shape != (M, V) or out.dtype != dtype or out.stride(1) != 1):
         raise ValueError(f"out must be a row-major {(M, V)} {dtype} tensor, got {tuple(out.shape)}, {out.dtype}")
-    tgt_logit = torch.zeros(M, device=gemm.device, dtype=torch.float32)
-    return replace(gemm, inputs=(target.contiguous(), tgt_logit), outputs={} if out is None else {"logits": out})
+    return replace(gemm, inputs=(target.contiguous(),), outputs={} if out is None else {"logits": out})

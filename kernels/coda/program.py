@@ -101,12 +101,13 @@ class Tile:
 class Partials:
     """The partials a call's kernel stored, for the declaration's ``finish``: ``ss`` [M, >= n_tiles], the row sums
     per N tile (of squares of the ``sumsq`` output, or the ``row_sum`` ones), ``cs`` [>= m_tiles, N], the
-    ``col_sum`` column sums per M tile (None: not declared)."""
+    ``col_sum`` column sums per M tile (None: not declared), and the declared ``vectors`` by name."""
 
     ss: torch.Tensor | None
     n_tiles: int
     cs: torch.Tensor | None
     m_tiles: int
+    vectors: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -275,6 +276,7 @@ class Declaration:
     outputs: tuple[Output, ...]
     inputs: tuple[str | Tile, ...]
     call_flags: tuple[str, ...]
+    vectors: tuple[str, ...]
     tile: Callable | None
     row_scale: str | None
     row_sum: bool
@@ -319,18 +321,23 @@ class Declaration:
 
     def names(self) -> list[str]:
         """Every parameter name the declaration chooses."""
-        return [*self._pointers(), *self._strides(), *self.flags]
+        return [*self._pointers(), *self._vectors(), *self._strides(), *self.flags]
+
+    def _vectors(self) -> list[str]:
+        return [f"{v}_ptr" for v in self.vectors]
 
     def _params(self, partial_stride: bool) -> list[str]:
         return [*self._pointers(), *(f"{p}_ptr" for p in self.partials), *(["cs_ptr"] if self.col_sum else []),
-                *self._strides(), *([f"stride_{self.partials[0]}"] if partial_stride and self.partials else []),
+                *self._vectors(), *self._strides(),
+                *([f"stride_{self.partials[0]}"] if partial_stride and self.partials else []),
                 *(["stride_cs"] if self.col_sum else []), *(f"{f}: tl.constexpr" for f in self.flags),
                 *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
 
     def _body(self, program: str, head: str, unused: str, tail: str) -> list[str]:
         """The entry's one line: the program's call."""
         outs = [o.name for o in self.outputs]
-        ptrs = [*(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs), *self.call_flags]
+        ptrs = [*(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs), *self.call_flags,
+                *self._vectors()]
         tiles = [f"stride_{i.name}" for i in self.inputs if isinstance(i, Tile)]
         store = ", ".join(o.when.upper() if o.when else "True" for o in self.outputs)
         cols, wide = (", ".join(str(getattr(o, f)) for o in self.outputs) for f in ("cols", "wide"))
@@ -346,11 +353,11 @@ class Declaration:
         return {"EPILOGUE": self.epilogue, "INPUTS": self.inputs_fn(f"{kernel}_inputs"), "TILE": tile}
 
     def inputs_fn(self, name: str) -> Callable:
-        """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's inputs and declared
-        flags, a :class:`Tile`'s pointer replaced by its descriptor (blocks (BM, BN * wide); its row stride the next
-        of ``strides``)."""
+        """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's inputs, declared flags
+        and vectors, a :class:`Tile`'s pointer replaced by its descriptor (blocks (BM, BN * wide); its row stride
+        the next of ``strides``)."""
         items, t = [], 0
-        for k, i in enumerate((*self.inputs, *self.call_flags)):
+        for k, i in enumerate((*self.inputs, *self.call_flags, *self.vectors)):
             wide = f"{i.wide} * " if isinstance(i, Tile) and i.wide > 1 else ""
             items.append(f"tile_desc(args[{k}], M, {wide}N, strides[{t}], BM, {wide}BN)" if isinstance(i, Tile)
                          else f"args[{k}]")
@@ -393,8 +400,9 @@ class Declaration:
 
 
 def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | Tile] = (),
-         flags: Sequence[str] = (), tile: Callable | None = None, row_scale: str | None = None,
-         row_sum: bool = False, col_sum: bool = False, configs: list[triton.Config] | None = None,
+         flags: Sequence[str] = (), vectors: Sequence[str] = (), tile: Callable | None = None,
+         row_scale: str | None = None, row_sum: bool = False, col_sum: bool = False,
+         configs: list[triton.Config] | None = None,
          restore: Sequence[str] = (), finish: Callable[..., tuple] | None = None, split: Callable | None = None,
          gluon: Gluon | None = None,
          safe: Callable[[dict[str, Any]], dict[str, Any]] = dict, fuses: Callable[[dict[str, Any]], bool] = always
@@ -405,7 +413,9 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
 
     ``inputs``: the epilogue's extra arguments (``Gemm.inputs``, its ``args``), by parameter name, or :class:`Tile`;
     ``flags``: constexpr flags of the kernels (``Gemm.flags``; part of the tuning key), which the epilogue finds
-    after its inputs in ``args``; ``tile(z, args, off_m, M, N, BM)``: a ``@triton.jit`` function run once per
+    after its inputs in ``args``; ``vectors``: fp32 [M] vectors, zero-filled for each call, whose pointers
+    (``<name>_ptr``) the epilogue finds after the flags in ``args`` and writes into (a gathered value per row), and
+    ``finish`` reads (``Partials.vectors``); ``tile(z, args, off_m, M, N, BM)``: a ``@triton.jit`` function run once per
     tile of the GEMM output before the epilogue (before the column sub-tiles) that returns the tile and the ``args``
     the epilogue gets on it (what is the same for every sub-tile: row vectors, scalars); ``row_scale``: the name of
     ``Gemm.row_scale`` (the kernel's ``<row_scale>_ptr``), which scales the GEMM's rows before the epilogue;
@@ -417,15 +427,15 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
     arguments, its :class:`Gemm`, its outputs and the :class:`Partials`; ``split``: a split path of the host
     function's signature and results instead of the built one; ``gluon``: its Gluon path; ``safe`` and ``fuses``:
     :func:`kernels.coda.strategy.with_split`'s."""
-    decl = Declaration(epilogue, tuple(outputs), tuple(inputs), tuple(flags), tile, row_scale, row_sum, col_sum,
-                       any("EPI_SUB" in c.kwargs for c in configs or ()))
+    decl = Declaration(epilogue, tuple(outputs), tuple(inputs), tuple(flags), tuple(vectors), tile, row_scale,
+                       row_sum, col_sum, any("EPI_SUB" in c.kwargs for c in configs or ()))
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
         raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
     if decl.sumsq_of >= 0 and row_sum:
         raise ValueError("an epilogue keeps one kind of row sums: a sumsq output or row_sum")
-    if (decl.sumsq_of >= 0 or row_sum or col_sum) != (finish is not None):
-        raise ValueError("partial sums (a sumsq output, row_sum or col_sum) go with finish, which turns them into "
-                         "results")
+    if (decl.sumsq_of >= 0 or row_sum or col_sum or bool(vectors)) != (finish is not None):
+        raise ValueError("partial sums (a sumsq output, row_sum or col_sum) and vectors go with finish, which turns "
+                         "them into results")
     names = decl.names()
     taken = {*MAINLOOP_PARAMS, *RESERVED} & set(names) | {n for n in names if names.count(n) > 1}
     if taken:
@@ -521,10 +531,12 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     cs = col_partials(kernel, M, N, gemm.device) if decl.col_sum else None
     if cs is not None:
         args.update(cs_ptr=cs, stride_cs=cs.stride(0))
+    vectors = {v: torch.zeros(M, device=gemm.device, dtype=torch.float32) for v in decl.vectors}
+    args.update({f"{v}_ptr": t for v, t in vectors.items()})
     gemm.launch(kernel, **args, **asked.kernel_flags(decl, g))
     m_tiles, n_tiles = launched_tiles(kernel, M, N)
     results = asked.results(decl, outs, amax, n_tiles)
-    return _returned(finish(named, g, results, Partials(ss, n_tiles, cs, m_tiles)) if finish else results)
+    return _returned(finish(named, g, results, Partials(ss, n_tiles, cs, m_tiles, vectors)) if finish else results)
 
 
 def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
@@ -544,9 +556,11 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     bm, bn = (16, 32) if INTERPRET else (16, 256)
     m_tiles = triton.cdiv(M, bm)
     cs = torch.empty(m_tiles, N, device=c.device, dtype=torch.float32) if decl.col_sum else None
+    vectors = {v: torch.zeros(M, device=c.device, dtype=torch.float32) for v in decl.vectors}
     kernel[(m_tiles,)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *g.inputs, *outs,
                        *(c if parts[p] is None else parts[p] for p in decl.partials), *([cs] if cs is not None else []),
-                       *(t.stride(0) for t in tiles + outs), *([cs.stride(0)] if cs is not None else []),
+                       *vectors.values(), *(t.stride(0) for t in tiles + outs),
+                       *([cs.stride(0)] if cs is not None else []),
                        **asked.kernel_flags(decl, g), BM=bm, BN=bn)
     results = asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1)
-    return _returned(finish(named, g, results, Partials(ss, 1, cs, m_tiles)) if finish else results)
+    return _returned(finish(named, g, results, Partials(ss, 1, cs, m_tiles, vectors)) if finish else results)
