@@ -1,12 +1,19 @@
 """Declared CODA kernels (kernels/coda/program.py): an epilogue declared outside the package gets a fused kernel and a
-split twin that compute the same outputs, optional outputs and an fp8 output as declared, and bad declarations fail."""
+split twin that compute the same outputs (optional, fp8, wide and brought outputs, row and column sums, vectors,
+flags and per-tile values as declared), bad declarations fail, and the package's declared kernels launch with the
+tuning keys their shipped tables hold."""
 from __future__ import annotations
+
+import importlib
+import json
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+from benchmarks import compare_ptx
+from kernels.coda import configs, tuning
 from kernels.coda.epilogue import add_tile, gather_cols, join_pairs, load_cols, load_rows, load_tile
 from kernels.coda.mainloop import subtiled_configs
 from kernels.coda.program import Gemm, Output, Partials, Tile, coda
@@ -222,3 +229,43 @@ def test_bad_declarations_fail_at_import():
         coda(pairs_and_sums, outputs=(Output("p", sumsq=True), Output("z")), row_sum=True, finish=_sums)
     with pytest.raises(ValueError, match=r"already use: \['a_ptr', 'stride_a'\]"):
         coda(shift_square, outputs=(Output("a"),))
+
+
+def _tuning_signature(kernel, call) -> str:
+    """The signature (:func:`kernels.coda.configs.split_key`) of the autotuning key ``call`` launches ``kernel``
+    with: its key arguments, then the dtype of every tensor argument in launch order, as the autotuner builds it."""
+    launched = {}
+
+    def run(*args, **kwargs):
+        launched.update(zip(kernel.arg_names, args), **kwargs)
+        raise compare_ptx._Launched
+
+    orig, kernel.run = kernel.run, run
+    try:
+        call()
+    except compare_ptx._Launched:
+        pass
+    finally:
+        kernel.run = orig
+    args = {k: v for k, v in launched.items() if k in kernel.arg_names}
+    return configs.split_key([args[k] for k in kernel.keys] + [str(v.dtype) for v in args.values()
+                                                               if hasattr(v, "dtype")])[0]
+
+
+@pytest.mark.parametrize("case", ["producer-bf16", "scaled_linear-bf16", "swiglu-bf16", "rope-bf16",
+                                  "cross_entropy-bf16", "swiglu_bwd-bf16", "rmsnorm_bwd-bf16"])
+def test_declared_kernels_launch_with_tuning_keys_the_shipped_tables_hold(case):
+    """The key's argument dtypes come in the kernel's launch order: a declaration that moved a tensor parameter would
+    miss every shipped entry of its kernel. Meta-device calls of benchmarks/compare_ptx.py's cases (rmsnorm_bwd: as
+    the training step calls it, without dres and scale)."""
+    C = compare_ptx
+    module, name, call, _ = C.KERNELS[case.rsplit("-", 1)[0]]
+    host = next(v for v in vars(importlib.import_module(module)).values() if getattr(v, "kernel", None)
+                and v.kernel.base_fn.__name__ == name)
+    if case.startswith("rmsnorm_bwd"):
+        def call(_):
+            host(C._t(C.M, C.F), C._t(C.F, C.D), C._t(C.M, C.D), C._rstd(), C._t(C.D), C._rstd())
+    sig = _tuning_signature(host.kernel, lambda: call(False))
+    for gpu in ("NVIDIA-H200", "NVIDIA-H100-80GB-HBM3"):
+        keys = json.loads((tuning.TABLES / f"{gpu}.json").read_text())["kernels"][name]
+        assert any(configs.split_key(json.loads(k))[0] == sig for k in keys), (gpu, sig)
