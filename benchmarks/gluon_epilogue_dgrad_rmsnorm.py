@@ -185,13 +185,13 @@ def ws_dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Ten
     epilogue sub-tile) and ``vec`` (columns a thread holds) for benchmarks."""
     gemm = WsGemm(dz, w, "RMSNorm dgrad")
     M, N = gemm.M, gemm.N
-    x, gamma, dres, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gemm.device)
+    x, gamma, res, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gemm.device)
     y = gemm.empty()
     dg = torch.empty(triton.cdiv(M, BM), N, device=gemm.device, dtype=torch.float32)
     scale = scale_arg(dz_scale, gemm.device)
     n_stages = n_stages or ring_stages(gemm.K * gemm.a.element_size())
     gemm.launch(ws_dgrad_rmsnorm_kernel, x, rstd, gamma, zdz, scale if scale is not None else rstd,
-                dres if dres is not None else dx, dx, y, dg, n_stages=n_stages, HAS_RES=dres is not None,
+                res, dx, y, dg, n_stages=n_stages, HAS_RES=dres is not None,
                 HAS_SCALE=scale is not None, SUB_M=sub_m, VEC=vec)
     return dx, y, finish_col_sum(dg, dg.shape[0], gamma.dtype)
 

@@ -169,6 +169,8 @@ class _Group:
                 self._ref = build_reference(case.op, case)
             except Exception as e:
                 self._ref_error = describe_exception(e)
+                if isinstance(e, torch.OutOfMemoryError):
+                    self._ref_error += " (--check-tokens N runs the correctness pass at fewer tokens)"
         if self._ref_error is not None:
             raise RuntimeError(f"building the float64 reference / PyTorch error failed: {self._ref_error}")
         return self._ref

@@ -28,6 +28,8 @@ def status_of(reason: str) -> str:
 def planned_status(cfg: RunConfig, registry: Registry, cell: Cell) -> str:
     """``run``, or why the cell does not run (its row's status and message)."""
     allowed = cfg.selection.impl_modes.get(cell.impl)
+    if allowed == ():
+        return f"skipped: the {cfg.suite} suite leaves {cell.impl} out (give --impls to run it)"
     if allowed is not None and OPS[cell.op].kind == "autograd" and cell.mode not in allowed:
         return (f"skipped: the {cfg.suite} suite runs {cell.impl} only in {'/'.join(allowed)} mode "
                 "(give --modes or --impls to run every mode)")

@@ -42,14 +42,16 @@ untied embeddings, default RoPE with the shape's theta, and no dropout.
 Isolation: ``apply_liger_kernel_to_llama`` also replaces names in ``transformers.models.llama.modeling_llama``
 (``LlamaRMSNorm``, ``LlamaMLP``, ``apply_rotary_pos_emb``), which would turn every Llama built later in the worker
 process into a Liger model. They are put back as soon as the model is patched; Liger's RoPE, the one patch that
-only works through that module's global, is swapped in for the duration of hf-liger's forward only.
+only works through that module's global, is swapped in by hf-liger's attention layers for the length of each of
+their calls (so also in a checkpointed layer's recomputation in backward).
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -221,6 +223,17 @@ def _setattrs(module: Any, values: dict[str, Any]) -> Iterator[None]:
             setattr(module, k, v)
 
 
+def _with_attrs(fn: Callable[..., Any], module: Any, values: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` run with ``module``'s attributes set to ``values`` (:func:`_setattrs`) for the length of each call."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _setattrs(module, values):
+            return fn(*args, **kwargs)
+
+    return call
+
+
 LIGER_GLOBALS = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")
 """The names of ``modeling_llama`` that ``apply_liger_kernel_to_llama`` replaces."""
 
@@ -238,12 +251,12 @@ class HFLiger(HFTrainStep):
         pin_triton()
         with _setattrs(modeling_llama, {k: getattr(modeling_llama, k) for k in LIGER_GLOBALS}):  # restored after
             apply_liger_kernel_to_llama(model=model)  # rope, rms_norm, swiglu, fused_linear_cross_entropy
-        self._rope = (modeling_llama, {"apply_rotary_pos_emb": liger_rotary_pos_emb})
+        # Liger's RoPE replaces a module global; this model's attention layers set it for their own calls only, so
+        # that a checkpointed layer's recomputation in backward runs Liger's RoPE as its forward did.
+        for layer in model.model.layers:
+            layer.self_attn.forward = _with_attrs(layer.self_attn.forward, modeling_llama,
+                                                  {"apply_rotary_pos_emb": liger_rotary_pos_emb})
         return model
-
-    def forward(self, model: nn.Module, weights: Tensors, batch: Tensors) -> torch.Tensor:
-        with _setattrs(*self._rope):
-            return super().forward(model, weights, batch)
 
     def metadata(self) -> dict[str, Any]:
         from kernels.liger import pin_triton

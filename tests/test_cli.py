@@ -38,6 +38,13 @@ def test_list_prints_cells_and_statuses(capsys, monkeypatch, tmp_path):
     assert "gemm_out         tiny       fwd      fp32    torch-eager        to run" in out
     assert "skipped: the smoke suite runs torch-compile only in fwd_bwd mode" in out
     assert "broken.py failed to load" in out
+    with isolated_registry():  # an implementation the suite leaves out; --impls brings it back
+        for impls, status in ([], "skipped: the smoke suite leaves hf-coda-lora out (give --impls to run it)"),\
+                             (["--impls", "hf-coda-lora"], "to run"):
+            assert main(["--suite", "smoke", "--ops", "train_step", "--list", "--no-entry-points", *impls,
+                         "--out", str(tmp_path / "runs" / "y")]) == 0
+            line = next(x for x in capsys.readouterr().out.splitlines() if " hf-coda-lora " in x)
+            assert line.endswith(status), line
     n_cells = sum(1 for line in out.splitlines() if line.startswith(("gemm_out ", "rmsnorm_linear ")))
     assert re.fullmatch(rf"{n_cells} cells: .*\d+ to run.*", out.strip().splitlines()[-1])
 
@@ -161,7 +168,7 @@ def test_a_failed_merge_leaves_nothing_and_can_be_retried(tmp_path, capsys, monk
 
     run = tmp_path / "run"
     run.mkdir()
-    reference = ROOT / "reports" / "h100-2026-11-26-full"
+    reference = ROOT / "reports" / "h100-2026-11-27-full"
     for name in ("results.csv", "errors.csv", "samples.jsonl", "env.json"):
         (run / name).write_bytes((reference / name).read_bytes())
 

@@ -418,11 +418,11 @@ def test_rescale_multiplies_by_the_ratio_of_the_new_to_the_applied_gradient():
 
 
 def test_ce_chunk_rows_rule():
-    """The default chunk: the most rows (a multiple of 256) whose [rows, V] buffer fits 2 GiB, 1024 at least, M at
+    """The default chunk: the most rows (a multiple of 256) whose [rows, V] buffer fits 1 GiB, 1024 at least, M at
     most."""
-    assert ce_chunk_rows(16384, 128256, 2) == 8192  # Llama 3, bf16: 2004 MiB, 2 chunks of 2 x 8192 tokens
-    assert ce_chunk_rows(16384, 128256, 4) == 4096
-    assert ce_chunk_rows(10 ** 6, 32000, 2) == 33536
+    assert ce_chunk_rows(16384, 128256, 2) == 4096  # Llama 3, bf16: 1002 MiB, 4 chunks of 2 x 8192 tokens
+    assert ce_chunk_rows(16384, 128256, 4) == 2048
+    assert ce_chunk_rows(10 ** 6, 32000, 2) == 16640
     assert ce_chunk_rows(10 ** 6, 1 << 21, 2) == 1024  # the minimum
     assert ce_chunk_rows(1000, 128256, 2) == 1000  # capped by M
 

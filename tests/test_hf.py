@@ -457,11 +457,12 @@ def test_generate_greedy_tokens_equal_the_unpatched_model(arch):
         assert_close_to("cached values", a.values, b.values)
 
 
-def test_vocab_and_ffn_sizes_off_the_16_byte_rule():
-    """vocab 257 (like Llama-2's 32000 + a pad token) and FFN 90: rows of 1028 and 360 bytes, which the tensor
-    descriptors refuse. The loss, every gradient and the logits still equal the unpatched model's (the FFN padded
-    with zero gate/up rows and down columns, the logits buffers with an aligned row stride)."""
-    model = tiny(vocab_size=VOCAB + 1, intermediate_size=90, tie_word_embeddings=False)
+def test_vocab_ffn_and_hidden_sizes_off_the_16_byte_rule():
+    """vocab 257 (like Llama-2's 32000 + a pad token), FFN 90, hidden 70 and 5 heads of 14 (qkv 98): rows of 1028,
+    360, 280 and 392 bytes, which the tensor descriptors refuse as they are. The loss, every gradient and the logits
+    still equal the unpatched model's (the kernels lay such rows out with padded strides: kernels.coda.align)."""
+    model = tiny(vocab_size=VOCAB + 1, intermediate_size=90, hidden_size=70, num_attention_heads=5,
+                 num_key_value_heads=1, head_dim=14, tie_word_embeddings=False)
     ids, mask, labels = batch()
     labels[0, 5] = VOCAB  # the ragged last column is a target
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -499,10 +500,12 @@ GPU_SHAPES = {  # two layers each, the real vocabulary
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="bf16 agreement at the Llama-3 shapes needs a CUDA GPU and compiled kernels")
 @pytest.mark.parametrize("shape,ce_chunk,strategy", [(shape, None, None) for shape in GPU_SHAPES]
-                         + [("llama-3.2-1b", 1024, "fused"), ("llama-3.2-1b", 1024, "split")])
+                         + [("llama-3.2-1b", 1024, "fused"), ("llama-3.2-1b", 1024, "split"),
+                            ("llama-3.2-1b", 256, None)])
 def test_bf16_loss_and_grads_at_llama3_shapes_gpu(shape, ce_chunk, strategy, monkeypatch):
-    """ce_chunk 1024: the LM head's gradient in two chunks of rows, its weight gradient summed in fp32 by
-    :func:`kernels.coda.gemm.mm_f32`, on the mainloop (``fused``) or cuBLAS (``split``, every other kernel split too)."""
+    """ce_chunk 1024: the LM head's gradient in two chunks of rows, its weight gradient summed in place by
+    :func:`kernels.coda.gemm.mm_acc`, on the mainloop (``fused``) or cuBLAS (``split``, every other kernel split
+    too); 256: eight chunks, eight roundings of the bf16 weight gradient."""
     if ce_chunk:
         monkeypatch.setattr(cross_entropy_bwd, "ce_chunk_rows", lambda m, v, element_size: ce_chunk)
     if strategy:
@@ -528,6 +531,95 @@ def test_bf16_loss_and_grads_at_llama3_shapes_gpu(shape, ce_chunk, strategy, mon
         if not passes(err, torch_err, torch.bfloat16):
             bad.append((name, err, torch_err))
     assert not bad, bad
+
+
+def bf16_pair(shape: str, layers: int = 2, seed: int = 0, **overrides) -> tuple[nn.Module, nn.Module]:
+    """A Llama of ``GPU_SHAPES[shape]`` in bf16 on the GPU, and an equal copy to patch."""
+    config = transformers.LlamaConfig(vocab_size=128256, num_hidden_layers=layers, rms_norm_eps=1e-5,
+                                      **{**GPU_SHAPES[shape], **overrides})
+    with torch.device("cuda"):
+        torch.manual_seed(seed)
+        ref = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    return ref, copy.deepcopy(ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="torch.compile of the drop-in with Inductor needs a CUDA GPU")
+def test_compiled_fullgraph_bf16_equals_eager_patched_gpu():
+    """``torch.compile(model, fullgraph=True)`` with Inductor, bf16, llama-3.2-1b's shape: the CODA ops stay opaque,
+    Inductor compiles the rest (attention, embedding); the loss and every gradient pass the suite's rule against the
+    unpatched model in float64, as the eager patched model's do."""
+    torch._dynamo.reset()
+    ref, model = bf16_pair("llama-3.2-1b")
+    ref64 = copy.deepcopy(ref).double()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 1024), generator=g, device="cuda")
+    labels = torch.where(torch.rand(ids.shape, generator=g, device="cuda") < 0.1, -100, ids)
+    loss64, grads64, _ = loss_and_grads(ref64, input_ids=ids, labels=labels)
+    del ref64
+    loss16, grads16, _ = loss_and_grads(ref, input_ids=ids, labels=labels)
+    apply_coda(model)
+    loss_and_grads(model, input_ids=ids, labels=labels)  # the first step: packs the weights, chooses each path
+    with launches() as eager:
+        loss_and_grads(model, input_ids=ids, labels=labels)
+    step = torch.compile(model, fullgraph=True)
+    loss_and_grads(step, input_ids=ids, labels=labels)  # compiles
+    with launches() as names:
+        loss, _, out = loss_and_grads(step, input_ids=ids, labels=labels)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    bad = [(n, rel_err(o, r), rel_err(t, r)) for n, o, t, r in [("loss", loss, loss16, loss64)]
+           + [(n, grads[n], grads16[n], grads64[n]) for n in grads64] if not passes(rel_err(o, r), rel_err(t, r),
+                                                                                    torch.bfloat16)]
+    assert not bad, bad
+    assert out.logits is None and "gemm_cross_entropy_kernel" in names
+    assert sorted(names) == sorted(eager)  # the compiled step runs the eager patched step's kernels
+
+
+def near_tie(bf16: torch.Tensor, fp32: torch.Tensor) -> float:
+    """The gap between two logits that bf16 rounding can reverse: 3 standard deviations of the difference of two
+    logits, each off by the unpatched bf16 model's own error against fp32 (its RMS over ``bf16``'s logits)."""
+    sigma = float((bf16.float() - fp32.float()).pow(2).mean().sqrt())
+    return 3 * 2**0.5 * sigma
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="bf16 generate() at a real shape needs a CUDA GPU")
+def test_generate_64_greedy_tokens_bf16_follow_the_unpatched_model_gpu():
+    """generate() with the KV cache in bf16 at llama-3-8b's layer shape, left padding, 64 greedy tokens: the prefill
+    logits pass the suite's rule against the unpatched model in fp32 (as its bf16 logits do), and each row's tokens
+    equal Hugging Face's up to a step where Hugging Face's own two best logits are closer than its bf16 rounding
+    reaches (:func:`near_tie`, measured on the prefill); random weights have such steps, trained ones rarely. At
+    least 32 of the 4 x 64 tokens are compared."""
+    ref, model = bf16_pair("llama-3-8b", initializer_range=0.05)
+    ref32 = copy.deepcopy(ref).float().eval()
+    apply_coda(model.eval())
+    ref.eval()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, ref.config.vocab_size, (4, 256), generator=g, device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    mask[3, :100] = 0
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask).logits[:, -1].float() for m in (model, ref, ref32)]
+        del ref32
+        tie = near_tie(logits[1], logits[2])
+        for row in range(4):
+            err, torch_err = rel_err(logits[0][row], logits[2][row]), rel_err(logits[1][row], logits[2][row])
+            assert passes(err, torch_err, torch.bfloat16), (row, err, torch_err)
+        args = {"attention_mask": mask, "max_new_tokens": 64, "do_sample": False, "pad_token_id": 0}
+        with launches() as names:
+            ours = model.generate(ids, **args)
+        theirs = ref.generate(ids, **args, output_logits=True, return_dict_in_generate=True)
+    assert "gemm_rope_kernel" in names and ours.shape == theirs.sequences.shape == (4, 256 + 64)
+    compared = 0
+    for row in range(4):
+        differ = (ours[row, 256:] != theirs.sequences[row, 256:]).nonzero()
+        step = int(differ[0]) if len(differ) else 64
+        compared += step
+        if step < 64:
+            gap = theirs.logits[step][row].float().topk(2).values
+            assert float(gap[0] - gap[1]) < tie, (row, step, float(gap[0] - gap[1]), tie)
+    assert compared >= 32, compared
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",

@@ -39,9 +39,10 @@ def compiled(model: torch.nn.Module, graphs: list) -> torch.nn.Module:
 
 
 def test_compiled_fullgraph_gives_the_eager_and_unpatched_loss_and_gradients():
-    """One graph, which calls the CODA ops; its forward and backward run the fused kernels; the loss and every
-    parameter gradient equal the eager patched model's (up to the order of the tied embedding's two sums) and
-    pass the suite's rule against the unpatched model in float64, as the eager patched model does."""
+    """One graph, which calls the CODA ops and reads the packing indices (computing none); its forward and backward
+    run the fused kernels; the loss and every parameter gradient equal the eager patched model's (up to the order of
+    the tied embedding's two sums) and pass the suite's rule against the unpatched model in float64, as the eager
+    patched model does."""
     torch._dynamo.reset()
     model = tiny()
     ids, mask, labels = batch()
@@ -56,6 +57,9 @@ def test_compiled_fullgraph_gives_the_eager_and_unpatched_loss_and_gradients():
         loss, _, out = loss_and_grads(compiled(model, graphs), **inputs)
     grads = {n: p.grad for n, p in model.named_parameters()}  # the compiled wrapper's names have a prefix
     assert len(graphs) == 1 and CODA_OPS <= {t.removesuffix(".default") for t in graphs[0]}, graphs
+    # the packing indices are the plan's, made eagerly: the graph reads them and computes none (no searchsorted,
+    # no cumsum), so no compiler generates code for them
+    assert not {t for t in graphs[0] if "searchsorted" in t or "cumsum" in t}, sorted(graphs[0])
     assert out.logits is None and FUSED <= set(names), sorted(set(names))
     assert set(grads) == set(grads64) and all(g is not None for g in grads.values())
     assert_close_to("loss", loss, eager_loss, 1e-6)
@@ -158,8 +162,8 @@ def test_opcheck_backward_pieces_and_packing():
 
 def test_a_misaligned_operand_is_copied_inside_the_op():
     """Views off the 16-byte alignment the tensor descriptors need (offset by one fp32 element: a parameter in
-    safetensors' mmap, a flat buffer) give the aligned operands' results and gradients: the op copies them, since a
-    caller traced by torch.compile cannot read a data pointer."""
+    safetensors' mmap, a flat buffer) give the aligned operands' results and gradients: the kernels' host functions
+    inside the op copy them (kernels.coda.align), since a caller traced by torch.compile cannot read a data pointer."""
     c, n = consumer("rope")
     x, g, w = rand(M, D, seed=1), gamma(2, False), rand(n, D, seed=3)
     results = []
@@ -172,6 +176,22 @@ def test_a_misaligned_operand_is_copied_inside_the_op():
         results.append([out.detach()] + [v.grad for v in views])
     for ours, aligned in zip(*results):
         assert torch.equal(ours, aligned)
+
+
+def test_packing_reads_an_index_of_any_strides():
+    """pack_rows / unpack_rows with their int32 index as strided views (as a compiled graph may pass them) give the
+    contiguous index's results."""
+    from kernels.coda.pack import qkv_index
+
+    tensor, row = qkv_index(HEADS, KV_HEADS, HEAD_DIM, torch.device("cpu"))
+    strided = [torch.stack([t, -t], dim=1)[:, 0] for t in (tensor, row)]  # stride 2
+    assert all(s.stride() == (2,) and torch.equal(s, t) for s, t in zip(strided, (tensor, row)))
+    weights = [rand(HEADS * HEAD_DIM, D, seed=13), rand(HEAD_DIM, D, seed=14), rand(HEAD_DIM, D, seed=15)]
+    packed = ops.pack_rows(tensor, row, weights)
+    assert torch.equal(ops.pack_rows(*strided, weights), packed)
+    grads = ops.unpack_rows(packed, tensor, row, [w.shape[0] for w in weights])
+    assert all(torch.equal(g, w) for g, w in zip(grads, weights))
+    assert all(torch.equal(a, b) for a, b in zip(ops.unpack_rows(packed, *strided, [16, 8, 8]), grads))
 
 
 # ---- eager calls: the ops' implementation and autograd without the dispatcher ---------------------------------

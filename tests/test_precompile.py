@@ -201,6 +201,47 @@ def test_precompile_step_needs_a_patched_model_and_does_nothing_on_the_cpu(monke
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_patched_model_precompiles_its_first_training_step_at_each_shape(monkeypatch):
+    """With a GPU to compile for (stood in for: Triton compiles on the CPU, the dry pass runs its step), the first
+    call with labels and gradients at each input shape runs precompile_step first, once; later calls, calls
+    without gradients and calls inside the dry pass do not. The dry pass leaves the random state alone (attention
+    dropout draws the same masks), and the loss and gradients are those of the model that never precompiles."""
+    import kernels.coda.hf as hf
+    from kernels.coda.hf import apply_coda
+    from test_hf import loss_and_grads, tiny
+
+    passes = []
+
+    def dry(step, device, workers=None):
+        monkeypatch.setattr(P, "_DRY", True)
+        try:
+            torch.rand(100)  # a dry pass consumes random numbers (dropout)
+            step()
+        finally:
+            monkeypatch.setattr(P, "_DRY", False)
+        passes.append(device)
+        return P.Precompiled(1, 0.0)
+
+    monkeypatch.setattr(P, "precompile", dry)
+    model, plain = (apply_coda(tiny(attention_dropout=0.3, num_hidden_layers=1)) for _ in range(2))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    results = []
+    for m, compiles in ((plain, False), (model, True)):
+        monkeypatch.setattr(hf, "compiles_here", lambda device: compiles)
+        torch.manual_seed(5)
+        loss, grads, _ = loss_and_grads(m.train(), input_ids=ids, labels=ids)
+        results.append((loss, {n: g.clone() for n, g in grads.items()}))
+    assert len(passes) == 1
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(results[0][1][n], results[1][1][n]) for n in results[0][1])
+    loss_and_grads(model, input_ids=ids, labels=ids)
+    with torch.no_grad():
+        model(input_ids=ids[:, :6], labels=ids[:, :6])
+    assert len(passes) == 1
+    loss_and_grads(model, input_ids=ids[:, :6], labels=ids[:, :6])
+    assert len(passes) == 2
+
+
 GPU_SCRIPT = r"""
 import json, os, sys, tempfile, torch, triton
 from triton import knobs
@@ -254,7 +295,8 @@ print(json.dumps({"serial": serial, "kernels": done.kernels, "ahead": ahead, "sk
 @pytest.mark.parametrize("strategy", ["auto", "gluon"])  # gluon: the producers' Gluon kernel on Hopper (fused elsewhere)
 def test_after_a_dry_pass_the_real_step_compiles_nothing_and_computes_the_same(tmp_path, strategy):
     env = {**os.environ, "CODABENCH_CACHE_DIR": str(tmp_path / "coda"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-           "PYTHONPATH": str(ROOT), "CODABENCH_STRATEGY": strategy}
+           "PYTHONPATH": str(ROOT), "CODABENCH_STRATEGY": strategy,
+           tuning.TUNE_ENV: "1"}  # the first step tunes and measures its choices; the dry pass does neither
     env.pop("CODABENCH_AUTOTUNE_CACHE", None)
     out = subprocess.run([sys.executable, "-c", GPU_SCRIPT], env=env, capture_output=True, text=True, timeout=900,
                          cwd=ROOT)

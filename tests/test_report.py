@@ -388,17 +388,14 @@ def test_committed_reference_reports_load_pass_and_rebuild(results, tmp_path):
     assert all(impl in html for impl in set(ok["impl"]))  # every implementation that ran, in the rebuilt report
 
 
-@pytest.mark.parametrize("run", ["h100-2026-11-26-cold-full", "h200-2026-11-27-full"])
+@pytest.mark.parametrize("run", ["h100-2026-11-27-full", "h200-2026-11-27-full"])
 def test_the_full_reference_reports_are_full_runs(run):
-    """The headline reports (README, Results) cover the whole full suite with the suite's sampling: paired sweeps
-    (at least the minimum number of sweeps per group), or, in a run from before them, 3 rounds of 7 samples."""
+    """The headline reports (README, Results) cover the whole full suite with the suite's sampling: paired sweeps,
+    at least the minimum number of sweeps per group."""
     df, _, env = load_run(ROOT_REPORTS / run)
     assert len(df) == 513 and env["suite"] == "full"
     ok = df[df["status"] == "ok"]
     assert set(ok["model"]) == {"llama-1b", "llama-7b", "llama-70b"} and set(ok["dtype"]) == {"bf16", "fp8"}
     assert (ok["check_tokens"] == 2048).all()
-    if run.startswith("h100-2026-11-26"):  # from before the sweeps
-        assert ok["grain"].isna().all() and (ok["n_samples"] == 21).all()
-    else:
-        assert (ok["grain"] == "sample").all() and (ok["n_sweeps"] >= TimingConfig.min_sweeps).all()
-        assert (ok["n_samples"] == ok["n_sweeps"]).all()
+    assert (ok["grain"] == "sample").all() and (ok["n_sweeps"] >= TimingConfig.min_sweeps).all()
+    assert (ok["n_samples"] == ok["n_sweeps"]).all()

@@ -14,6 +14,7 @@ from codabench.registry import register
 from codabench.report import finalize
 from codabench.results import load_run
 from codabench.report.merge import merge
+from codabench import measure
 from codabench.measure import Measurer
 from codabench.runner import Runner
 from codabench.writer import RunExists
@@ -256,3 +257,15 @@ def test_a_group_whose_sweeps_fail_falls_back_to_rounds_of_blocks(registry, tmp_
     assert sorted(len(s["samples_ms"]) for s in samples) == [6, 6]
     assert all(s["grain"] == "round" and s["sweeps"] == [0, 0, 1, 1, 2, 2] for s in samples)
     assert all([len(r) for r in s["rounds"]] == [2, 2, 2] and sum(s["rounds"], []) == s["samples_ms"] for s in samples)
+
+
+def test_a_reference_out_of_memory_points_to_check_tokens():
+    """A float64 reference that does not fit the GPU (a real vocabulary's logits at the timed tokens) fails the
+    group's cells with a message that names the way out: a correctness pass at fewer tokens."""
+    def make_case():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 18.56 GiB.")
+
+    group = measure._Group(make_case)
+    for _ in range(2):  # built once: the second cell gets the same error
+        with pytest.raises(RuntimeError, match=r"out of memory: .*--check-tokens N runs the correctness pass"):
+            group.reference()

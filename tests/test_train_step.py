@@ -184,8 +184,10 @@ def test_hf_compile_traces_once_per_shape(monkeypatch):
 
 def test_hf_liger_runs_liger_and_leaves_transformers_unpatched(monkeypatch):
     """Liger's RoPE and fused linear cross-entropy kernels run for real in the interpreter; its RMSNorm and SwiGLU
-    kernels cannot (a scalar ``.to()`` the interpreter lacks) and are torch stand-ins. Afterwards the names Liger
-    replaces in transformers' modeling_llama are the originals again, so a model built next is plain Hugging Face."""
+    kernels cannot (a scalar ``.to()`` the interpreter lacks) and are torch stand-ins. Under checkpointing the
+    recomputed layers run Liger's RoPE as their forward did (else torch's CheckpointError: the saved tensors
+    differ). Afterwards the names Liger replaces in transformers' modeling_llama are the originals again, so a model
+    built next is plain Hugging Face."""
     pytest.importorskip("liger_kernel")
     import liger_kernel.transformers.rms_norm as liger_rms_norm
     import liger_kernel.transformers.swiglu as liger_swiglu
@@ -202,6 +204,9 @@ def test_hf_liger_runs_liger_and_leaves_transformers_unpatched(monkeypatch):
     with launches() as names:
         check(hf_train.HFLiger())
     assert {"_triton_rope", "liger_cross_entropy_kernel"} <= set(names), sorted(set(names))
+    with launches() as recomputed:
+        check(hf_train.HFLiger(), checkpointing=True)
+    assert recomputed.count("_triton_rope") > names.count("_triton_rope")
     if importlib.util.find_spec("peft"):  # hf-liger-lora: Liger's model with PEFT's adapters, which get gradients
         lora = hf_train.HFLigerLoRA()
         check(lora)

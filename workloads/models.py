@@ -77,9 +77,10 @@ def _paper(d: int, heads: int) -> ModelShape:
 LLAMA3_VOCAB = 128256
 
 PRESETS: dict[str, ModelShape] = {
-    # Tiny shapes for the CPU interpreter. Every dim is a multiple of 16 (16-byte rows for TMA down to
-    # fp8; K and N of fp8 GEMMs) but not of the tile sizes, so masking is exercised everywhere. Two layers: the fewest
-    # in which a layer hands its output to the next (CODA's block boundary), at half the interpreter's time of four.
+    # Tiny shapes for the CPU interpreter. Every dim is a multiple of 16 (16-byte rows down to fp8, which need no
+    # padding: tests/test_coda_ragged.py runs the other sizes; K and N of fp8 GEMMs) but not of the tile sizes, so
+    # masking is exercised everywhere. Two layers: the fewest in which a layer hands its output to the next (CODA's
+    # block boundary), at half the interpreter's time of four.
     "tiny": ModelShape("tiny", hidden=80, ffn=112, heads=4, kv_heads=2, head_dim=16, vocab=208,
                        tokens=48, seq_len=40, layers=2),
     "llama-1b": ModelShape("llama-1b", 2048, 8192, 32, 8, 64, rope_theta=500000.0),

@@ -32,8 +32,8 @@ class Suite:
     impls: tuple[str, ...] | None = None
     needs_gpu: bool = True
     impl_modes: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Per-implementation restriction of the modes of autograd ops (direct ops have one mode);
-    the cells left out become ``skipped`` rows that say why."""
+    """Per-implementation restriction of the modes of autograd ops (direct ops have one mode; no modes: the
+    implementation is left out of the suite); the cells left out become ``skipped`` rows that say why."""
     check_tokens: int | None = None
     """Default of ``--check-tokens``: tokens of the correctness pass (None: the timing shape's)."""
     reps: int | None = None
@@ -43,10 +43,11 @@ class Suite:
 SUITES: dict[str, Suite] = {s.name: s for s in [
     # torch.compile on the CPU costs about 20 s once (inductor's compiler probes) plus 2-5 s per graph
     # on 2 cores, cold: compiling every (op, mode) alone took ~80 s. fwd_bwd compiles the forward and
-    # backward graphs together, so the smoke suite compiles each autograd op once, in fwd_bwd.
+    # backward graphs together, so the smoke suite compiles each autograd op once, in fwd_bwd. The training step's
+    # LoRA variants are left out (hf-coda-lora: 48 s of interpreted CODA steps; tests/test_train_step.py runs it).
     Suite("smoke", "model tiny, every op, mode and implementation, fp32; runs on the CPU (Triton interpreter)",
           models=("tiny",), modes=MODES, dtypes=("fp32",), needs_gpu=False,
-          impl_modes={"torch-compile": ("fwd_bwd",)}),
+          impl_modes={"torch-compile": ("fwd_bwd",), "hf-coda-lora": (), "hf-liger-lora": ()}),
     Suite("quick", "llama-7b, bf16, every pattern op, mode and implementation (GPU)",
           models=("llama-7b",), modes=MODES, dtypes=("bf16",), ops=PATTERN_OPS),
     # 513 cells. The correctness pass runs at 2048 tokens (the pass rule compares with PyTorch's own error on

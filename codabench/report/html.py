@@ -208,20 +208,24 @@ def _impl_head(impl: str, colors: dict[str, str]) -> str:
     return f"<span class='sw' style='background:{colors[impl]}'></span>{_esc(impl)}"
 
 
-def _median(r: pd.Series) -> str:
-    """The median, and where the call is host-bound (:func:`host_bound`) its host time after the mark."""
-    text = _fmt(r.get("median_ms"), ".4g")
+def _host_bound(r: pd.Series) -> bool:
+    """An ok row whose call's host time (``host_ms``) exceeds its GPU time (``median_ms``): timed with its launches
+    queued, as a kernel is, but the host cannot feed the GPU that fast call after call."""
     host, gpu = pd.to_numeric(r.get("host_ms"), errors="coerce"), pd.to_numeric(r.get("median_ms"), errors="coerce")
-    return f"{text} {HOST_MARK}{_fmt(host, '.3g')}" if r.get("status") == "ok" and host > gpu else text
+    return bool(r.get("status") == "ok" and host > gpu)
+
+
+def _median(r: pd.Series) -> str:
+    """The median, and where the call is host-bound its host time after the mark."""
+    text = _fmt(r.get("median_ms"), ".4g")
+    return f"{text} {HOST_MARK}{_fmt(r.get('host_ms'), '.3g')}" if _host_bound(r) else text
 
 
 def host_bound(df: pd.DataFrame) -> pd.Series:
-    """True for the ok rows whose call's host time (``host_ms``) exceeds its GPU time (``median_ms``): timed with its
-    launches queued, as a kernel is, but the host cannot feed the GPU that fast call after call."""
-    if "host_ms" not in df:
+    """:func:`_host_bound` of each row (False throughout a run without ``host_ms``)."""
+    if "host_ms" not in df or df.empty:
         return pd.Series(False, index=df.index)
-    host, gpu = pd.to_numeric(df["host_ms"], errors="coerce"), pd.to_numeric(df["median_ms"], errors="coerce")
-    return (df["status"] == "ok") & (host > gpu)
+    return df.apply(_host_bound, axis=1).astype(bool)
 
 
 HOST_MARK = "&#8224;"

@@ -107,7 +107,7 @@ def own_headline(run: Path) -> str | None:
     if not path.is_file():
         return None
     lines = path.read_text(errors="replace").splitlines()
-    return lines[0].strip() or None if lines else None
+    return (lines[0].strip() or None) if lines else None
 
 
 def newest_full(reports: list[Report]) -> list[Report]:

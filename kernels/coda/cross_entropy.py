@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import is_aligned
 from kernels.coda.epilogue import gather_cols, tile_lse
 from kernels.coda.fp8 import result_dtype
 from kernels.coda.gemm import split_matmul
@@ -123,12 +124,13 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     loss: fp32 scalar ("mean" over non-ignored rows, or "sum"); lse: fp32 [M]. With ``with_grad``:
     dlogits [M, V] in h's dtype, ``s * (softmax - onehot)`` (zero rows where ignored; s: ``grad_scale``, an fp32
     one-element device tensor such as the loss scale of :func:`kernels.coda.cross_entropy_bwd.ce_grad_scale`, or
-    1), written into ``out`` when given (a row-major [M, V] buffer in h's dtype, its row stride a multiple of 16
-    bytes, which a caller going over chunks of rows reuses), and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``;
-    otherwise the logits are never written and both are None.
+    1), written into ``out`` when given (a row-major [M, V] buffer in h's dtype, its base and row stride multiples of
+    16 bytes as :func:`kernels.coda.align.empty_rows` makes them, which a caller going over chunks of rows reuses),
+    and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the logits are never written and both are None.
     """
     gemm = Gemm(h, w_lm.T, promote, row_scale=rstd)
     (M, V), dtype = gemm.shape, result_dtype(h.data if isinstance(h, Fp8) else h)
-    if out is not None and (out.shape != (M, V) or out.dtype != dtype or out.stride(1) != 1):
-        raise ValueError(f"out must be a row-major {(M, V)} {dtype} tensor, got {tuple(out.shape)}, {out.dtype}")
+    if out is not None and (out.shape != (M, V) or out.dtype != dtype or not is_aligned(out)):
+        raise ValueError(f"out must be a row-major {(M, V)} {dtype} tensor with 16-byte aligned rows "
+                         f"(kernels.coda.align.empty_rows), got {tuple(out.shape)}, {out.dtype}")
     return replace(gemm, inputs=(target.contiguous(),), outputs={} if out is None else {"logits": out})

@@ -9,14 +9,14 @@ s on the device (no host synchronization). :func:`lm_head_ce_grad` computes the 
     loss_c, lse_c, dlogits_c, zdz_c = gemm_cross_entropy(h_c, W, rstd_c, target_c, "sum", with_grad=True,
                                                          grad_scale=s)     # dlogits_c = s (softmax - onehot)
     dx_c, y_c, dgamma_c = dgrad_rmsnorm(dlogits_c, W, x_c, rstd_c, gamma, zdz_c)
-    dW += dlogits_c^T @ y_c                    (:func:`kernels.coda.gemm.mm_f32` into an fp32 ``acc``)
+    dW += dlogits_c^T @ y_c                    (:func:`kernels.coda.gemm.mm_acc`: fp32 sums, dW's dtype)
 
-then ``loss = s * sum_c loss_c`` and ``dgamma = sum_c dgamma_c`` (fp32); dW and dgamma are rounded to the
-weights' dtype once, at the end. Every chunk writes its logits, then dlogits, into the same [mc, V] buffer.
-Memory during the sweep: that buffer, the fp32 [V, d] accumulator and dx [M, d]; after it: dx, dgamma, dW.
-With one chunk (M <= mc: the suite's vocabulary of 32768) there is nothing to accumulate: ``dW = dlogits^T @ y``
-is one GEMM in the weights' dtype (:func:`kernels.coda.gemm.mm`: the mainloop or cuBLAS, as measured), without
-the fp32 buffer and its rounding (0.54 GB less traffic at 1B).
+then ``loss = s * sum_c loss_c`` and ``dgamma = sum_c dgamma_c`` (fp32, rounded once at the end). dW is kept in the
+weights' dtype: each chunk's product is summed in fp32 and added to it with one rounding, as Liger's fused linear
+cross-entropy does: on an H100 the bf16 gradient in 2 and in 8 chunks passes the suite's rule against float64
+(tests/test_hf.py), and the fp32 [V, d] accumulator this replaces took 1 GiB at Llama 3's vocabulary (0.5 GiB more
+while rounded to dW). Every chunk writes its logits, then dlogits, into the same [mc, V] buffer.
+Memory during the sweep: that buffer, dW and dx [M, d]; after it: dx, dgamma, dW.
 The compositions' autograd (:mod:`kernels.coda.ops`) keeps those three and multiplies them by dloss in backward,
 in place on the device (:func:`rescale_`; nothing moves when dloss is 1; a traced backward scales copies).
 """
@@ -26,18 +26,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows
 from kernels.coda.cross_entropy import gemm_cross_entropy
-from kernels.coda.gemm import mm, mm_f32
+from kernels.coda.gemm import mm, mm_acc
 from kernels.coda.reduce import check_reduction
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 
-CHUNK_BYTES = 1 << 31
-"""The most a chunk's [mc, V] dlogits buffer takes (2 GiB), unless that is under CHUNK_MIN_ROWS rows. Fewer, larger
-chunks read and write the fp32 weight-gradient accumulator fewer times and have fewer partial waves: on an H100 the
-Llama-3.2-1B training step (2 x 8192 tokens, V = 128256: 2 chunks) took 1.2% less time than with 1 GiB (4 chunks),
-for 1 GiB more peak memory (docs/performance.md). One chunk (4 GiB there) was 4% faster but +2.5 GiB."""
+CHUNK_BYTES = 1 << 30
+"""The most a chunk's [mc, V] dlogits buffer takes (1 GiB), unless that is under CHUNK_MIN_ROWS rows. On an H100 the
+Llama-3.2-1B training step with activation checkpointing (2 x 8192 tokens, V = 128256: 4 chunks) took 115.4 ms at
+1956 MiB peak, against 114.3 ms at 2975 MiB with 2 GiB chunks (docs/performance.md)."""
 CHUNK_MIN_ROWS = 1024
-"""Every chunk's weight-gradient GEMM reads and writes the fp32 [V, d] accumulator: fewer rows make that dominate."""
+"""Every chunk's weight-gradient GEMM reads and writes the [V, d] weight gradient: fewer rows make that dominate."""
 CHUNK_ALIGN = 256
 """Chunks are a multiple of 256 rows: of every BM of the autotune space, so only the last chunk has a partial tile."""
 
@@ -71,14 +71,16 @@ RESCALE_BLOCK = 8192
 
 
 @triton.jit
-def rescale_kernel(t_ptr, n, grad_ptr, applied_ptr, BLOCK: tl.constexpr):
-    """``t *= grad / applied`` over the program's block of the flat tensor t, read and written only when that factor
-    is not 1 (each program loads the two scalars and returns at once otherwise)."""
+def rescale_kernel(t_ptr, n, cols, stride, grad_ptr, applied_ptr, BLOCK: tl.constexpr):
+    """``t *= grad / applied`` over the program's block of the n elements of t, rows of ``cols`` elements ``stride``
+    apart (element i at ``(i // cols) stride + i % cols``), read and written only when that factor is not 1 (each
+    program loads the two scalars and returns at once otherwise)."""
     f = tl.load(grad_ptr).to(tl.float32) / tl.load(applied_ptr)
     if f != 1.0:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(t_ptr + offs, mask=offs < n)
-        tl.store(t_ptr + offs, (x.to(tl.float32) * f).to(x.dtype), mask=offs < n)
+        ptrs = t_ptr + offs // cols * stride + offs % cols
+        x = tl.load(ptrs, mask=offs < n)
+        tl.store(ptrs, (x.to(tl.float32) * f).to(x.dtype), mask=offs < n)
 
 
 @triton.jit
@@ -89,16 +91,18 @@ def store_scalar_kernel(src_ptr, dst_ptr):
 
 def rescale_(grad: torch.Tensor, applied: torch.Tensor, *tensors: torch.Tensor) -> None:
     """Gradients computed in the forward for a unit upstream gradient, brought to ``grad`` (a one-element device
-    tensor: dloss) in place: each contiguous tensor is multiplied by ``grad / applied``, then ``applied := grad``
-    (fp32 [1], the dloss they carry: 1 after the forward). No host synchronization; when the factor is 1 (a
-    training step) the kernels only read the two scalars. A second backward (``retain_graph``) rescales by the
-    ratio of the two gradients."""
+    tensor: dloss) in place: each tensor (1-D contiguous, or 2-D row-major with any row stride: the row layout of
+    :mod:`kernels.coda.align`) is multiplied by ``grad / applied``, then ``applied := grad`` (fp32 [1], the dloss
+    they carry: 1 after the forward). No host synchronization; when the factor is 1 (a training step) the kernels
+    only read the two scalars. A second backward (``retain_graph``) rescales by the ratio of the two gradients."""
     g = grad.detach().reshape(1)
     for t in tensors:
-        if not t.is_contiguous():
-            raise ValueError("rescale_ takes contiguous tensors")
-        rescale_kernel[(triton.cdiv(t.numel(), RESCALE_BLOCK),)](t, t.numel(), g, applied, BLOCK=RESCALE_BLOCK,
-                                                                 num_warps=8)
+        if t.dim() not in (1, 2) or t.stride(-1) != 1:
+            raise ValueError("rescale_ takes 1-D contiguous or 2-D row-major tensors")
+        cols = t.shape[-1]
+        stride = t.stride(0) if t.dim() == 2 else cols
+        rescale_kernel[(triton.cdiv(t.numel(), RESCALE_BLOCK),)](t, t.numel(), cols, stride, g, applied,
+                                                                 BLOCK=RESCALE_BLOCK, num_warps=8)
     store_scalar_kernel[(1,)](g, applied)
 
 
@@ -106,9 +110,9 @@ def ce_chunk_rows(m: int, v: int, element_size: int) -> int:
     """Rows per chunk of :func:`lm_head_ce_grad`: the largest multiple of CHUNK_ALIGN whose [rows, v] buffer of
     ``element_size``-byte elements fits CHUNK_BYTES, at least CHUNK_MIN_ROWS, at most m.
 
-    Llama 3 (V = 128256, bf16): 8192 rows (2004 MiB). A chunk's dgrad GEMM, [mc, d] with K = V, then has
-    (8192 / 128) x (d / 256) tiles of 128 x 256: 512 for d = 2048, four waves of an H100's 132 SMs; its weight
-    gradient GEMM reads and writes the fp32 [V, d] accumulator once, 8 bytes per element against 2 mc FLOPs.
+    Llama 3 (V = 128256, bf16): 4096 rows (1002 MiB). A chunk's dgrad GEMM, [mc, d] with K = V, then has
+    (4096 / 128) x (d / 256) tiles of 128 x 256: 256 for d = 2048, two waves of an H100's 132 SMs; its weight
+    gradient GEMM reads and writes the bf16 [V, d] gradient once, 4 bytes per element against 2 mc FLOPs.
     """
     rows = CHUNK_BYTES // (v * element_size) // CHUNK_ALIGN * CHUNK_ALIGN
     return min(m, max(CHUNK_MIN_ROWS, rows))
@@ -120,7 +124,8 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, lse, dx, dgamma, dW)`` of ``CE(rstd[:, None] * (h @ w_lm.T), target)`` with ``h = x * gamma``
     (see the module docstring): the loss as :func:`kernels.coda.cross_entropy.gemm_cross_entropy` computes it, and
-    the gradients of x, gamma and w_lm for ``dloss = 1``, in x's, gamma's and w_lm's dtypes.
+    the gradients of x, gamma and w_lm for ``dloss = 1``, in x's, gamma's and w_lm's dtypes (dx and dW in the row
+    layout of :mod:`kernels.coda.align`).
 
     h, x [M, d]; w_lm [V, d]; rstd fp32 [M]; target [M]. ``chunk_rows``: rows per chunk (default
     :func:`ce_chunk_rows`).
@@ -131,20 +136,18 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
     rows = chunk_rows or ce_chunk_rows(M, V, h.element_size())
     s = ce_grad_scale(torch.ones((), device=h.device, dtype=torch.float32), target, ignore_index, reduction)
     gamma32 = gamma.float()  # dgamma of each chunk in fp32, summed over the chunks before rounding
-    # Row stride rounded up to 16 bytes (the tensor descriptors' rule), so that any V works: a view of a wider buffer.
-    per = max(1, 16 // h.element_size())
-    buf = torch.empty(min(rows, M), -(-V // per) * per, device=h.device, dtype=h.dtype)[:, :V]
-    dx = torch.zeros_like(x)  # each chunk's dgrad adds its rows in place
+    buf = empty_rows(min(rows, M), V, h.dtype, h.device)  # any V: a row stride of whole 16 bytes
+    dx = empty_rows(*x.shape, x.dtype, x.device).zero_()  # each chunk's dgrad adds its rows in place
     losses, lses, dgammas, dw = [], [], [], None
     for r0 in range(0, M, rows):
         c = slice(r0, min(r0 + rows, M))
         loss, lse, dlogits, zdz = gemm_cross_entropy(h[c], w_lm, rstd[c], target[c], ignore_index, "sum",
                                                      with_grad=True, out=buf[:c.stop - r0], grad_scale=s)
         _, y, dgamma = dgrad_rmsnorm(dlogits, w_lm, x[c], rstd[c], gamma32, zdz, dx[c], inplace=True)
-        dw = mm(dlogits.T, y) if rows >= M else mm_f32(dlogits.T, y, dw)
+        dw = mm(dlogits.T, y) if dw is None else mm_acc(dlogits.T, y, dw)
         losses.append(loss)
         lses.append(lse)
         dgammas.append(dgamma)
-    del buf, dlogits  # the chunk buffer goes before the copies below (peak: the fp32 accumulator and dW)
+    del buf, dlogits  # the chunk buffer goes before the copies below
     loss = (torch.stack(losses).sum() * s).reshape(())
-    return loss, torch.cat(lses), dx, torch.stack(dgammas).sum(0).to(gamma.dtype), dw.to(w_lm.dtype)
+    return loss, torch.cat(lses), dx, torch.stack(dgammas).sum(0).to(gamma.dtype), aligned(dw.to(w_lm.dtype))

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows
 from kernels.coda.epilogue import SCALING_NONE, SCALING_PER_TENSOR, SCALING_ROWWISE, load_tile, store_tile
 from kernels.coda.mainloop import INTERPRET, tile_desc
 from workloads.fp8 import FP8_EXPONENT, Fp8
@@ -137,9 +138,11 @@ def quantize_from_partials(x: torch.Tensor, part: torch.Tensor, n_tiles: int, ro
     """Dynamic quantization of x [M, N] given its absmax partials ``part[:, :n_tiles]`` (per row, per N tile):
     bit-identical to :func:`workloads.fp8.quantize`. Two launches: :func:`scale_kernel` (the scales per row, or per
     tensor the maxima of blocks of rows, in parallel), then one pass over x that quantizes it (per tensor, each of
-    its programs first takes the maximum of those block maxima: the few hundred values of a 16384-row x)."""
+    its programs first takes the maximum of those block maxima: the few hundred values of a 16384-row x). The data
+    is in the row layout of :mod:`kernels.coda.align` (N a multiple of 16 or not)."""
+    x = aligned(x)
     M, N = x.shape
-    q = torch.empty(M, N, device=x.device, dtype=fp8_dtype)
+    q = empty_rows(M, N, fp8_dtype, x.device)
     scale = torch.empty((M, 1) if rowwise else (), device=x.device, dtype=torch.float32)
     block_t = triton.next_power_of_2(n_tiles)
     block_m = max(1, min(64, 4096 // block_t))

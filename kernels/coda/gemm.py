@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows, written_back
 from kernels.coda.epilogue import add_tile, col_subtile, dequant, store_tile
 from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
@@ -48,19 +49,21 @@ def matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, out_dtype: torch.dtype 
     one-element device tensor multiplying plain operands; ``promote``: fp8 accumulation mode.
 
     ``acc``: a row-major (M, N) tensor to accumulate into, ``acc += a @ b`` (in acc's dtype), returned;
-    otherwise a new (M, N) tensor in ``out_dtype`` (default: the operands' dtype).
+    otherwise a new (M, N) tensor in ``out_dtype`` (default: the operands' dtype), in the row layout
+    (:mod:`kernels.coda.align`).
     """
     gemm = FusedGemm(a, b, promote, scale)
     if acc is not None and (acc.shape != (gemm.M, gemm.N) or acc.stride(1) != 1):
         raise ValueError(f"acc must be a row-major {(gemm.M, gemm.N)} tensor, got {tuple(acc.shape)}")
-    c = gemm.empty(out_dtype) if acc is None else acc
+    c = gemm.empty(out_dtype) if acc is None else aligned(acc)
     gemm.launch(gemm_kernel, c_ptr=c, stride_c=c.stride(0), ACC=acc is not None)
-    return c
+    return c if acc is None else written_back(c, acc)
 
 
 def mm_split(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """:func:`mm` split: cuBLAS (``torch.matmul``); a plain GEMM has no epilogue to run after it."""
-    return torch.matmul(a, b)
+    """:func:`mm` split: cuBLAS (``torch.matmul``, into the row layout as :func:`mm`'s fused path); a plain GEMM has no
+    epilogue to run after it."""
+    return split_matmul(a, b)
 
 
 @with_split(mm_split)
@@ -71,14 +74,9 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return matmul(a, b)
 
 
-def mm_f32_split(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`mm_f32` split: cuBLAS's GEMM with an fp32 output (torch's ``out_dtype``, CUDA only; on the CPU the
-    same sum from fp32 copies of the operands)."""
-    if not a.is_cuda:
-        return a.float() @ b.float() if acc is None else acc.addmm_(a.float(), b.float())
-    if acc is None:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+def mm_acc_split(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`mm_acc` split: cuBLAS (``torch.mm``, ``torch.addmm`` into ``acc``)."""
+    return torch.mm(a, b) if acc is None else torch.addmm(acc, a, b, out=acc)
 
 
 def _fresh_acc(arguments: dict) -> dict:
@@ -86,12 +84,12 @@ def _fresh_acc(arguments: dict) -> dict:
     return {**arguments, "acc": None if acc is None else acc.clone()}
 
 
-@with_split(mm_f32_split, safe=_fresh_acc)
-def mm_f32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` of plain operands in fp32, or ``acc += a @ b`` into an fp32 ``acc`` (returned): a weight gradient
-    summed over chunks of rows. The mainloop, or cuBLAS where it measures faster (:mod:`kernels.coda.strategy`);
-    on an H100, cuBLAS at the LM head's 128256 x 2048 chunks (docs/performance.md)."""
-    return matmul(a, b, torch.float32, acc=acc)
+@with_split(mm_acc_split, safe=_fresh_acc)
+def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` of plain operands in their dtype, or ``acc += a @ b`` in place (returned), the sum taken in fp32 and
+    rounded to acc's dtype once per call: a weight gradient summed over chunks of rows. The mainloop, or cuBLAS
+    where it measures faster (:mod:`kernels.coda.strategy`)."""
+    return matmul(a, b, acc=acc)
 
 
 def linear(x: torch.Tensor | Fp8, w: torch.Tensor | Fp8, promote: bool = False) -> torch.Tensor:
@@ -103,8 +101,9 @@ def split_matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, promote: bool = F
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMM of a split path (:mod:`kernels.coda.strategy`): ``a @ b`` by cuBLAS (torch) for plain operands, by
     :func:`matmul` (the mainloop, dequantizing) for fp8 ones; the result rounded to the operands' dtype (bf16 for
-    fp8), as PyTorch's unfused code rounds it; written into ``out`` when given."""
-    c = matmul(a, b, promote=promote) if isinstance(a, Fp8) else torch.matmul(a, b, out=out)
-    if out is not None and c is not out:
-        out.copy_(c)
-    return out if out is not None else c
+    fp8), as PyTorch's unfused code rounds it; written into ``out`` when given, else into a new tensor in the row
+    layout (:mod:`kernels.coda.align`) that the split path's row kernel then reads."""
+    if isinstance(a, Fp8):
+        c = matmul(a, b, promote=promote)
+        return c if out is None else out.copy_(c)
+    return torch.matmul(a, b, out=empty_rows(a.shape[0], b.shape[1], a.dtype, a.device) if out is None else out)

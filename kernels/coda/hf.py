@@ -49,16 +49,14 @@ Parameters are compared with the plan's, without reading any data. A change (LoR
 after patching, a projection replaced or given a bias, ``torch.func.functional_call``'s parameters) makes the
 plan again: a supported model runs, an unsupported one raises :class:`CodaUnsupportedError` naming the module.
 
-Sizes: an FFN size whose rows are not a multiple of 16 bytes (the tensor descriptors' stride rule; e.g. 90 in
-fp32) is padded inside this layer: zero gate/up row pairs and zero down_proj columns, exact since
-``silu(0) * 0 = 0``. A vocabulary like that (32001: Llama-2 and a pad token) needs no padding of the weights: the
-cross-entropy's logits buffer gets an aligned row stride (:func:`kernels.coda.cross_entropy_bwd.lm_head_ce_grad`)
-and the logits path (no labels) zero rows cut off its output.
+Sizes: any vocabulary, FFN and hidden size, also where rows are not a multiple of 16 bytes (the tensor descriptors'
+rule; 32001: Llama-2 and a pad token, an FFN of 90 in fp32): the kernels lay such tensors out with padded row
+strides themselves (:mod:`kernels.coda.align`), so nothing here pads, and the results are the unpadded math's.
 
 Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf.md``): Llama, Mistral,
 Qwen2; GQA/MQA, any head_dim; tied or untied embeddings; RoPE default / linear / llama3; padding, position_ids,
-packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary and FFN
-size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
+packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary, FFN
+and hidden size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
 state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching,
 dropout included, disable_adapter / merge_adapter; gradient checkpointing (reentrant or not); generate() (prefill
 on the CODA kernels, decode through the model's own forward); torch.compile(model), fullgraph included (the CODA
@@ -80,13 +78,12 @@ from types import MethodType
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import layouts as L
 from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer, producer_consumer
 from kernels.coda.pack import gate_up_index, pack_rows, qkv_index
-from kernels.coda.precompile import Precompiled, precompile_autograd
+from kernels.coda.precompile import Precompiled, compiles_here, dry_pass, precompile_autograd
 from kernels.coda.rope import rope_freq_table
 from workloads.reference import IGNORE_INDEX, shifted_targets
 
@@ -121,6 +118,9 @@ class _Plan:
     inv_freq: tuple[float, ...]
     windows: tuple[int | None, ...]
     qkv_bias: bool
+    indices: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
+    """The packing indices (:func:`kernels.coda.pack.qkv_index`, ``gate_up_index`` per FFN size), made when the plan
+    is made: a compiled forward reads them as inputs instead of building them in its graphs (:func:`_packing_index`)."""
     watched: tuple[weakref.ref | None, ...]
     """Weak references to the modules and parameters the plan was made for (:func:`_watched`; None for a missing
     bias): the plan keeps none of them alive (``functional_call``'s weights go when the call's caller drops them)."""
@@ -162,8 +162,7 @@ def apply_coda(model: nn.Module) -> nn.Module:
     kernels are compiled as in the unpatched model. The results are the eager patched model's. Two differences in
     a traced call: a bad label fails a device-side assertion (a RuntimeError on the CPU) instead of raising
     IndexError, and the cross-entropy's gradients computed in forward are scaled into copies in backward (eager
-    scales them in place). Dynamo warns once per process that it traces through the ``lru_cache`` of the packing
-    indices (:func:`kernels.coda.pack.qkv_index`): they are pure functions of the sizes, built in the graph.
+    scales them in place). The weight-packing indices are made with the plan, eagerly, and are the graphs' inputs.
 
     Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
     training, each checkpointed layer's attention and the CODA block after it run under the layer's own
@@ -183,7 +182,7 @@ def apply_coda(model: nn.Module) -> nn.Module:
     Supported: GQA, any ``head_dim``, tied or untied embeddings (a tied LM head is the embedding's parameter,
     and both gradients reach it), RoPE types default / linear / llama3, sliding windows (Mistral, Qwen2: the
     model's own mask and attention), attention dropout (the model's attention applies it), Qwen2's q/k/v biases,
-    ``hidden_act`` silu or swish, any vocabulary and FFN size, PEFT LoRA (``model`` may be the PEFT model: its
+    ``hidden_act`` silu or swish, any vocabulary, FFN and hidden size, PEFT LoRA (``model`` may be the PEFT model: its
     base model is patched and ``model`` returned), activation checkpointing, ``generate()``.
 
     Refused with :class:`CodaUnsupportedError`, by this function or by a forward after the model changed (the
@@ -222,8 +221,10 @@ def _alias(arch: str) -> Callable[[nn.Module], nn.Module]:
 def precompile_step(model: nn.Module, **batch: Any) -> Precompiled:
     """Compile the CODA kernels of one training step of ``model`` (patched by :func:`apply_coda`) at ``batch``'s
     shape, in parallel, before the first real step: ``model(**batch).loss`` and its backward run once as a dry
-    pass (:func:`kernels.coda.precompile.precompile`), which launches no kernel of ours, leaves the parameters
-    and their ``.grad`` alone and drops its garbage results. Call it once per batch shape::
+    pass (:func:`kernels.coda.precompile.precompile`), which launches no kernel of ours, leaves the parameters,
+    their ``.grad`` and the random number generators' states alone and drops its garbage results. The patched
+    model does this itself at the first training step of each batch shape (:func:`_first_step`); call it to
+    choose when::
 
         model = apply_coda(model)
         precompile_step(model, input_ids=input_ids, labels=labels)   # seconds instead of a serial compile
@@ -232,7 +233,23 @@ def precompile_step(model: nn.Module, **batch: Any) -> Precompiled:
     if getattr(model, "_coda_plan", None) is None:
         raise CodaUnsupportedError("precompile_step needs a model patched by apply_coda")
     params = [p for p in model.parameters() if p.requires_grad]
-    return precompile_autograd(lambda: model(**batch).loss, params, params[0].device)
+    device = params[0].device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws in the dry pass
+        return precompile_autograd(lambda: model(**batch).loss, params, device)
+
+
+def _first_step(model: nn.Module, x: torch.Tensor | None) -> bool:
+    """Whether a call with labels (input ids or embeddings ``x``) is a training step at a shape this model has not
+    stepped at yet, with gradients, eagerly, on a GPU Triton compiles for: then the forward runs
+    :func:`precompile_step` first, once per shape (a shape first met inside a dry pass is only noted)."""
+    if torch.compiler.is_compiling() or x is None or not torch.is_grad_enabled() or not compiles_here(x.device):
+        return False
+    seen = model.__dict__.setdefault("_coda_precompiled", set())
+    key = (tuple(x.shape), x.dtype)
+    if key in seen:
+        return False
+    seen.add(key)
+    return not dry_pass()
 
 
 apply_coda_to_llama = _alias("LlamaForCausalLM")
@@ -323,11 +340,15 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
     if rotary.inv_freq.numel() != head_dim // 2:
         raise _refuse(f"RoPE on {2 * rotary.inv_freq.numel()} of the {head_dim} head dims (partial_rotary_factor)")
     same_rope = old is not None and old.watched[1]() is rotary
+    device = _base(layers[0].self_attn.q_proj).weight.device
+    indices = {("qkv", 0): qkv_index(config.num_attention_heads, config.num_key_value_heads, head_dim, device)}
+    indices.update({("gate_up", n): gate_up_index(n, device)
+                    for n in {_base(layer.mlp.gate_proj).weight.shape[0] for layer in layers}})
     return _Plan(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=head_dim,
                  eps=config.rms_norm_eps, theta=float(config.rope_parameters["rope_theta"]),
                  inv_freq=old.inv_freq if same_rope else tuple(rotary.inv_freq.double().tolist()),
                  windows=tuple(_WINDOW[arch](config, layer.self_attn) for layer in layers),
-                 qkv_bias=has_bias == {(True,) * 3},
+                 qkv_bias=has_bias == {(True,) * 3}, indices=indices,
                  watched=tuple(None if o is None else weakref.ref(o) for o in _watched(model)))
 
 
@@ -412,7 +433,9 @@ def _w_qkv(attn: nn.Module, plan: _Plan, name: str) -> tuple[torch.Tensor, Side 
     output in half-split column order (zeros for a projection without one), or None."""
     pairs = [_weight(getattr(attn, p), f"{name}.{p}") for p in ("q_proj", "k_proj", "v_proj")]
     w = [p[0] for p in pairs]
-    packed = pack_rows(qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device), *w)
+    index = _packing_index(plan, ("qkv", 0), w[0].device,
+                           lambda: qkv_index(plan.heads, plan.kv_heads, plan.head_dim, w[0].device))
+    packed = pack_rows(index, *w)
     if all(side is None for _, side in pairs):
         return packed, None
 
@@ -430,30 +453,19 @@ def _rotated(delta: torch.Tensor, plan: _Plan, positions: torch.Tensor) -> torch
     return L.rotate_adjacent(d, positions[:, None].to(f.dtype) * f)
 
 
-def _aligned_rows(n: int, t: torch.Tensor) -> int:
-    """n rounded up so that n elements of t's dtype are a multiple of 16 bytes (the tensor descriptors' stride rule)."""
-    per = max(1, 16 // t.element_size())
-    return -(-n // per) * per
-
-
-def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
-    """w with zero rows appended up to ``rows`` (in the autograd graph; w itself when it has them)."""
-    return w if w.shape[0] == rows else F.pad(w, (0, 0, 0, rows - w.shape[0]))
-
-
-def _w_gu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph), with zero row
-    pairs appended when the FFN size is not 16-byte aligned (:func:`_w_down`)."""
+def _w_gu(gate: torch.Tensor, up: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """The CODA gate/up weight: rows interleaved ``[g0, u0, g1, u1, ...]`` (in the autograd graph)."""
     ffn = gate.shape[0]
-    return _pad_rows(pack_rows(gate_up_index(ffn, gate.device), gate, up), 2 * _aligned_rows(ffn, gate))
+    index = _packing_index(plan, ("gate_up", ffn), gate.device, lambda: gate_up_index(ffn, gate.device))
+    return pack_rows(index, gate, up)
 
 
-def _w_down(w: torch.Tensor) -> torch.Tensor:
-    """down_proj's weight w, with zero columns up to the FFN size rounded to 16 bytes. The appended gate/up rows
-    are zero too, so those SwiGLU outputs are ``silu(0) * 0 = 0`` and meet zero columns: the result is exact, and
-    the SwiGLU output [M, ffn] gets an aligned row stride."""
-    ffn = w.shape[1]
-    return w if ffn == _aligned_rows(ffn, w) else F.pad(w, (0, _aligned_rows(ffn, w) - ffn))
+def _packing_index(plan: _Plan, key: tuple[str, int], device: torch.device,
+                   build: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's packing index ``key``, or one built here where the weights are on another device (the model
+    moved since it was planned): a compiled forward takes the plan's as an input and builds none in its graphs."""
+    index = plan.indices.get(key)
+    return index if index is not None and index[0].device == device else build()
 
 
 def _with_bias(qkv: torch.Tensor, attn: nn.Module, plan: _Plan, positions: torch.Tensor) -> torch.Tensor:
@@ -498,6 +510,10 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
                   num_items_in_batch: torch.Tensor | int | None = None, shift_labels: torch.Tensor | None = None,
                   **options: Any):
     """The CODA forward of :func:`apply_coda` (bound to the patched model as its ``forward``)."""
+    if labels is not None and _first_step(self, input_ids if input_ids is not None else inputs_embeds):
+        precompile_step(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
+                        num_items_in_batch=num_items_in_batch, shift_labels=shift_labels, **options)
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -554,21 +570,19 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         layer, name = layers[i], f"model.layers.{i}.mlp"
         (w_gate, s_gate), (w_up, s_up), (w_d, s_d) = (
             _weight(getattr(layer.mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
-        w_gu, w_down = _w_gu(w_gate, w_up), _w_down(w_d)
+        w_gu = _w_gu(w_gate, w_up, plan)
         gamma_mlp = layer.post_attention_layernorm.weight
         if s_gate is None and s_up is None and s_d is None:
-            return block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, consumer, plan.eps)[:2]
+            return block(a, residual, w_o, gamma_mlp, w_gu, w_d, gamma, w, consumer, plan.eps)[:2]
         x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), plan.eps)[:2]
-        ffn = w_gate.shape[0]
-        gate, up = z[:, 0::2][:, :ffn], z[:, 1::2][:, :ffn]
+        gate, up = z[:, 0::2], z[:, 1::2]
         if s_gate is not None or s_up is not None:
             h = layer.post_attention_layernorm(x1)
             gate = gate if s_gate is None else gate + s_gate(h)
             up = up if s_up is None else up + s_up(h)
         y = layer.mlp.act_fn(gate) * up
         residual = x1 if s_d is None else x1 + s_d(y)
-        y = F.pad(y, (0, w_down.shape[1] - ffn))  # to the padded down_proj: an aligned row stride
-        return producer_consumer(y, residual, w_down, gamma, w, consumer, plan.eps)[:2]
+        return producer_consumer(y, residual, w_d, gamma, w, consumer, plan.eps)[:2]
 
     def layer_step(i: int, qkv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's attention and the block after it: (x, qkv) of layer i + 1 (or x and the last consumer's out)."""
@@ -587,8 +601,6 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
             if s_lm is not None:
                 raise _refuse("lm_head: lora_dropout > 0 in training is not supported on the LM head (fused with "
                               "the loss)")
-            if labels is None:  # zero rows up to an aligned vocabulary: their logits, cut below, are 0
-                w = _pad_rows(w, _aligned_rows(w.shape[0], w))
             gamma, consumer = self.model.norm.weight, final
         x, out = mlp(i, a, residual, w_o, gamma, w, consumer)
         return x, (out if side is None else next_qkv(i + 1, out, x, side))
@@ -605,7 +617,6 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
             x, out = layer_step(i, out, x)
     if labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        vocab = _base(self.lm_head).out_features
-        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep, :vocab], cache=cache)
+        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep], cache=cache)
     loss = out if num_items_in_batch is None else out / torch.as_tensor(num_items_in_batch, device=out.device)
     return CausalLMOutputWithPast(loss=loss)

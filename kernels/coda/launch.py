@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from triton.runtime.autotuner import Autotuner
 
+from kernels.coda.align import aligned, empty_rows
 from kernels.coda.fp8 import dequant_args, result_dtype, scalar_args
 from kernels.coda.mainloop import operand, persistent_grid
 from workloads.fp8 import Fp8
@@ -49,7 +50,9 @@ class FusedGemm:
     scales per tensor or per row of A and per column of C, dequantized in the epilogue; ``promote``: their
     accumulation mode). ``scale``: an optional fp32 one-element device tensor multiplying plain operands
     (a loss scale), applied by the epilogue's dequantization. ``M``, ``N``, ``K``, ``device`` and ``out_dtype``
-    (the operands' dtype, bf16 for fp8 operands) size the epilogue's outputs.
+    (the operands' dtype, bf16 for fp8 operands) size the epilogue's outputs. Any sizes: an operand whose stored rows
+    are off the 16-byte rule is copied into the row layout, and :meth:`empty` allocates in it
+    (:mod:`kernels.coda.align`).
     """
 
     def __init__(self, a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, promote: bool = False,
@@ -62,15 +65,17 @@ class FusedGemm:
         (self.M, self.K), (k, self.N) = a.shape, b.shape
         if k != self.K:
             raise ValueError(f"shape mismatch: a {tuple(a.shape)} @ b {tuple(b.shape)}")
-        (self.a, self.a_km), (self.b, b_t) = operand(a), operand(b)
+        (a, self.a_km), (b, b_t) = operand(a), operand(b)
+        self.a, self.b = aligned(a), aligned(b)
         self.b_kn = not b_t  # b (K, N) row-major: B stored (K, N); b = W.T: W stored (N, K)
         self.promote = promote
         self.device = a.device
         self.out_dtype = result_dtype(a)
 
     def empty(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """An uninitialised (M, N) output in ``dtype`` (default: :attr:`out_dtype`)."""
-        return torch.empty(self.M, self.N, device=self.device, dtype=dtype or self.out_dtype)
+        """An uninitialised (M, N) output in ``dtype`` (default: :attr:`out_dtype`), in the row layout
+        (:func:`kernels.coda.align.empty_rows`)."""
+        return empty_rows(self.M, self.N, dtype or self.out_dtype, self.device)
 
     def launch(self, kernel: Autotuner, **epilogue: Any) -> None:
         """Launch ``kernel`` (its parameters: :data:`MAINLOOP_PARAMS`, then the epilogue's, given by keyword) on

@@ -24,6 +24,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from kernels.coda.align import aligned
 from kernels.coda.epilogue import SCALING_NONE, SCALING_ROWWISE
 from kernels.coda.fp8 import dequant_args
 from kernels.coda.mainloop import persistent_grid
@@ -134,8 +135,8 @@ class WsGemm:
         if scaling == SCALING_ROWWISE.value:
             raise ValueError(f"the Gluon {what} takes fp8 operands with per-tensor scales, not rowwise ones")
         self.scaled = self.b_nk = scaling != SCALING_NONE.value  # fp8: B (N, K), K-major; bf16: B (K, N) as given
-        self.a = a.contiguous()
-        self.b = b.T.contiguous() if self.b_nk else b.contiguous()
+        self.a = aligned(a)
+        self.b = aligned(b.T) if self.b_nk else aligned(b)
         self.M, self.K = self.a.shape
         self.N = self.b.shape[0] if self.b_nk else self.b.shape[1]
         self.device = self.a.device

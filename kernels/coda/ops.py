@@ -50,6 +50,7 @@ from torch._guards import detect_fake_mode
 from torch.library import CustomOpDef, custom_op
 
 from kernels.coda import functions as F
+from kernels.coda.align import aligned, empty_rows
 from kernels.coda.cross_entropy_bwd import rescale_
 from kernels.coda.mainloop import set_scratch_allocator
 from kernels.coda.pack import copy_rows
@@ -160,13 +161,6 @@ def call(name: str, *args: Any) -> Any:
     return list(out) if isinstance(out, tuple) else out
 
 
-def _aligned(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Each tensor, or a copy of it in the op when its data pointer is off the 16-byte alignment that the kernels'
-    tensor descriptors need (a parameter that is a view: safetensors' mmap on the CPU, flat buffers). Checked here,
-    at run time: a caller traced by torch.compile cannot read a data pointer."""
-    return [t if t is None or t.data_ptr() % 16 == 0 else t.clone() for t in tensors]
-
-
 def _consumer(args: tuple[Any, ...]) -> F.Consumer:
     return F.consumer_of(*args)
 
@@ -184,17 +178,18 @@ def _consumer_fake(kind: type[F.Consumer], h: torch.Tensor, w: torch.Tensor, x: 
     if kind is F.CrossEntropy:
         out = [h.new_empty((), dtype=torch.float32), h.new_empty(m, dtype=torch.float32)]
         if save:  # dx, dgamma, dW, applied
-            out += [torch.empty_like(x), gamma.new_empty(gamma.shape), w.new_empty(w.shape),
+            out += [_rows(x, *x.shape), gamma.new_empty(gamma.shape), _rows(w, *w.shape),
                     h.new_empty(1, dtype=torch.float32)]
         return out
     if kind is F.SwiGLU:
-        return [h.new_empty(m, n // 2)] + ([h.new_empty(m, n)] if save else [])
-    return [h.new_empty(m, n)]  # linear, rope
+        return [_rows(h, m, n // 2)] + ([_rows(h, m, n)] if save else [])
+    return [_rows(h, m, n)]  # linear, rope
 
 
 def _rows(t: torch.Tensor, m: int, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A new contiguous [m, n] tensor on t's device (t's dtype by default)."""
-    return t.new_empty(m, n, dtype=dtype or t.dtype)
+    """A new [m, n] tensor on t's device (t's dtype by default) in the row layout the kernels write
+    (:func:`kernels.coda.align.empty_rows`: contiguous unless n is off the 16-byte rule)."""
+    return empty_rows(m, n, dtype or t.dtype, t.device)
 
 
 def _rstd(t: torch.Tensor) -> torch.Tensor:
@@ -207,7 +202,7 @@ def _rstd(t: torch.Tensor) -> torch.Tensor:
            schema=f"(Tensor a, Tensor residual, Tensor w_p, Tensor gamma, Tensor w, float eps, bool save, {_CONSUMER})"
                   " -> Tensor[]")
 def producer_consumer(a, residual, w_p, gamma, w, eps, save, *consumer):
-    return F.producer_consumer_forward(*_aligned(a, residual, w_p, gamma, w), _consumer(consumer), eps, save)
+    return F.producer_consumer_forward(a, residual, w_p, gamma, w, _consumer(consumer), eps, save)
 
 
 @producer_consumer.register_fake
@@ -221,8 +216,7 @@ def _(a, residual, w_p, gamma, w, eps, save, *consumer):
            schema=f"(Tensor a, Tensor residual, Tensor w_o, Tensor gamma_mlp, Tensor w_gu, Tensor w_down, "
                   f"Tensor gamma, Tensor w, float eps, bool save, {_CONSUMER}) -> Tensor[]")
 def block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, *consumer):
-    return F.block_forward(*_aligned(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w), _consumer(consumer), eps,
-                           save)
+    return F.block_forward(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, _consumer(consumer), eps, save)
 
 
 @block.register_fake
@@ -231,14 +225,14 @@ def _(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, *consumer)
     x = _rows(residual, m, w_o.shape[0])
     out, *rest = _consumer_fake(kind, x, w, x, gamma, save)
     side, saved = rest[:kind.side_outputs], rest[kind.side_outputs:]
-    own = [torch.empty_like(x), _rows(x, m, w_gu.shape[0])] if save else []  # x1, z_pre
+    own = [_rows(x, m, x.shape[1]), _rows(x, m, w_gu.shape[0])] if save else []  # x1, z_pre
     return [x, out, _rstd(a), _rstd(a), *side, *own, *saved]
 
 
 @_op("norm_consumer",
            schema=f"(Tensor x, Tensor gamma, Tensor w, float eps, bool save, {_CONSUMER}) -> Tensor[]")
 def norm_consumer(x, gamma, w, eps, save, *consumer):
-    return F.norm_consumer_forward(*_aligned(x, gamma, w), _consumer(consumer), eps, save)
+    return F.norm_consumer_forward(x, gamma, w, _consumer(consumer), eps, save)
 
 
 @norm_consumer.register_fake
@@ -254,7 +248,7 @@ def _(x, gamma, w, eps, save, *consumer):
                   f"{_CONSUMER}) -> (Tensor, Tensor, Tensor)")
 def consumer_bwd(grad, saved, w, x, rstd, gamma, dres, *consumer):
     set_scratch_allocator()  # backward may run in autograd's device thread
-    return F.consumer_backward(_consumer(consumer), grad, tuple(saved), *_aligned(w, x, rstd, gamma, dres))
+    return F.consumer_backward(_consumer(consumer), grad, tuple(saved), w, x, rstd, gamma, dres)
 
 
 @consumer_bwd.register_fake
@@ -282,7 +276,7 @@ def _(grad, applied, dx, dgamma, dw):
 @_op("producer_bwd")
 def producer_bwd(dx: torch.Tensor, a: torch.Tensor, w_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     set_scratch_allocator()
-    return F.producer_backward(*_aligned(dx, a, w_p))
+    return F.producer_backward(dx, a, w_p)
 
 
 @producer_bwd.register_fake
@@ -300,23 +294,21 @@ def mlp_bwd(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_gu: t
             rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     set_scratch_allocator()
-    return F.mlp_backward(*_aligned(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp), inplace=False)
+    return F.mlp_backward(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, inplace=False)
 
 
 @mlp_bwd.register_fake
 def _(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp):
     dw_down, dw_gu = _mlp_fake(dx, w_down, z_pre, w_gu)
-    return torch.empty_like(dx, memory_format=torch.contiguous_format), dw_down, gamma_mlp.new_empty(
-        gamma_mlp.shape), dw_gu
+    return _rows(dx, *dx.shape), dw_down, gamma_mlp.new_empty(gamma_mlp.shape), dw_gu
 
 
 @_op("mlp_bwd_", mutates_args=("dx",))
 def mlp_bwd_(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_gu: torch.Tensor, x1: torch.Tensor,
              rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     set_scratch_allocator()
-    # dx: this backward's own fresh buffer (aligned), written in place
-    _, dw_down, dgamma_mlp, dw_gu = F.mlp_backward(dx, *_aligned(w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp),
-                                                   inplace=True)
+    # dx: this backward's own buffer, written in place
+    _, dw_down, dgamma_mlp, dw_gu = F.mlp_backward(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, inplace=True)
     return dw_down, dgamma_mlp, dw_gu
 
 
@@ -434,7 +426,7 @@ _autograd("norm_consumer", _nc_backward, _nc_setup)
 @_op("pack_rows")
 def pack_rows(tensor: torch.Tensor, row: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     weights = [w.contiguous() for w in weights]
-    packed = weights[0].new_empty(tensor.numel(), weights[0].shape[1])
+    packed = _rows(weights[0], tensor.numel(), weights[0].shape[1])
     copy_rows(packed, weights, (tensor, row), unpack=False)
     return packed
 
@@ -449,13 +441,13 @@ def unpack_rows(dpacked: torch.Tensor, tensor: torch.Tensor, row: torch.Tensor, 
                 ) -> list[torch.Tensor]:
     set_scratch_allocator()
     grads = [dpacked.new_empty(n, dpacked.shape[1]) for n in sizes]
-    copy_rows(dpacked.contiguous(), grads, (tensor, row), unpack=True)
+    copy_rows(aligned(dpacked), grads, (tensor, row), unpack=True)
     return grads
 
 
 @unpack_rows.register_fake
 def _(dpacked, tensor, row, sizes):
-    return [_rows(dpacked, n, dpacked.shape[1]) for n in sizes]
+    return [dpacked.new_empty(n, dpacked.shape[1]) for n in sizes]
 
 
 def _pack_setup(ctx, inputs, output):

@@ -29,17 +29,17 @@ MAX_SOURCES = 3
 
 
 @triton.jit
-def pack_rows_kernel(packed_ptr, src0_ptr, src1_ptr, src2_ptr, tensor_ptr, row_ptr, R, D, UNPACK: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A (BLOCK_R, BLOCK_D) block of the packed [R, D] tensor: packed row i is row ``row[i]`` of source
-    ``tensor[i]`` (0, 1 or 2; all sources contiguous with D columns). Copies source -> packed, or with UNPACK
-    packed -> source."""
+def pack_rows_kernel(packed_ptr, src0_ptr, src1_ptr, src2_ptr, tensor_ptr, row_ptr, R, D, stride_p,
+                     UNPACK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (BLOCK_R, BLOCK_D) block of the packed [R, D] tensor (rows ``stride_p`` apart): packed row i is row
+    ``row[i]`` of source ``tensor[i]`` (0, 1 or 2; all sources contiguous with D columns). Copies source -> packed,
+    or with UNPACK packed -> source."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (rows < R)[:, None] & (cols < D)[None, :]
     t = tl.load(tensor_ptr + rows, mask=rows < R, other=-1)[:, None]
     offs = tl.load(row_ptr + rows, mask=rows < R, other=0).to(tl.int64)[:, None] * D + cols[None, :]
-    packed = packed_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
+    packed = packed_ptr + rows.to(tl.int64)[:, None] * stride_p + cols[None, :]
     # One access per source, masked to its rows (not a select of pointers: that loses the 16-byte vectors).
     if UNPACK:
         value = tl.load(packed, mask=mask)
@@ -55,13 +55,16 @@ def pack_rows_kernel(packed_ptr, src0_ptr, src1_ptr, src2_ptr, tensor_ptr, row_p
 
 def copy_rows(packed: torch.Tensor, sources: list[torch.Tensor], index: tuple[torch.Tensor, torch.Tensor],
               unpack: bool) -> None:
-    """``packed[i] = sources[t_i][r_i]`` for index (t, r), or with ``unpack`` the other way (sources written)."""
+    """``packed[i] = sources[t_i][r_i]`` for index (t, r), or with ``unpack`` the other way (sources written).
+    packed is row-major (the row layout of :mod:`kernels.coda.align`: the kernels' operand as it is), the sources
+    contiguous; the index is made so here (a compiled graph may hand over any strides)."""
     R, D = packed.shape
     srcs = sources + [sources[0]] * (MAX_SOURCES - len(sources))
+    index = tuple(t.contiguous() for t in index)
     block_r, block_d, warps = (16, 32, 4) if INTERPRET else (8, 512, 4)
-    pack_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(D, block_d))](packed, *srcs, *index, R, D, UNPACK=unpack,
-                                                                         BLOCK_R=block_r, BLOCK_D=block_d,
-                                                                         num_warps=warps)
+    pack_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(D, block_d))](packed, *srcs, *index, R, D, packed.stride(0),
+                                                                         UNPACK=unpack, BLOCK_R=block_r,
+                                                                         BLOCK_D=block_d, num_warps=warps)
 
 
 def pack_rows(index: tuple[torch.Tensor, torch.Tensor], *weights: torch.Tensor) -> torch.Tensor:
@@ -76,9 +79,11 @@ def pack_rows(index: tuple[torch.Tensor, torch.Tensor], *weights: torch.Tensor) 
 
 
 def _index(order: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tensor, row) int32 of each packed row, the packed rows being the rows ``order`` of the sources stacked."""
+    """(tensor, row) int32 of each packed row, the packed rows being the rows ``order`` of the sources stacked: a
+    row's source is the number of sources that end at or before it. (Not ``searchsorted`` on a slice of the
+    starts: Inductor's CUDA lowering reads such a slice from its base, one source off; pytorch/pytorch#182343.)"""
     starts = torch.tensor([0, *sizes], device=order.device).cumsum(0)
-    tensor = torch.searchsorted(starts[1:], order, right=True)
+    tensor = (order[:, None] >= starts[None, 1:]).sum(1)
     return tensor.to(torch.int32), (order - starts[tensor]).to(torch.int32)
 
 

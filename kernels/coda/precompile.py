@@ -82,6 +82,11 @@ def untuned(what: str) -> None:
         raise Untuned(what)
 
 
+def dry_pass() -> bool:
+    """Whether a dry pass is running (its launches compile only)."""
+    return _DRY
+
+
 def compiles_here(device: torch.device) -> bool:
     """Whether Triton compiles for ``device``: a CUDA device, not the interpreter."""
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows, meets_rule
 from kernels.coda.epilogue import add_tile, cast, load_tile, row_absmax, row_sumsq, scale_cols, store_tile
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import split_matmul
@@ -68,11 +69,11 @@ def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tens
                h_fp8: Recipe | None) -> tuple[torch.Tensor, torch.Tensor | Fp8, torch.Tensor]:
     """``(x', h, rstd)`` by :func:`norm_rows_kernel`: x' = x + residual (in residual's dtype; x itself without a
     residual), h = x' gamma in x''s dtype (quantized under ``h_fp8`` by a second pass, from the row maxima)."""
-    x, gamma = x.contiguous(), gamma.contiguous()
+    x, gamma = aligned(x), gamma.contiguous()
     M, N = x.shape
-    xo = torch.empty(M, N, device=x.device, dtype=residual.dtype) if residual is not None else x
-    res = residual.contiguous() if residual is not None else x
-    h = torch.empty_like(xo)
+    xo = empty_rows(M, N, residual.dtype, x.device) if residual is not None else x
+    res = aligned(residual) if residual is not None else x
+    h = empty_rows(M, N, xo.dtype, x.device)
     rstd = torch.empty(M, device=x.device, dtype=torch.float32)
     amax = torch.empty(M, 1, device=x.device, dtype=torch.float32) if h_fp8 else rstd
     bm, bn = 16, min(256, triton.next_power_of_2(N))
@@ -94,12 +95,13 @@ def gemm_residual_norm_split(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, resid
 
 def gluon_applies(arguments: dict) -> bool:
     """Where the Gluon path (:mod:`kernels.coda.producer_gluon`) applies: a Hopper GPU, plain bf16 or fp16 a, w and
-    residual of one dtype, no fp8 h, and rows of a and x whose bytes TMA can address (multiples of 16)."""
+    residual of one dtype, no fp8 h, and rows of a and x that meet the 16-byte rule unpadded (its kernel takes
+    contiguous tensors; :mod:`kernels.coda.align`)."""
     a, w, residual = arguments["a"], arguments["w"], arguments["residual"]
     plain = all(isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) and t.dtype == a.dtype
                 for t in (a, w, residual))
-    return (plain and arguments["h_fp8"] is None and a.shape[1] % 8 == 0 and w.shape[0] % 8 == 0
-            and hopper(a.device))
+    return (plain and arguments["h_fp8"] is None and hopper(a.device)
+            and all(meets_rule(n, a.element_size()) for n in (a.shape[1], w.shape[0])))
 
 
 def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
@@ -116,7 +118,7 @@ def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: t
     of x; w in nn.Linear layout (N, K). fp8 a and w (:class:`workloads.fp8.Fp8`) are dequantized in the
     epilogue (``promote``: accumulation mode). ``h_fp8``: h returned quantized to e4m3 under that recipe (an
     activation: per tensor or per row) from absmax partials the epilogue writes next to the sums of squares."""
-    return Gemm(a, w.T, promote, inputs=(residual.contiguous(), gamma.contiguous()))
+    return Gemm(a, w.T, promote, inputs=(residual, gamma.contiguous()))
 
 
 def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Recipe | None = None

@@ -24,6 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from kernels.coda.align import aligned
 from kernels.coda.mainloop import persistent_grid
 from kernels.coda.reduce import finish_rstd
 from workloads.fp8 import Recipe
@@ -204,7 +205,7 @@ def ws_producer(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
                 gamma: torch.Tensor | None = None, eps: float = 1e-5, h_from_x16: bool = True):
     """``(x, h, rstd)`` for bf16/fp16 a (M, K), w (N, K), residual (M, N) of one dtype, rows of 16-byte multiples;
     without ``residual``, the plain GEMM ``a @ w.T``."""
-    a, w = a.contiguous(), w.contiguous()
+    a, w = aligned(a), aligned(w)
     M, K = a.shape
     N = w.shape[0]
     producer = residual is not None
@@ -215,7 +216,7 @@ def ws_producer(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     grid = persistent_grid(M, N, a.device)({"BM": BM, "BN": BN})
     # The plain GEMM reads neither residual nor gamma: x and ss stand in for them.
     ws_producer_kernel[grid](tma_desc(a, [BM, BK]), tma_desc(w, [BN, BK]),
-                             tma_desc(residual.contiguous() if producer else x, io), tma_desc(x, io),
+                             tma_desc(aligned(residual) if producer else x, io), tma_desc(x, io),
                              tma_desc(h, io),
                              gamma.contiguous() if producer else ss, ss, M, N, K, ss.stride(0), PRODUCER=producer,
                              H_FROM_X16=h_from_x16, S=STAGES, GROUP_M=GROUP_M, num_warps=WARPS, maxnreg=MAXNREG)

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows
 from kernels.coda.epilogue import cast, col_subtile, col_sum_partial, dequant, dequant_scale, load_rows, load_tile, \
     row_absmax, row_sumsq, store_row_partial, store_tile
 from kernels.coda.fp8 import quantize_from_partials
@@ -114,9 +115,10 @@ class Partials:
 class Gemm:
     """The GEMM of one host call: ``a @ b`` (:class:`kernels.coda.launch.FusedGemm`'s operands), ``promote`` the fp8
     accumulation mode, ``row_scale`` an optional fp32 [M] factor of each row (RMSNorm's rstd), ``inputs`` the values
-    of the declared inputs, in order (a row-major [M, N * wide] tensor for a :class:`Tile`), ``flags`` the values of
-    the declared flags, by name; ``outputs``: outputs the call brings, by name (written in place; row-major, of the
-    declared shape and dtype), the others are allocated."""
+    of the declared inputs, in order (an [M, N * wide] tensor for a :class:`Tile`, taken through
+    :func:`kernels.coda.align.aligned`), ``flags`` the values of the declared flags, by name; ``outputs``: outputs
+    the call brings, by name (written in place; of the declared shape and dtype, in the row layout of
+    :mod:`kernels.coda.align`), the others are allocated (:func:`kernels.coda.align.empty_rows`)."""
 
     a: torch.Tensor | Fp8
     b: torch.Tensor | Fp8
@@ -487,9 +489,10 @@ class _Asked:
     def outputs(self, decl: Declaration, g: Gemm, M: int, N: int, device: torch.device, dtypes: list[torch.dtype],
                 reuse: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
         """The outputs asked for: those the call brings, else those of ``reuse`` (by index), else new
-        [M, N * wide // cols] ones; None for the others (a brought one too)."""
+        [M, N * wide // cols] ones in the row layout (:func:`kernels.coda.align.empty_rows`); None for the others
+        (a brought one too)."""
         return [None if not s else g.outputs[o.name] if o.name in g.outputs else reuse[i] if i in reuse else
-                torch.empty(M, N * o.wide // o.cols, device=device, dtype=dt)
+                empty_rows(M, N * o.wide // o.cols, dt, device)
                 for i, (o, s, dt) in enumerate(zip(decl.outputs, self.stored, dtypes))]
 
     def results(self, decl: Declaration, outs: list[torch.Tensor | None], amax: torch.Tensor | None,
@@ -501,6 +504,12 @@ class _Asked:
                 t = quantize_from_partials(t, amax, n_tiles, rowwise=self.recipe.rowwise_for(o.role))
             results.append(t)
         return results
+
+
+def _inputs(decl: Declaration, g: Gemm) -> tuple:
+    """The call's input values for the kernels: a :class:`Tile` through :func:`kernels.coda.align.aligned` (itself
+    when in the row layout, else a copy in it), the others as given."""
+    return tuple(aligned(v) if isinstance(i, Tile) else v for i, v in zip(decl.inputs, g.inputs))
 
 
 def _returned(results: list[Any]) -> Any:
@@ -515,9 +524,10 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     outs = asked.outputs(decl, g, M, N, gemm.device,
                          [named[o.like].dtype if o.like else gemm.out_dtype for o in decl.outputs], {})
     # an output not asked for: a placeholder never written (another output, else the row scale or an input)
-    live = next(t for t in (*outs, g.row_scale, *g.inputs) if isinstance(t, torch.Tensor))
+    inputs = _inputs(decl, g)
+    live = next(t for t in (*outs, g.row_scale, *inputs) if isinstance(t, torch.Tensor))
     args = {f"{decl.row_scale}_ptr": g.row_scale} if decl.row_scale else {}
-    for i, v in zip(decl.inputs, g.inputs):
+    for i, v in zip(decl.inputs, inputs):
         args.update({f"{i.name}_ptr": v, f"stride_{i.name}": v.stride(0)} if isinstance(i, Tile) else {i: v})
     args.update({f"{o.name}_ptr": live if t is None else t for o, t in zip(decl.outputs, outs)})
     args.update({f"stride_{o.name}": 0 if t is None else t.stride(0) for o, t in zip(decl.outputs, outs)})
@@ -552,12 +562,13 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     ss = torch.empty(M, 1, device=c.device, dtype=torch.float32) if "ss" in decl.partials else None
     amax = torch.empty(M, 1, device=c.device, dtype=torch.float32) if asked.recipe else None
     parts = {"ss": ss, "amax": amax}
-    tiles = [v for i, v in zip(decl.inputs, g.inputs) if isinstance(i, Tile)]
+    inputs = _inputs(decl, g)
+    tiles = [v for i, v in zip(decl.inputs, inputs) if isinstance(i, Tile)]
     bm, bn = (16, 32) if INTERPRET else (16, 256)
     m_tiles = triton.cdiv(M, bm)
     cs = torch.empty(m_tiles, N, device=c.device, dtype=torch.float32) if decl.col_sum else None
     vectors = {v: torch.zeros(M, device=c.device, dtype=torch.float32) for v in decl.vectors}
-    kernel[(m_tiles,)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *g.inputs, *outs,
+    kernel[(m_tiles,)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *inputs, *outs,
                        *(c if parts[p] is None else parts[p] for p in decl.partials), *([cs] if cs is not None else []),
                        *vectors.values(), *(t.stride(0) for t in tiles + outs),
                        *([cs.stride(0)] if cs is not None else []),

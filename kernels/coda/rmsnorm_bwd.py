@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows, written_back
 from kernels.coda.epilogue import load_block, load_cols, load_rows, load_tile, rmsnorm_dx, store_block
 from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET, num_sms, subtiled_configs
@@ -123,16 +124,19 @@ def rows_launch(M: int, N: int, device: torch.device) -> tuple[int, int, int, in
 
 def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None, inplace: bool,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(x, gamma, dres, dx)`` of an RMSNorm dgrad of output [M, N], checked (x [M, N]; ``inplace`` needs dres) and
-    contiguous; dx is dres itself when ``inplace``, else a new [M, N] tensor in dres's dtype (x's without dres)."""
+    """``(x, gamma, res, dx)`` of an RMSNorm dgrad of output [M, N], checked (x [M, N]; ``inplace`` needs dres),
+    x aligned for the kernels (:func:`kernels.coda.align.aligned`), gamma contiguous; dx is the aligned dres when
+    ``inplace`` (:func:`kernels.coda.align.written_back` then returns the caller's), else a new [M, N] tensor in
+    dres's dtype (x's without dres); res is the kernels' residual-gradient operand: the aligned dres, or dx
+    standing in for it without one (``HAS_RES`` off)."""
     if x.shape != (M, N):
         raise ValueError(f"shape mismatch: x {tuple(x.shape)} for dz @ w of shape {(M, N)}")
     if inplace and dres is None:
         raise ValueError("inplace=True needs dres")
-    x, gamma = x.contiguous(), gamma.contiguous()
-    dres = dres.contiguous() if dres is not None else None
-    dx = dres if inplace else torch.empty(M, N, device=device, dtype=(dres if dres is not None else x).dtype)
-    return x, gamma, dres, dx
+    x, gamma = aligned(x), gamma.contiguous()
+    dres = aligned(dres) if dres is not None else None
+    dx = dres if inplace else empty_rows(M, N, (dres if dres is not None else x).dtype, device)
+    return x, gamma, (dres if dres is not None else dx), dx
 
 
 def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
@@ -144,16 +148,15 @@ def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.
     partials' sum."""
     gy = split_matmul(dz, w, promote)
     M, N = gy.shape
-    x, gamma, dres, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gy.device)
+    x, gamma, res, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gy.device)
     bm, bd, warps, programs = rows_launch(M, N, gy.device)
     dg = torch.empty(programs, N, device=gy.device, dtype=torch.float32)
     scale = scale_arg(dz_scale, gy.device)
-    res = dres if dres is not None else dx
     rmsnorm_bwd_rows_kernel[(programs,)](
         gy, x, rstd, gamma, zdz if zdz is not None else rstd, scale if scale is not None else rstd, res, dx, dg, M, N,
         gy.stride(0), x.stride(0), res.stride(0), dx.stride(0), dg.stride(0), HAS_ZDZ=zdz is not None,
         HAS_RES=dres is not None, HAS_SCALE=scale is not None, BM=bm, BD=bd, num_warps=warps)
-    return dx, gy, finish_col_sum(dg, programs, gamma.dtype)
+    return (written_back(dx, dres) if inplace else dx), gy, finish_col_sum(dg, programs, gamma.dtype)
 
 
 def _not_inplace(arguments: dict) -> dict:
@@ -162,7 +165,9 @@ def _not_inplace(arguments: dict) -> dict:
 
 
 def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
-    return (*outputs, finish_col_sum(partials.cs, partials.m_tiles, arguments["gamma"].dtype))
+    dx, y = outputs
+    dx = written_back(dx, arguments["dres"]) if arguments["inplace"] else dx
+    return dx, y, finish_col_sum(partials.cs, partials.m_tiles, arguments["gamma"].dtype)
 
 
 @coda(rmsnorm_dgrad, outputs=(Output("dx"), Output("y")),
@@ -184,7 +189,7 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     with per-tensor scales, dequantized in the epilogue (``promote``: accumulation mode); y is then bf16.
     """
     gemm = Gemm(dz, w, promote)
-    x, gamma, dres, dx = norm_bwd_operands(*gemm.shape, x, gamma, dres, inplace, gemm.device)
+    x, gamma, res, dx = norm_bwd_operands(*gemm.shape, x, gamma, dres, inplace, gemm.device)
     scale = scale_arg(dz_scale, gemm.device)
-    return replace(gemm, inputs=(x, rstd, gamma, zdz, rstd if scale is None else scale, dx if dres is None else dres),
+    return replace(gemm, inputs=(x, rstd, gamma, zdz, rstd if scale is None else scale, res),
                    flags={"HAS_RES": dres is not None, "HAS_SCALE": scale is not None}, outputs={"dx": dx})

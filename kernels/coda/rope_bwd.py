@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows
 from kernels.coda.epilogue import load_block, rope_cos_sin, rotate_pairs, row_dot, store_block, store_row_partial
 from kernels.coda.mainloop import INTERPRET
 from kernels.coda.reduce import finish_row_sum
@@ -53,9 +54,9 @@ def rope_bwd(dqkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor, hea
     if qkv.shape != dqkv.shape or N != (heads + 2 * kv_heads) * head_dim or head_dim % 2:
         raise ValueError(f"dqkv {tuple(dqkv.shape)} / qkv {tuple(qkv.shape)} do not match "
                          f"(heads + 2 kv_heads) * head_dim = {(heads + 2 * kv_heads) * head_dim}")
-    dqkv, qkv = dqkv.contiguous(), qkv.contiguous()
+    dqkv, qkv = aligned(dqkv), aligned(qkv)
     freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), dqkv.device, inv_freq)
-    dz = torch.empty_like(dqkv)
+    dz = empty_rows(M, N, dqkv.dtype, dqkv.device)
     bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
     n_tiles = triton.cdiv(N, bn)
     part = torch.empty(M, n_tiles, device=dqkv.device, dtype=torch.float32)

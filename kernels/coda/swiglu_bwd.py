@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.align import aligned, empty_rows, meets_rule
 from kernels.coda.epilogue import join_pairs, load_block, load_tile, silu_mul_pairs_bwd, split_pairs, store_block, \
     store_row_partial
 from kernels.coda.gemm import split_matmul
@@ -84,8 +85,8 @@ def _swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor, y: torch.Tensor | None
     ``y`` when given (it may be dy)."""
     M, N = dy.shape
     _check_preact(z_pre, M, N)
-    dy, z_pre = dy.contiguous(), z_pre.contiguous()
-    dz_pre = torch.empty_like(z_pre)
+    dy, z_pre = aligned(dy), aligned(z_pre)
+    dz_pre = empty_rows(*z_pre.shape, z_pre.dtype, z_pre.device)
     out = y if y is not None else dy
     bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
     n_tiles = triton.cdiv(N, bn)
@@ -111,7 +112,7 @@ def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre
     """:func:`dgrad_swiglu` split: ``dy = dx @ w_down`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over
     it (:func:`swiglu_bwd_kernel`: dz_pre, zdz, and y written over dy, each block by the program that read it)."""
     dy = split_matmul(dx, w_down, promote)
-    y = dy if dy.dtype == z_pre.dtype else torch.empty(dy.shape, device=dy.device, dtype=z_pre.dtype)
+    y = dy if dy.dtype == z_pre.dtype else empty_rows(*dy.shape, z_pre.dtype, dy.device)
     dz_pre, zdz = _swiglu_bwd(dy, z_pre, y)
     return dz_pre, y, zdz
 
@@ -132,7 +133,8 @@ def gluon_applies(arguments: dict) -> bool:
     else:
         return False
     return (a.dim() == b.dim() == 2 and a.shape[1] == b.shape[0] and z.shape == (a.shape[0], 2 * b.shape[1])
-            and a.shape[1] * a.element_size() % 16 == 0 and b.shape[1] % 8 == 0 and hopper(a.device))
+            and meets_rule(a.shape[1], a.element_size()) and meets_rule(b.shape[1], z.element_size())
+            and hopper(a.device))
 
 
 def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
@@ -152,6 +154,6 @@ def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torc
     are in z_pre's dtype; zdz is fp32 [M]. fp8 dx (e5m2) and w_down (its data a transposed view of the K-major
     (f, d) copy) with per-tensor scales are dequantized in the epilogue (``promote``: accumulation mode).
     """
-    gemm = Gemm(dx, w_down, promote, inputs=(z_pre.contiguous(),))
+    gemm = Gemm(dx, w_down, promote, inputs=(z_pre,))
     _check_preact(z_pre, *gemm.shape)
     return gemm
