@@ -83,9 +83,13 @@ def _rstd():
 
 
 def _gemm(fp8: bool) -> None:
+    import inspect
     from kernels.coda.gemm import matmul
-    if fp8:
-        matmul(_fp8(M, D, False), _fp8(F, D, False).T, promote=True)
+    from workloads.fp8 import Recipe
+    if fp8:  # promoted accumulation: by the recipe, or by the bool of a base tree before the recipe travelled
+        promoted = ({"recipe": Recipe(rowwise=False, accum="promoted")}
+                    if "recipe" in inspect.signature(matmul).parameters else {"promote": True})
+        matmul(_fp8(M, D, False), _fp8(F, D, False).T, **promoted)
     else:
         matmul(_t(M, D), _t(F, D).T)
 

@@ -36,6 +36,7 @@ from kernels.coda.rope import gemm_rope
 from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.swiglu import gemm_swiglu
 from kernels.coda.swiglu_bwd import dgrad_swiglu
+from workloads.fp8 import Recipe
 from workloads.models import get_model
 from workloads.ops import OPS
 
@@ -190,12 +191,45 @@ def test_a_new_key_is_measured_once_chosen_by_the_lower_median_and_cached(gpu):
     assert len(json.loads(tuning.cache_file("Test GPU").read_text())[entry]) == 2
 
 
+def test_a_call_key_holds_a_recipe_by_its_accumulation_mode():
+    """A recipe argument is keyed by its accumulation mode: the rowwise recipe's dgrad (per-tensor operands, as the
+    per-tensor recipe's) has the per-tensor one's key and shares its table entries; promoted accumulation has its
+    own."""
+    call = {"x": torch.empty(4, 8), "recipe": Recipe(rowwise=False)}
+    key = S.call_key(call)
+    assert json.loads(key)[-1] == ["recipe", "fast"] and S.call_key({**call, "recipe": Recipe(rowwise=True)}) == key
+    assert json.loads(S.call_key({**call, "recipe": Recipe(rowwise=False, accum="promoted")}))[-1] == ["recipe",
+                                                                                                      "promoted"]
+
+
+def test_the_shipped_strategy_tables_key_calls_by_their_host_functions_parameters():
+    """Every key of a shipped strategy table names parameters of its host function, in the signature's order, so a
+    renamed parameter (``promote`` became ``recipe``) cannot leave the entries silently unmatched; a recipe is
+    keyed by its accumulation mode (None for plain operands)."""
+    import inspect
+    import sys
+    hosts = {f"strategy:{v.__name__}": v for m in list(sys.modules.values())
+             if m and m.__name__.startswith("kernels.coda.") for v in vars(m).values() if hasattr(v, "chooser")}
+    tables = sorted(tuning.TABLES.glob("*.json"))
+    assert tables
+    for path in tables:
+        for name, entries in json.loads(path.read_text())["kernels"].items():
+            if not name.startswith("strategy:"):
+                continue
+            params = list(inspect.signature(hosts[name]).parameters)
+            for key in entries:
+                parts = json.loads(key)
+                names = [p[0] for p in parts]
+                assert names == [n for n in params if n in names], (path.name, name, names)
+                assert all(p[1] in (None, "fast", "promoted") for p in parts if p[0] == "recipe"), (name, key)
+
+
 def test_the_binder_binds_as_inspect_does_and_keeps_its_errors():
     """A host function's call is bound by plain dict work (the dispatch runs at every layer): the same arguments, in
     the signature's order, defaults filled, as ``inspect.Signature.bind`` + ``apply_defaults`` give, for every mix of
     positional and keyword arguments of real host functions; calls it cannot bind get inspect's TypeError."""
     import inspect
-    calls = [((1, 2, 3, 4, 5, 6), {}), ((1, 2, 3, 4, 5, 6, 7), {"promote": True}),
+    calls = [((1, 2, 3, 4, 5, 6), {}), ((1, 2, 3, 4, 5, 6, 7), {"recipe": None}),
              ((1, 2), {"gamma": 5, "rstd": 4, "x": 3, "zdz": 6, "inplace": True}),
              ((), {"dz": 1, "w": 2, "x": 3, "rstd": 4, "gamma": 5, "zdz": None})]
     for fn in (dgrad_rmsnorm, gemm_residual_norm, dgrad_swiglu, mm):
@@ -492,7 +526,7 @@ def test_auto_measures_a_choice_on_the_gpu_stores_it_and_a_new_process_reuses_it
     (name, chosen), = rec.launches()
     records = tuning.load_entries(tuning.cache_file(torch.cuda.get_device_name(dev)), gemm_residual_norm.chooser.entry)
     (key, record), = records.items()
-    arguments = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "promote": False, "h_fp8": None}
+    arguments = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "recipe": None, "h_fp8": None}
     paths = gemm_residual_norm.chooser.strategies(arguments)
     assert paths == (("fused", "split", "gluon") if S.hopper(dev) else ("fused", "split"))
     assert record["strategy"] == chosen and all(record[f"{s}_ms"] > 0 for s in paths)
@@ -526,7 +560,7 @@ def test_gluon_producer_matches_its_triton_twin_on_hopper(m, n, k, dtype):
     w = (torch.randn(n, k, device=dev, generator=g) * k ** -0.5).to(dtype)
     res = torch.randn(m, n, device=dev, generator=g).to(dtype)
     gamma = (torch.randn(n, device=dev, generator=g) * 0.1 + 1).to(dtype)
-    args = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "promote": False, "h_fp8": None}
+    args = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "recipe": None, "h_fp8": None}
     assert gemm_residual_norm.chooser.strategies(args) == ("fused", "split", "gluon")
     x, h, rstd = gemm_residual_norm.chooser.path("gluon")(**args)
     xt, ht, rstdt = gemm_residual_norm.fused(**args)
@@ -551,7 +585,7 @@ def swiglu_dgrad_args(dtype: str, m: int, f: int, d: int) -> dict:
     else:
         dx, w = dx.to(torch.bfloat16), w.to(torch.bfloat16)
     return {"dx": dx, "w_down": w, "z_pre": torch.randn(m, 2 * f, device=dev, generator=g).to(torch.bfloat16),
-            "promote": False}
+            "recipe": None}
 
 
 @hopper_only
@@ -581,13 +615,15 @@ def test_where_the_gluon_swiglu_dgrad_applies(monkeypatch):
     from kernels.coda.swiglu_bwd import gluon_applies
     from workloads.fp8 import E4M3, E5M2, Fp8
     args = {"dx": torch.empty(64, 32, dtype=torch.bfloat16), "w_down": torch.empty(32, 48, dtype=torch.bfloat16),
-            "z_pre": torch.empty(64, 96, dtype=torch.bfloat16), "promote": False}
+            "z_pre": torch.empty(64, 96, dtype=torch.bfloat16), "recipe": None}
     one = torch.ones(())
     fp8 = {**args, "dx": Fp8(torch.empty(64, 32, dtype=E5M2), one),
            "w_down": Fp8(torch.empty(48, 32, dtype=E4M3), one).T}
     monkeypatch.setattr("kernels.coda.swiglu_bwd.hopper", lambda device: True)
     assert gluon_applies(args) and gluon_applies(fp8)
-    assert not gluon_applies({**args, "promote": True}) and not gluon_applies({**fp8, "promote": True})
+    promoted = Recipe(rowwise=False, accum="promoted")
+    assert gluon_applies({**fp8, "recipe": Recipe(rowwise=False)})
+    assert not gluon_applies({**args, "recipe": promoted}) and not gluon_applies({**fp8, "recipe": promoted})
     assert not gluon_applies({k: v.half() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
     assert not gluon_applies({**args, "w_down": torch.empty(32, 44, dtype=torch.bfloat16),
                               "z_pre": torch.empty(64, 88, dtype=torch.bfloat16)})
@@ -612,7 +648,7 @@ def test_the_gluon_swiglu_dgrad_refuses_rowwise_fp8_scales_and_promoted_accumula
     with pytest.raises(ValueError, match="per-tensor scales, not rowwise"):
         ws_dgrad_swiglu(dx, w, z)
     with pytest.raises(ValueError, match="fast mode only, not promoted"):
-        dgrad_swiglu_gluon(dx, w, z, promote=True)
+        dgrad_swiglu_gluon(dx, w, z, recipe=Recipe(rowwise=False, accum="promoted"))
 
 
 @hopper_only

@@ -28,7 +28,7 @@ from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET
 from kernels.coda.program import Gemm, Output, Partials, coda
 from kernels.coda.reduce import ce_row_grad, check_reduction, finish_cross_entropy, reduce_loss
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 
 @triton.jit
@@ -84,14 +84,14 @@ its second read, were slower (too few bytes in flight: 1.0-3.5 ms), and pipelini
 
 def gemm_cross_entropy_split(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: torch.Tensor,
                              target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
-                             with_grad: bool = False, promote: bool = False, out: torch.Tensor | None = None,
+                             with_grad: bool = False, recipe: Recipe | None = None, out: torch.Tensor | None = None,
                              grad_scale: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`gemm_cross_entropy` split: ``c = h @ w_lm.T`` (:func:`kernels.coda.gemm.split_matmul`, into ``out``
     when given with grad), then one pass of :func:`ce_split_rows_kernel` over c (lse, per-row losses; with grad
     dlogits in place over c and zdz), and the loss's reduction."""
     check_reduction(reduction)
-    z = split_matmul(h, w_lm.T, promote, out if with_grad else None)
+    z = split_matmul(h, w_lm.T, recipe, out if with_grad else None)
     M, V = z.shape
     target = target.contiguous()
     block_v, warps = (32, 4) if INTERPRET else ROWS_CONFIG
@@ -117,7 +117,7 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
       row_scale="rstd", row_sum=True, finish=_finish, split=gemm_cross_entropy_split)
 def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: torch.Tensor, target: torch.Tensor,
                        ignore_index: int = -100, reduction: str = "mean", with_grad: bool = False,
-                       promote: bool = False, out: torch.Tensor | None = None,
+                       recipe: Recipe | None = None, out: torch.Tensor | None = None,
                        grad_scale: torch.Tensor | None = None) -> Gemm:
     """``(loss, lse, dlogits, zdz)`` of ``CE(rstd[:, None] * (h @ w_lm.T), target)``.
 
@@ -128,7 +128,7 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     16 bytes as :func:`kernels.coda.align.empty_rows` makes them, which a caller going over chunks of rows reuses),
     and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the logits are never written and both are None.
     """
-    gemm = Gemm(h, w_lm.T, promote, row_scale=rstd)
+    gemm = Gemm(h, w_lm.T, recipe, row_scale=rstd)
     (M, V), dtype = gemm.shape, result_dtype(h.data if isinstance(h, Fp8) else h)
     if out is not None and (out.shape != (M, V) or out.dtype != dtype or not is_aligned(out)):
         raise ValueError(f"out must be a row-major {(M, V)} {dtype} tensor with 16-byte aligned rows "

@@ -133,40 +133,36 @@ def _dgrad_weight(w: torch.Tensor | fp8.Fp8) -> torch.Tensor | fp8.Fp8:
     return w.T if isinstance(w, fp8.Fp8) else w
 
 
-def _promote(n: Tensors) -> bool:
-    return n["recipe"] is not None and n["recipe"].accum == "promoted"
-
-
 def rmsnorm_dgrad_run(n: Tensors) -> Tensors:
     """rmsnorm_dgrad(_qkv) with the incoming residual gradient dres; rmsnorm_dgrad_lm with the loss scale instead."""
     dx, y, dgamma = dgrad_rmsnorm(n["dz"], _dgrad_weight(n["w"]), n["x"], n["rstd"], n["gamma"], n["zdz"],
-                                  n.get("dres"), dz_scale=n.get("scale", 1.0), promote=_promote(n))
+                                  n.get("dres"), dz_scale=n.get("scale", 1.0), recipe=n["recipe"])
     return {"dx": dx, "dgamma": dgamma, "y": y}
 
 
 def swiglu_dgrad_run(n: Tensors) -> Tensors:
-    dz_pre, a, zdz = dgrad_swiglu(n["dx"], _dgrad_weight(n["w_down"]), n["z_pre"], promote=_promote(n))
+    dz_pre, a, zdz = dgrad_swiglu(n["dx"], _dgrad_weight(n["w_down"]), n["z_pre"], recipe=n["recipe"])
     return {"dz_pre": dz_pre, "a": a, "zdz": zdz}
 
 
 def gemm_run(n: Tensors) -> Tensors:
-    return {"out": linear(n["x"], n["w"], promote=_promote(n))}
+    return {"out": linear(n["x"], n["w"], recipe=n["recipe"])}
 
 
 # ---- the kernel-level ops: one host function each (native layouts) ------------------------------------------
 
 def producer_run(n: Tensors) -> Tensors:
-    x, h, rstd = gemm_residual_norm(n["a"], n["w"], n["residual"], n["gamma"], n["model"].eps, promote=_promote(n))
+    x, h, rstd = gemm_residual_norm(n["a"], n["w"], n["residual"], n["gamma"], n["model"].eps, recipe=n["recipe"])
     return {"x": x, "h": h, "rstd": rstd}
 
 
 def scaled_linear_run(n: Tensors) -> Tensors:
-    return {"z": scaled_linear(n["h"], n["w"], n["rstd"], promote=_promote(n))}
+    return {"z": scaled_linear(n["h"], n["w"], n["rstd"], recipe=n["recipe"])}
 
 
 def _gemm_swiglu(save_preact: bool) -> Callable[[Tensors], Tensors]:
     def run(n: Tensors) -> Tensors:
-        y, z_pre = gemm_swiglu(n["h"], n["w_gu"], n["rstd"], save_preact, promote=_promote(n))
+        y, z_pre = gemm_swiglu(n["h"], n["w_gu"], n["rstd"], save_preact, recipe=n["recipe"])
         return {"y": y, "z_pre": z_pre} if save_preact else {"y": y}
     return run
 
@@ -174,13 +170,13 @@ def _gemm_swiglu(save_preact: bool) -> Callable[[Tensors], Tensors]:
 def gemm_rope_run(n: Tensors) -> Tensors:
     model = n["model"]
     return {"qkv": gemm_rope(n["h"], n["w_qkv"], n["rstd"], n["positions"], *_qkv_args(model), model.rope_theta,
-                             promote=_promote(n))}
+                             recipe=n["recipe"])}
 
 
 def _gemm_ce(with_grad: bool) -> Callable[[Tensors], Tensors]:
     def run(n: Tensors) -> Tensors:
         loss, lse, dlogits, zdz = gemm_cross_entropy(n["h"], n["w_lm"], n["rstd"], n["target"], with_grad=with_grad,
-                                                     promote=_promote(n))
+                                                     recipe=n["recipe"])
         return {"loss": loss, "lse": lse, "dlogits": dlogits, "zdz": zdz} if with_grad else {"loss": loss, "lse": lse}
     return run
 

@@ -86,11 +86,11 @@ def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tens
 
 
 def gemm_residual_norm_split(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor,
-                             gamma: torch.Tensor, eps: float, promote: bool = False, h_fp8: Recipe | None = None
+                             gamma: torch.Tensor, eps: float, recipe: Recipe | None = None, h_fp8: Recipe | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor | Fp8, torch.Tensor]:
     """:func:`gemm_residual_norm` split: ``c = a @ w.T`` (:func:`kernels.coda.gemm.split_matmul`), then one pass
     over the rows of c and residual writing x, h and rstd (:func:`norm_rows_kernel`)."""
-    return _norm_rows(split_matmul(a, w.T, promote), residual, gamma, eps, h_fp8)
+    return _norm_rows(split_matmul(a, w.T, recipe), residual, gamma, eps, h_fp8)
 
 
 def gluon_applies(arguments: dict) -> bool:
@@ -113,12 +113,13 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
       split=gemm_residual_norm_split,
       gluon=Gluon("kernels.coda.producer_gluon", "gemm_residual_norm_gluon", gluon_applies))
 def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor, gamma: torch.Tensor,
-                       eps: float, promote: bool = False, h_fp8: Recipe | None = None) -> Gemm:
+                       eps: float, recipe: Recipe | None = None, h_fp8: Recipe | None = None) -> Gemm:
     """``(x, h, rstd)``: ``x = residual + a @ w.T`` and ``h = x * gamma`` (residual's dtype), ``rstd`` fp32 [M]
     of x; w in nn.Linear layout (N, K). fp8 a and w (:class:`workloads.fp8.Fp8`) are dequantized in the
-    epilogue (``promote``: accumulation mode). ``h_fp8``: h returned quantized to e4m3 under that recipe (an
-    activation: per tensor or per row) from absmax partials the epilogue writes next to the sums of squares."""
-    return Gemm(a, w.T, promote, inputs=(residual, gamma.contiguous()))
+    epilogue (``recipe``: their fp8 recipe, whose accumulation mode the launch reads). ``h_fp8``: h returned
+    quantized to e4m3 under that recipe (an activation: per tensor or per row) from absmax partials the epilogue
+    writes next to the sums of squares."""
+    return Gemm(a, w.T, recipe, inputs=(residual, gamma.contiguous()))
 
 
 def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Recipe | None = None

@@ -15,8 +15,8 @@ input the descriptor of that [M, N] matrix, blocks of the tile's shape; (off_m, 
 
     @coda(swiglu, outputs=(Output("y", cols=2, fp8="y_fp8"), Output("z", when="save_preact")), row_scale="rstd",
           configs=subtiled_configs((2, 1, 4)))
-    def gemm_swiglu(h, w_gu, rstd, save_preact, promote=False, y_fp8=None) -> Gemm:
-        return Gemm(h, w_gu.T, promote, row_scale=rstd)
+    def gemm_swiglu(h, w_gu, rstd, save_preact, recipe=None, y_fp8=None) -> Gemm:
+        return Gemm(h, w_gu.T, recipe, row_scale=rstd)
 
 Built from it:
 
@@ -113,16 +113,16 @@ class Partials:
 
 @dataclass(frozen=True)
 class Gemm:
-    """The GEMM of one host call: ``a @ b`` (:class:`kernels.coda.launch.FusedGemm`'s operands), ``promote`` the fp8
-    accumulation mode, ``row_scale`` an optional fp32 [M] factor of each row (RMSNorm's rstd), ``inputs`` the values
-    of the declared inputs, in order (an [M, N * wide] tensor for a :class:`Tile`, taken through
-    :func:`kernels.coda.align.aligned`), ``flags`` the values of the declared flags, by name; ``outputs``: outputs
-    the call brings, by name (written in place; of the declared shape and dtype, in the row layout of
-    :mod:`kernels.coda.align`), the others are allocated (:func:`kernels.coda.align.empty_rows`)."""
+    """The GEMM of one host call: ``a @ b`` (:class:`kernels.coda.launch.FusedGemm`'s operands), ``recipe`` the fp8
+    operands' recipe (its accumulation mode read at the launch), ``row_scale`` an optional fp32 [M] factor of each
+    row (RMSNorm's rstd), ``inputs`` the values of the declared inputs, in order (an [M, N * wide] tensor for a
+    :class:`Tile`, taken through :func:`kernels.coda.align.aligned`), ``flags`` the values of the declared flags,
+    by name; ``outputs``: outputs the call brings, by name (written in place; of the declared shape and dtype, in
+    the row layout of :mod:`kernels.coda.align`), the others are allocated (:func:`kernels.coda.align.empty_rows`)."""
 
     a: torch.Tensor | Fp8
     b: torch.Tensor | Fp8
-    promote: bool = False
+    recipe: Recipe | None = None
     row_scale: torch.Tensor | None = None
     inputs: tuple = ()
     flags: Mapping[str, bool] = field(default_factory=dict)
@@ -519,7 +519,7 @@ def _returned(results: list[Any]) -> Any:
 def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
                finish: Callable[..., tuple] | None) -> Any:
     asked = _Asked.of(decl, named)
-    gemm = FusedGemm(g.a, g.b, g.promote)
+    gemm = FusedGemm(g.a, g.b, g.recipe)
     M, N = gemm.M, gemm.N
     outs = asked.outputs(decl, g, M, N, gemm.device,
                          [named[o.like].dtype if o.like else gemm.out_dtype for o in decl.outputs], {})
@@ -552,7 +552,7 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
 def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
                finish: Callable[..., tuple] | None) -> Any:
     asked = _Asked.of(decl, named)
-    c = split_matmul(g.a, g.b, g.promote)
+    c = split_matmul(g.a, g.b, g.recipe)
     M, N = c.shape
     dtypes = [named[o.like].dtype if o.like else c.dtype for o in decl.outputs]
     inplace = next((i for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))

@@ -32,7 +32,7 @@ from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET, num_sms, subtiled_configs
 from kernels.coda.program import Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_col_sum
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 
 @triton.jit
@@ -141,12 +141,12 @@ def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres
 
 def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
                         gamma: torch.Tensor, zdz: torch.Tensor | None, dres: torch.Tensor | None = None,
-                        dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, promote: bool = False
+                        dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, recipe: Recipe | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`dgrad_rmsnorm` split: ``gy = dz @ w`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over whole
     rows of gy (:func:`rmsnorm_bwd_rows_kernel`: c from zdz or from the row, dx, y over gy, dgamma partials) and the
     partials' sum."""
-    gy = split_matmul(dz, w, promote)
+    gy = split_matmul(dz, w, recipe)
     M, N = gy.shape
     x, gamma, res, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gy.device)
     bm, bd, warps, programs = rows_launch(M, N, gy.device)
@@ -176,7 +176,7 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
       split=dgrad_rmsnorm_split, safe=_not_inplace, fuses=lambda arguments: arguments["zdz"] is not None)
 def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
                   gamma: torch.Tensor, zdz: torch.Tensor | None, dres: torch.Tensor | None = None,
-                  dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, promote: bool = False) -> Gemm:
+                  dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, recipe: Recipe | None = None) -> Gemm:
     """``(dx, y, dgamma)`` of RMSNorm followed by ``z = y @ w.T``, given ``dz`` (see the module docstring).
 
     dz [M, N'] and w [N', d] (nn.Linear layout of the consumer GEMM); x [M, d] the saved residual stream,
@@ -186,9 +186,10 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     has dres's dtype (x's without dres), y dz's, dgamma gamma's.
 
     fp8 (:class:`workloads.fp8.Fp8`): dz e5m2 and w (its data a transposed view of the K-major (d, N') copy)
-    with per-tensor scales, dequantized in the epilogue (``promote``: accumulation mode); y is then bf16.
+    with per-tensor scales, dequantized in the epilogue (``recipe``: their fp8 recipe, whose accumulation mode the
+    launch reads); y is then bf16.
     """
-    gemm = Gemm(dz, w, promote)
+    gemm = Gemm(dz, w, recipe)
     x, gamma, res, dx = norm_bwd_operands(*gemm.shape, x, gamma, dres, inplace, gemm.device)
     scale = scale_arg(dz_scale, gemm.device)
     return replace(gemm, inputs=(x, rstd, gamma, zdz, rstd if scale is None else scale, res),

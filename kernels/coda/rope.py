@@ -23,7 +23,7 @@ import triton.language as tl
 from kernels.coda.epilogue import rope_cos_sin, rotate_pairs
 from kernels.coda.mainloop import subtiled_configs
 from kernels.coda.program import Gemm, Output, coda
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 
 @functools.lru_cache(maxsize=32)
@@ -65,7 +65,7 @@ def _freq(n: int, heads: int, kv_heads: int, head_dim: int, theta: float, device
 @coda(rope, outputs=(Output("out"),), inputs=("pos_ptr", "freq_ptr"), row_scale="rstd",
       configs=subtiled_configs((2, 1, 4)))
 def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tensor, positions: torch.Tensor,
-              heads: int, kv_heads: int, head_dim: int, theta: float, promote: bool = False,
+              heads: int, kv_heads: int, head_dim: int, theta: float, recipe: Recipe | None = None,
               inv_freq: tuple[float, ...] | None = None) -> Gemm:
     """Packed qkv [M, (H + 2 Hkv) dh] in h's dtype (bf16 for fp8 h, w_qkv), RoPE'd q and k in the adjacent-pair
     layout.
@@ -75,4 +75,4 @@ def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tens
     """
     n = (w_qkv.data if isinstance(w_qkv, Fp8) else w_qkv).shape[0]
     freq = _freq(n, heads, kv_heads, head_dim, theta, rstd.device, inv_freq)
-    return Gemm(h, w_qkv.T, promote, row_scale=rstd, inputs=(positions.contiguous(), freq))
+    return Gemm(h, w_qkv.T, recipe, row_scale=rstd, inputs=(positions.contiguous(), freq))

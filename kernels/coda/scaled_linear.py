@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.coda.program import Gemm, Output, coda
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 
 @triton.jit
@@ -22,6 +22,7 @@ def row_scaled(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @coda(row_scaled, outputs=(Output("z"),), row_scale="rstd")
-def scaled_linear(h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, promote: bool = False) -> Gemm:
+def scaled_linear(h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, recipe: Recipe | None = None
+                  ) -> Gemm:
     """``rstd[:, None] * (h @ w.T)`` in h's dtype (bf16 for fp8 h, w); w in nn.Linear layout (N, K), rstd fp32 [M]."""
-    return Gemm(h, w.T, promote, row_scale=rstd)
+    return Gemm(h, w.T, recipe, row_scale=rstd)

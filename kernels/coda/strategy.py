@@ -9,10 +9,10 @@ has that rounding too, and an fp32 output would double the bytes the split path 
 overlapped with the next tile's mainloop (docs/performance.md: small K, large epilogue traffic) the split path can be
 faster::
 
-    def gemm_residual_norm_split(a, w, residual, gamma, eps, promote=False, h_fp8=None): ...
+    def gemm_residual_norm_split(a, w, residual, gamma, eps, recipe=None, h_fp8=None): ...
 
     @with_split(gemm_residual_norm_split)
-    def gemm_residual_norm(a, w, residual, gamma, eps, promote=False, h_fp8=None): ...   # the fused path
+    def gemm_residual_norm(a, w, residual, gamma, eps, recipe=None, h_fp8=None): ...   # the fused path
 
 For a plain GEMM (:func:`kernels.coda.gemm.mm`) the fused path is the mainloop and the split path is cuBLAS, with
 no epilogue kernel at all. A host function may also have a *Gluon* path (:class:`Gluon`): a warp-specialized
@@ -64,7 +64,7 @@ import torch
 import triton
 
 from kernels.coda import configs, precompile, tuning
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 FUSED, SPLIT, GLUON, AUTO = "fused", "split", "gluon", "auto"
 STRATEGIES = (FUSED, SPLIT, GLUON)
@@ -119,11 +119,14 @@ def always(arguments: dict[str, Any]) -> bool:
 
 def call_key(arguments: dict[str, Any]) -> str:
     """A call's key as JSON: per argument, a tensor's shape and dtype (an fp8 operand's, with whether its scales are
-    per row), or a flag (bool, int, str, None, a recipe); floats and tuples (eps, theta, scalar multipliers,
-    frequencies) do not change the cost and are left out."""
+    per row), a recipe's accumulation mode (its scaling shows in the fp8 operands': a dgrad's are per tensor in
+    either recipe, so both recipes' dgrads share their entries), or a flag (bool, int, str, None); floats and tuples
+    (eps, theta, scalar multipliers, frequencies) do not change the cost and are left out."""
     parts = []
     for name, v in arguments.items():
-        if isinstance(v, Fp8):
+        if isinstance(v, Recipe):
+            parts.append([name, v.accum])
+        elif isinstance(v, Fp8):
             parts.append([name, list(v.data.shape), str(v.data.dtype), v.scale.numel() > 1])
         elif isinstance(v, torch.Tensor):
             parts.append([name, list(v.shape), str(v.dtype)])

@@ -30,7 +30,7 @@ def swiglu(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
 @coda(swiglu, outputs=(Output("y", cols=2, fp8="y_fp8"), Output("z", when="save_preact")), row_scale="rstd",
       configs=subtiled_configs((2, 1, 4)))
 def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Tensor, save_preact: bool,
-                promote: bool = False, y_fp8: Recipe | None = None) -> Gemm:
+                recipe: Recipe | None = None, y_fp8: Recipe | None = None) -> Gemm:
     """``(y, z_pre)``: y [M, f] in h's dtype (bf16 for fp8 h, w_gu); z_pre the interleaved [M, 2f]
     pre-activation, only if save_preact.
 
@@ -40,4 +40,4 @@ def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Ten
     rows = (w_gu.data if isinstance(w_gu, Fp8) else w_gu).shape[0]
     if rows % 2:
         raise ValueError(f"w_gu must have an even number of rows (interleaved gate/up), got {rows}")
-    return Gemm(h, w_gu.T, promote, row_scale=rstd)
+    return Gemm(h, w_gu.T, recipe, row_scale=rstd)

@@ -32,7 +32,7 @@ from kernels.coda.mainloop import INTERPRET, subtiled_configs
 from kernels.coda.program import Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_row_sum
 from kernels.coda.strategy import Gluon, hopper
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe, promoted
 
 
 @triton.jit
@@ -107,11 +107,11 @@ def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, tor
     return _swiglu_bwd(dy, z_pre, None)
 
 
-def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor, promote: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
+                       recipe: Recipe | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`dgrad_swiglu` split: ``dy = dx @ w_down`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over
     it (:func:`swiglu_bwd_kernel`: dz_pre, zdz, and y written over dy, each block by the program that read it)."""
-    dy = split_matmul(dx, w_down, promote)
+    dy = split_matmul(dx, w_down, recipe)
     y = dy if dy.dtype == z_pre.dtype else empty_rows(*dy.shape, z_pre.dtype, dy.device)
     dz_pre, zdz = _swiglu_bwd(dy, z_pre, y)
     return dz_pre, y, zdz
@@ -122,7 +122,8 @@ def gluon_applies(arguments: dict) -> bool:
     [M, d], w_down [d, f] either bf16 (d and f multiples of 8) or fp8 with per-tensor scales in fast accumulation, the
     weight's data the transposed view of its K-major (f, d) copy (d a multiple of 16): rows TMA can address."""
     dx, w, z = arguments["dx"], arguments["w_down"], arguments["z_pre"]
-    if arguments["promote"] or not (isinstance(z, torch.Tensor) and z.dtype == torch.bfloat16 and z.dim() == 2):
+    if promoted(arguments["recipe"]) or not (isinstance(z, torch.Tensor) and z.dtype == torch.bfloat16
+                                             and z.dim() == 2):
         return False
     if isinstance(dx, Fp8) and isinstance(w, Fp8):
         a, b = dx.data, w.data
@@ -145,15 +146,16 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 @coda(swiglu_dgrad, outputs=(Output("y", like="z_pre"), Output("dzp", wide=2, like="z_pre")), inputs=(Tile("zp", 2),),
       row_sum=True, configs=subtiled_configs(), finish=_finish, split=dgrad_swiglu_split,
       gluon=Gluon("kernels.coda.swiglu_bwd_gluon", "dgrad_swiglu_gluon", gluon_applies))
-def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor, promote: bool = False
-                 ) -> Gemm:
+def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
+                 recipe: Recipe | None = None) -> Gemm:
     """``(dz_pre, y, zdz)``: SwiGLU backward of ``dy = dx @ w_down`` fused into that dgrad GEMM.
 
     dx [M, d] is the gradient of the down-proj output, w_down [d, f] (nn.Linear layout), z_pre [M, 2f] the
     saved interleaved pre-activation. dz_pre [M, 2f] (interleaved dgate/dup) and y = silu(gate) up [M, f]
     are in z_pre's dtype; zdz is fp32 [M]. fp8 dx (e5m2) and w_down (its data a transposed view of the K-major
-    (f, d) copy) with per-tensor scales are dequantized in the epilogue (``promote``: accumulation mode).
+    (f, d) copy) with per-tensor scales are dequantized in the epilogue (``recipe``: their fp8 recipe, whose
+    accumulation mode the launch reads).
     """
-    gemm = Gemm(dx, w_down, promote, inputs=(z_pre,))
+    gemm = Gemm(dx, w_down, recipe, inputs=(z_pre,))
     _check_preact(z_pre, *gemm.shape)
     return gemm
