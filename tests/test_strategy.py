@@ -9,6 +9,7 @@ run the real thing.
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pandas as pd
@@ -301,7 +302,7 @@ def _gluon(x: torch.Tensor, n: int, inplace: bool = False, eps: float = 1e-5) ->
     return "gluon"
 
 
-GLUON_WHERE_N_IS_3 = S.Gluon(__name__, "_gluon", lambda arguments: arguments["n"] == 3)
+GLUON_WHERE_N_IS_3 = S.Gluon(_gluon, lambda arguments: arguments["n"] == 3)
 
 
 def test_a_gluon_path_is_measured_and_forced_only_where_it_applies(gpu, monkeypatch):
@@ -605,6 +606,31 @@ def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(dtype, m, f, d):
         (dzt.shape, dzt.dtype, yt.shape, yt.dtype, zdzt.shape, zdzt.dtype)
     assert torch.equal(dz, dzt) and torch.equal(y, yt)
     assert rel_err(zdz, zdzt.double()) <= 1e-5
+
+
+def test_a_gluon_path_is_bound_with_its_kernel_and_missing_where_gluon_cannot_be_imported():
+    """The producer and the SwiGLU dgrad bind their Gluon functions directly; where those modules cannot be imported
+    (a Triton without Gluon: here made so in a fresh process) the kernels still import, with no Gluon path, and a
+    call has the fused and split paths only, forced gluon running fused."""
+    import subprocess
+    import sys
+    from kernels.coda.producer_gluon import gemm_residual_norm_gluon
+    from kernels.coda.swiglu_bwd_gluon import dgrad_swiglu_gluon
+    assert gemm_residual_norm.chooser.gluon.function is gemm_residual_norm_gluon
+    assert dgrad_swiglu.chooser.gluon.function is dgrad_swiglu_gluon
+    script = (
+        "import sys, torch\n"
+        "sys.modules['kernels.coda.producer_gluon'] = sys.modules['kernels.coda.swiglu_bwd_gluon'] = None\n"
+        "from kernels.coda.producer import gemm_residual_norm\n"
+        "from kernels.coda.swiglu_bwd import dgrad_swiglu\n"
+        "assert gemm_residual_norm.chooser.gluon is None and dgrad_swiglu.chooser.gluon is None\n"
+        "a, w = torch.randn(8, 16), torch.randn(16, 16)\n"
+        "args = dict(a=a, w=w, residual=torch.randn(8, 16), gamma=torch.ones(16), eps=1e-5, recipe=None, h_fp8=None)\n"
+        "assert gemm_residual_norm.chooser.strategies(args) == ('fused', 'split')\n"
+        "assert gemm_residual_norm.chooser.choose(args) == 'fused'\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CODABENCH_STRATEGY": "gluon"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_where_the_gluon_swiglu_dgrad_applies(monkeypatch):

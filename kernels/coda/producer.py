@@ -28,6 +28,11 @@ from kernels.coda.reduce import finish_rstd
 from kernels.coda.strategy import Gluon, hopper
 from workloads.fp8 import Fp8, Recipe
 
+try:  # the Gluon path needs Triton's Gluon; without it (strategy.Gluon) the fused and split paths only
+    from kernels.coda.producer_gluon import gemm_residual_norm_gluon
+except ImportError:
+    gemm_residual_norm_gluon = None
+
 
 @triton.jit
 def residual_norm(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
@@ -111,7 +116,7 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 @coda(residual_norm, outputs=(Output("x", like="residual", sumsq=True), Output("h", like="residual", fp8="h_fp8")),
       inputs=(Tile("res"), "gamma_ptr"), configs=subtiled_configs((2, 1, 4)), finish=_finish,
       split=gemm_residual_norm_split,
-      gluon=Gluon("kernels.coda.producer_gluon", "gemm_residual_norm_gluon", gluon_applies))
+      gluon=gemm_residual_norm_gluon and Gluon(gemm_residual_norm_gluon, gluon_applies))
 def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor, gamma: torch.Tensor,
                        eps: float, recipe: Recipe | None = None, h_fp8: Recipe | None = None) -> Gemm:
     """``(x, h, rstd)``: ``x = residual + a @ w.T`` and ``h = x * gamma`` (residual's dtype), ``rstd`` fp32 [M]

@@ -34,6 +34,11 @@ from kernels.coda.reduce import finish_row_sum
 from kernels.coda.strategy import Gluon, hopper
 from workloads.fp8 import Fp8, Recipe, promoted
 
+try:  # the Gluon path needs Triton's Gluon; without it (strategy.Gluon) the fused and split paths only
+    from kernels.coda.swiglu_bwd_gluon import dgrad_swiglu_gluon
+except ImportError:
+    dgrad_swiglu_gluon = None
+
 
 @triton.jit
 def swiglu_bwd_tile(dy, z, BM: tl.constexpr, BN: tl.constexpr):
@@ -145,7 +150,7 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 
 @coda(swiglu_dgrad, outputs=(Output("y", like="z_pre"), Output("dzp", wide=2, like="z_pre")), inputs=(Tile("zp", 2),),
       row_sum=True, configs=subtiled_configs(), finish=_finish, split=dgrad_swiglu_split,
-      gluon=Gluon("kernels.coda.swiglu_bwd_gluon", "dgrad_swiglu_gluon", gluon_applies))
+      gluon=dgrad_swiglu_gluon and Gluon(dgrad_swiglu_gluon, gluon_applies))
 def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
                  recipe: Recipe | None = None) -> Gemm:
     """``(dz_pre, y, zdz)``: SwiGLU backward of ``dy = dx @ w_down`` fused into that dgrad GEMM.
