@@ -16,7 +16,7 @@ from benchmarks import compare_ptx
 from kernels.coda import configs, tuning
 from kernels.coda.epilogue import add_tile, gather_cols, join_pairs, load_cols, load_rows, load_tile
 from kernels.coda.mainloop import subtiled_configs
-from kernels.coda.program import Gemm, Output, Partials, Tile, coda
+from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_col_sum, finish_row_sum
 from tests.kernel_helpers import DTYPES, check, launches, rand
 from workloads.fp8 import Recipe, quantize
@@ -269,3 +269,15 @@ def test_declared_kernels_launch_with_tuning_keys_the_shipped_tables_hold(case):
     for gpu in ("NVIDIA-H200", "NVIDIA-H100-80GB-HBM3"):
         keys = json.loads((tuning.TABLES / f"{gpu}.json").read_text())["kernels"][name]
         assert any(configs.split_key(json.loads(k))[0] == sig for k in keys), (gpu, sig)
+
+
+def test_a_binding_calls_its_host_with_the_cells_inputs_and_names_its_results():
+    """The op binding: the cell's native inputs reach the host function's parameters of their names (the others
+    left out), ``args`` adds or replaces arguments, the results are named in order and a None result is dropped."""
+    def host(a, b, flag=False, scale=1.0):
+        return a + b * scale, a if flag else None
+
+    run = Binding(("op",), ("sum", "a"), "a test", lambda n: {"flag": n["model"], "b": 10 * n["b"]}).run(host)
+    assert run({"a": 1, "b": 2, "model": False, "unused": 5}) == {"sum": 21}
+    assert run({"a": 1, "b": 2, "model": True}) == {"sum": 21, "a": 1}
+    assert Binding(("op",), (None, "a"), "").run(lambda a, b: (a, b))({"a": 1, "b": 2}) == {"a": 2}

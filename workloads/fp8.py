@@ -130,6 +130,12 @@ def quantize_as(x: torch.Tensor, role: str, recipe: Recipe) -> Fp8:
     return quantize(x, ROLES[role][0], rowwise=recipe.rowwise_for(role))
 
 
+def dgrad_weight(w: torch.Tensor | Fp8) -> torch.Tensor | Fp8:
+    """A dgrad's weight in nn.Linear layout: a ``weight_bwd`` operand is stored transposed (:func:`quantize_as`), so
+    its transposed view; a plain weight as it is."""
+    return w.T if isinstance(w, Fp8) else w
+
+
 def round_inputs(inputs: dict[str, torch.Tensor], operands: dict[str, str], recipe: Recipe) -> dict[str, torch.Tensor]:
     """The inputs with each GEMM operand (name -> role) replaced by its dequantized fp8 value (same dtype)."""
     out = dict(inputs)

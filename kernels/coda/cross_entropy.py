@@ -26,7 +26,7 @@ from kernels.coda.epilogue import gather_cols, tile_lse
 from kernels.coda.fp8 import result_dtype
 from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET
-from kernels.coda.program import Gemm, Output, Partials, coda
+from kernels.coda.program import Binding, Gemm, Output, Partials, coda
 from kernels.coda.reduce import ce_row_grad, check_reduction, finish_cross_entropy, reduce_loss
 from workloads.fp8 import Fp8, Recipe
 
@@ -114,7 +114,11 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 
 
 @coda(cross_entropy, outputs=(Output("logits", when="with_grad"),), inputs=("target_ptr",), vectors=("tgt_logit",),
-      row_scale="rstd", row_sum=True, finish=_finish, split=gemm_cross_entropy_split)
+      row_scale="rstd", row_sum=True, finish=_finish, split=gemm_cross_entropy_split,
+      binds=(Binding(("gemm_ce",), ("loss", "lse"), "gemm_cross_entropy: GEMM + row scale + LSE partials; CE finish"),
+             Binding(("gemm_ce_grad",), ("loss", "lse", "dlogits", "zdz"),
+                     "gemm_cross_entropy: GEMM + row scale + logits + LSE partials; CE finish writing dlogits in "
+                     "place and ZdZ", lambda n: {"with_grad": True})))
 def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: torch.Tensor, target: torch.Tensor,
                        ignore_index: int = -100, reduction: str = "mean", with_grad: bool = False,
                        recipe: Recipe | None = None, out: torch.Tensor | None = None,

@@ -23,7 +23,7 @@ from kernels.coda.epilogue import add_tile, cast, load_tile, row_absmax, row_sum
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import subtiled_configs, tile_desc
-from kernels.coda.program import Gemm, Output, Partials, Tile, coda
+from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_rstd
 from kernels.coda.strategy import Gluon, hopper
 from workloads.fp8 import Fp8, Recipe
@@ -116,7 +116,10 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 @coda(residual_norm, outputs=(Output("x", like="residual", sumsq=True), Output("h", like="residual", fp8="h_fp8")),
       inputs=(Tile("res"), "gamma_ptr"), configs=subtiled_configs((2, 1, 4)), finish=_finish,
       split=gemm_residual_norm_split,
-      gluon=gemm_residual_norm_gluon and Gluon(gemm_residual_norm_gluon, gluon_applies))
+      gluon=gemm_residual_norm_gluon and Gluon(gemm_residual_norm_gluon, gluon_applies),
+      binds=(Binding(("producer_out", "producer_down"), ("x", "h", "rstd"),
+                     "gemm_residual_norm: GEMM + residual + gamma + sum-of-squares partials",
+                     lambda n: {"eps": n["model"].eps}),))
 def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor, gamma: torch.Tensor,
                        eps: float, recipe: Recipe | None = None, h_fp8: Recipe | None = None) -> Gemm:
     """``(x, h, rstd)``: ``x = residual + a @ w.T`` and ``h = x * gamma`` (residual's dtype), ``rstd`` fp32 [M]

@@ -28,7 +28,8 @@ Built from it:
 - the split kernel ``<host>_rows_kernel`` (unless the declaration brings its own split path): the plain GEMM
   (:func:`kernels.coda.gemm.split_matmul`), then :func:`rows_program` over its output, calling the SAME epilogue on
   each tile and writing the first output of the GEMM output's shape and dtype over it, in place;
-- the host function, under :func:`kernels.coda.strategy.with_split` with both paths (and a Gluon one if declared).
+- the host function, under :func:`kernels.coda.strategy.with_split` with both paths (and a Gluon one if declared),
+  and the ops it implements (``binds``): the registry's entries (:func:`register`).
   It returns the outputs (one: the tensor; several: a tuple in the declared order), or what ``finish`` makes of
   them; an output whose ``when`` argument is false is None and not written (all of them may be), one the call
   brings (``Gemm.outputs``) is written in place; an output with ``fp8`` is returned quantized
@@ -52,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from codabench.registry import REGISTRY, register as register_function
 from kernels.coda.align import aligned, empty_rows
 from kernels.coda.epilogue import cast, col_subtile, col_sum_partial, dequant, dequant_scale, load_rows, load_tile, \
     row_absmax, row_sumsq, store_row_partial, store_tile
@@ -63,6 +65,7 @@ from kernels.coda.mainloop import INTERPRET, coda_autotune, mainloop, num_tiles,
 from kernels.coda.reduce import col_partials, launched_tiles, row_partials
 from kernels.coda.strategy import Gluon, always, binder, with_split
 from workloads.fp8 import Fp8, Recipe
+from workloads.ops import OPS
 
 MAX_OUTPUTS = 2
 """Outputs an epilogue may declare (the programs below spell each one out)."""
@@ -137,6 +140,33 @@ class Gemm:
     @property
     def device(self) -> torch.device:
         return (self.a.data if isinstance(self.a, Fp8) else self.a).device
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Ops of the catalogue (:mod:`workloads.ops`) that a declared host function implements alone, one call a cell:
+    ``ops`` their names; ``results`` the names of the host function's results, in order (a result that is None, not
+    asked for, is left out; a None name: never an output); ``args(n)``: the call's arguments that are not the
+    cell's native inputs of their names (a constant flag, a model's size, a weight seen another way), from those
+    inputs ``n`` (``n["model"]`` the cell's :class:`workloads.models.ModelShape`, ``n["recipe"]`` its fp8 recipe);
+    ``modes``: the modes it runs (None: the op's); ``description``: the registry's line."""
+
+    ops: tuple[str, ...]
+    results: tuple[str | None, ...]
+    description: str
+    args: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda n: {}
+    modes: tuple[str, ...] | None = None
+
+    def run(self, host: Callable) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+        """The function of a cell's native inputs that calls ``host`` and names its results."""
+        params = list(inspect.signature(host).parameters)
+
+        def run(n: Mapping[str, Any]) -> dict[str, Any]:
+            out = host(**{**{p: n[p] for p in params if p in n}, **self.args(n)})
+            out = out if isinstance(out, tuple) else (out,)
+            return {k: v for k, v in zip(self.results, out) if k is not None and v is not None}
+
+        return run
 
 
 # ---- the two programs every declared kernel runs -------------------------------------------------------------
@@ -406,7 +436,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
          row_scale: str | None = None, row_sum: bool = False, col_sum: bool = False,
          configs: list[triton.Config] | None = None,
          restore: Sequence[str] = (), finish: Callable[..., tuple] | None = None, split: Callable | None = None,
-         gluon: Gluon | None = None,
+         gluon: Gluon | None = None, binds: Sequence[Binding] = (),
          safe: Callable[[dict[str, Any]], dict[str, Any]] = dict, fuses: Callable[[dict[str, Any]], bool] = always
          ) -> Callable:
     """Decorate a host function that returns the :class:`Gemm` of its call: it becomes the declared kernel's host
@@ -427,8 +457,9 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
     sub-tiles); ``restore``: outputs the fused kernel may read before writing (given in place), restored between
     the autotuner's runs; ``finish(arguments, gemm, outputs, partials)``: the host function's results from its
     arguments, its :class:`Gemm`, its outputs and the :class:`Partials`; ``split``: a split path of the host
-    function's signature and results instead of the built one; ``gluon``: its Gluon path; ``safe`` and ``fuses``:
-    :func:`kernels.coda.strategy.with_split`'s."""
+    function's signature and results instead of the built one; ``gluon``: its Gluon path; ``binds``: the ops it
+    implements (:class:`Binding`, as ``.binds``: the registry's entries are built from them, :func:`register`);
+    ``safe`` and ``fuses``: :func:`kernels.coda.strategy.with_split`'s."""
     decl = Declaration(epilogue, tuple(outputs), tuple(inputs), tuple(flags), tuple(vectors), tile, row_scale,
                        row_sum, col_sum, any("EPI_SUB" in c.kwargs for c in configs or ()))
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
@@ -461,7 +492,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
         signature = inspect.signature(host).replace(return_annotation=Any)  # the outputs, not the declared Gemm
         fused.__signature__ = built_split.__signature__ = signature
         dispatch = with_split(split or built_split, safe=safe, gluon=gluon, fuses=fuses)(fused)
-        dispatch.kernel, dispatch.rows_kernel = fused_kernel, rows_kernel
+        dispatch.kernel, dispatch.rows_kernel, dispatch.binds = fused_kernel, rows_kernel, tuple(binds)
         return dispatch
 
     return deco
@@ -575,3 +606,19 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
                        **asked.kernel_flags(decl, g), BM=bm, BN=bn)
     results = asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1)
     return _returned(finish(named, g, results, Partials(ss, 1, cs, m_tiles, vectors)) if finish else results)
+
+
+def register(host: Callable, name: str, implementation: Callable[..., Any] | None = None, **registry: Any) -> None:
+    """Registry entries of the implementation ``name`` for every op a declared host function binds (``binds``):
+    ``implementation(op, run, modes, description)`` makes one (an :class:`codabench.registry.Implementation`; by
+    default a plain function of the cell's inputs, :func:`codabench.registry.register` with ``registry``'s
+    keywords: dtypes, requires, label), ``run`` calling the host function (:meth:`Binding.run`)."""
+    for b in host.binds:
+        run = b.run(host)
+        for op in b.ops:
+            if implementation is not None:
+                REGISTRY.add(implementation(op, run, b.modes or OPS[op].modes, b.description))
+            else:
+                function = functools.wraps(run)(lambda run=run, **n: run(n))
+                function.__module__ = host.__module__  # the entry's source: the declaring module
+                register_function(op, name, modes=b.modes, description=b.description, **registry)(function)

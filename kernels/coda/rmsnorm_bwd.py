@@ -30,9 +30,9 @@ from kernels.coda.align import aligned, empty_rows, written_back
 from kernels.coda.epilogue import load_block, load_cols, load_rows, load_tile, rmsnorm_dx, store_block
 from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET, num_sms, subtiled_configs
-from kernels.coda.program import Gemm, Output, Partials, Tile, coda
+from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_col_sum
-from workloads.fp8 import Fp8, Recipe
+from workloads.fp8 import Fp8, Recipe, dgrad_weight
 
 
 @triton.jit
@@ -164,6 +164,11 @@ def _not_inplace(arguments: dict) -> dict:
     return {**arguments, "inplace": False}
 
 
+def _cell_args(n: dict) -> dict:
+    """A cell's weight in nn.Linear layout and its loss scale (rmsnorm_dgrad_lm; 1 elsewhere)."""
+    return {"w": dgrad_weight(n["w"]), "dz_scale": n.get("scale", 1.0)}
+
+
 def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
     dx, y = outputs
     dx = written_back(dx, arguments["dres"]) if arguments["inplace"] else dx
@@ -173,7 +178,11 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 @coda(rmsnorm_dgrad, outputs=(Output("dx"), Output("y")),
       inputs=(Tile("x"), "rstd_ptr", "gamma_ptr", "zdz_ptr", "scale_ptr", Tile("dres")), flags=("HAS_RES", "HAS_SCALE"),
       tile=rmsnorm_rows, col_sum=True, configs=subtiled_configs(), restore=("dx",), finish=_finish,
-      split=dgrad_rmsnorm_split, safe=_not_inplace, fuses=lambda arguments: arguments["zdz"] is not None)
+      split=dgrad_rmsnorm_split, safe=_not_inplace, fuses=lambda arguments: arguments["zdz"] is not None,
+      binds=(Binding(("rmsnorm_dgrad", "rmsnorm_dgrad_qkv"), ("dx", "y", "dgamma"),
+                     "dgrad GEMM + RMSNorm backward epilogue + dgamma partials", _cell_args),
+             Binding(("rmsnorm_dgrad_lm",), ("dx", "y", "dgamma"),
+                     "dgrad GEMM x loss scale + RMSNorm backward epilogue + dgamma partials", _cell_args)))
 def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
                   gamma: torch.Tensor, zdz: torch.Tensor | None, dres: torch.Tensor | None = None,
                   dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, recipe: Recipe | None = None) -> Gemm:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kernels.coda.epilogue import rope_cos_sin, rotate_pairs
 from kernels.coda.mainloop import subtiled_configs
-from kernels.coda.program import Gemm, Output, coda
+from kernels.coda.program import Binding, Gemm, Output, coda
 from workloads.fp8 import Fp8, Recipe
 
 
@@ -63,7 +63,10 @@ def _freq(n: int, heads: int, kv_heads: int, head_dim: int, theta: float, device
 
 
 @coda(rope, outputs=(Output("out"),), inputs=("pos_ptr", "freq_ptr"), row_scale="rstd",
-      configs=subtiled_configs((2, 1, 4)))
+      configs=subtiled_configs((2, 1, 4)),
+      binds=(Binding(("gemm_rope",), ("qkv",), "gemm_rope: GEMM + row scale + RoPE",
+                     lambda n: {"heads": n["model"].heads, "kv_heads": n["model"].kv_heads,
+                                "head_dim": n["model"].head_dim, "theta": n["model"].rope_theta}),))
 def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tensor, positions: torch.Tensor,
               heads: int, kv_heads: int, head_dim: int, theta: float, recipe: Recipe | None = None,
               inv_freq: tuple[float, ...] | None = None) -> Gemm:

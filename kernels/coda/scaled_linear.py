@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.program import Gemm, Output, coda
+from kernels.coda.program import Binding, Gemm, Output, coda
 from workloads.fp8 import Fp8, Recipe
 
 
@@ -21,7 +21,8 @@ def row_scaled(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     return (z,)
 
 
-@coda(row_scaled, outputs=(Output("z"),), row_scale="rstd")
+@coda(row_scaled, outputs=(Output("z"),), row_scale="rstd",
+      binds=(Binding(("scaled_linear",), ("z",), "scaled_linear: GEMM + row scale"),))
 def scaled_linear(h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, recipe: Recipe | None = None
                   ) -> Gemm:
     """``rstd[:, None] * (h @ w.T)`` in h's dtype (bf16 for fp8 h, w); w in nn.Linear layout (N, K), rstd fp32 [M]."""

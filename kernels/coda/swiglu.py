@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels.coda.epilogue import silu_mul_pairs
 from kernels.coda.mainloop import subtiled_configs
-from kernels.coda.program import Gemm, Output, coda
+from kernels.coda.program import Binding, Gemm, Output, coda
 from workloads.fp8 import Fp8, Recipe
 
 
@@ -28,7 +28,11 @@ def swiglu(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @coda(swiglu, outputs=(Output("y", cols=2, fp8="y_fp8"), Output("z", when="save_preact")), row_scale="rstd",
-      configs=subtiled_configs((2, 1, 4)))
+      configs=subtiled_configs((2, 1, 4)),
+      binds=(Binding(("gemm_swiglu",), ("y",), "gemm_swiglu: GEMM + row scale + SwiGLU",
+                     lambda n: {"save_preact": False}),
+             Binding(("gemm_swiglu_save",), ("y", "z_pre"),
+                     "gemm_swiglu: GEMM + row scale + SwiGLU, pre-activation saved", lambda n: {"save_preact": True})))
 def gemm_swiglu(h: torch.Tensor | Fp8, w_gu: torch.Tensor | Fp8, rstd: torch.Tensor, save_preact: bool,
                 recipe: Recipe | None = None, y_fp8: Recipe | None = None) -> Gemm:
     """``(y, z_pre)``: y [M, f] in h's dtype (bf16 for fp8 h, w_gu); z_pre the interleaved [M, 2f]

@@ -29,10 +29,10 @@ from kernels.coda.epilogue import join_pairs, load_block, load_tile, silu_mul_pa
     store_row_partial
 from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET, subtiled_configs
-from kernels.coda.program import Gemm, Output, Partials, Tile, coda
+from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_row_sum
 from kernels.coda.strategy import Gluon, hopper
-from workloads.fp8 import Fp8, Recipe, promoted
+from workloads.fp8 import Fp8, Recipe, dgrad_weight, promoted
 
 try:  # the Gluon path needs Triton's Gluon; without it (strategy.Gluon) the fused and split paths only
     from kernels.coda.swiglu_bwd_gluon import dgrad_swiglu_gluon
@@ -150,7 +150,9 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 
 @coda(swiglu_dgrad, outputs=(Output("y", like="z_pre"), Output("dzp", wide=2, like="z_pre")), inputs=(Tile("zp", 2),),
       row_sum=True, configs=subtiled_configs(), finish=_finish, split=dgrad_swiglu_split,
-      gluon=dgrad_swiglu_gluon and Gluon(dgrad_swiglu_gluon, gluon_applies))
+      gluon=dgrad_swiglu_gluon and Gluon(dgrad_swiglu_gluon, gluon_applies),
+      binds=(Binding(("swiglu_dgrad",), ("dz_pre", "a", "zdz"), "down-proj dgrad GEMM + SwiGLU backward + ZdZ partials",
+                     lambda n: {"w_down": dgrad_weight(n["w_down"])}),))
 def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
                  recipe: Recipe | None = None) -> Gemm:
     """``(dz_pre, y, zdz)``: SwiGLU backward of ``dy = dx @ w_down`` fused into that dgrad GEMM.

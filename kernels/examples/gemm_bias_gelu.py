@@ -5,9 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from codabench.registry import register
 from kernels.coda.epilogue import load_cols
-from kernels.coda.program import Gemm, Output, coda
+from kernels.coda.program import Binding, Gemm, Output, coda, register
 
 
 @triton.jit
@@ -22,13 +21,11 @@ def bias_gelu(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     return (gelu_tanh(z + load_cols(args[0], off_n, N, BN)[None, :]),)
 
 
-@coda(bias_gelu, outputs=(Output("out"),), inputs=("bias_ptr",))
+@coda(bias_gelu, outputs=(Output("out"),), inputs=("bias_ptr",),
+      binds=(Binding(("gemm_bias_gelu",), ("out",), "GEMM + bias + GELU epilogue", modes=("fwd",)),))
 def gemm_bias_gelu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> Gemm:
     """GEMM + bias + GELU in one kernel (fused epilogue), or the GEMM then one pass (split)."""
     return Gemm(x, w.T, inputs=(bias,))  # x (M, K) @ w^T, w (N, K): nn.Linear's layout
 
 
-@register("gemm_bias_gelu", "coda-example", modes=("fwd",), dtypes=("fp32", "fp16", "bf16"),
-          requires=("triton-dot",), label="fused")
-def run(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"out": gemm_bias_gelu(x, w, bias)}
+register(gemm_bias_gelu, "coda-example", dtypes=("fp32", "fp16", "bf16"), requires=("triton-dot",), label="fused")
