@@ -60,10 +60,10 @@ from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, Swi
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.gemm import linear, matmul
 from kernels.coda.precompile import precompile_autograd
-from kernels.coda.program import register
-from kernels.coda.producer import gemm_residual_norm, norm_input
+from kernels.coda.program import Binding, register
+from kernels.coda.producer import gemm_residual_norm, model_eps, norm_input
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
-from kernels.coda.rope import gemm_rope
+from kernels.coda.rope import gemm_rope, model_rope
 from kernels.coda.rope_bwd import rope_bwd
 from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.strategy import Recorder, summary
@@ -131,28 +131,6 @@ def block_run(n: Tensors) -> Tensors:
 
 def gemm_run(n: Tensors) -> Tensors:
     return {"out": linear(n["x"], n["w"], recipe=n["recipe"])}
-
-
-# ---- the kernel-level ops: one host function each (native layouts) ------------------------------------------
-
-def norm_input_run(n: Tensors) -> Tensors:
-    h, rstd = norm_input(n["x"], n["gamma"], n["model"].eps)
-    return {"h": h, "rstd": rstd}
-
-
-def swiglu_bwd_run(n: Tensors) -> Tensors:
-    dz_pre, zdz = swiglu_bwd(n["dy"], n["z_pre"])
-    return {"dz_pre": dz_pre, "zdz": zdz}
-
-
-def rope_bwd_run(n: Tensors) -> Tensors:
-    model = n["model"]
-    dz, zdz = rope_bwd(n["dqkv"], n["qkv"], n["positions"], *_qkv_args(model), model.rope_theta)
-    return {"dz": dz, "zdz": zdz}
-
-
-def lm_head_wgrad_run(n: Tensors) -> Tensors:
-    return {"dw": matmul(n["dz"].T, n["y"], scale=n["scale"])}
 
 
 # ---- the implementation -----------------------------------------------------------------------
@@ -267,10 +245,11 @@ for _op in GEMM_SHAPES:  # the speed-of-light of the fused kernels
     REGISTRY.add(CodaTriton(_op, gemm_run, ("fwd",), "plain GEMM, CODA mainloop"))
 for _host in DECLARED:  # the ops each declared kernel implements alone (its binds): the direct dgrads, the kernel level
     register(_host, CodaTriton.name, CodaTriton)
-for _op, _fn, _modes, _desc in [  # the kernel level of what is not a declared kernel: one host function each
-    ("norm_input", norm_input_run, ("fwd",), "norm_input: one pass, h and rstd"),
-    ("swiglu_bwd", swiglu_bwd_run, ("bwd",), "swiglu_bwd: elementwise, one pass"),
-    ("rope_bwd", rope_bwd_run, ("bwd",), "rope_bwd: elementwise, one pass"),
-    ("lm_head_wgrad", lm_head_wgrad_run, ("bwd",), "matmul: dz^T y GEMM + loss scale"),
+for _host, _binding in [  # the kernel level of what is not a declared kernel: one host function each
+    (norm_input, Binding(("norm_input",), ("h", "rstd"), "norm_input: one pass, h and rstd", model_eps)),
+    (swiglu_bwd, Binding(("swiglu_bwd",), ("dz_pre", "zdz"), "swiglu_bwd: elementwise, one pass")),
+    (rope_bwd, Binding(("rope_bwd",), ("dz", "zdz"), "rope_bwd: elementwise, one pass", model_rope)),
+    (matmul, Binding(("lm_head_wgrad",), ("dw",), "matmul: dz^T y GEMM + loss scale",
+                     lambda n: {"a": n["dz"].T, "b": n["y"]})),
 ]:
-    REGISTRY.add(CodaTriton(_op, _fn, _modes, _desc))
+    register(_host, CodaTriton.name, CodaTriton, (_binding,))

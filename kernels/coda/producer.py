@@ -14,6 +14,8 @@ Gluon path, on Hopper: the warp-specialized kernel of :mod:`kernels.coda.produce
 """
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -109,6 +111,11 @@ def gluon_applies(arguments: dict) -> bool:
             and all(meets_rule(n, a.element_size()) for n in (a.shape[1], w.shape[0])))
 
 
+def model_eps(n: Mapping[str, Any]) -> dict[str, Any]:
+    """The RMSNorm epsilon of a cell's model (``n["model"]``), as a Binding's args."""
+    return {"eps": n["model"].eps}
+
+
 def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
     return (*outputs, finish_rstd(partials.ss, partials.n_tiles, outputs[0].shape[1], arguments["eps"]))
 
@@ -118,8 +125,7 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
       split=gemm_residual_norm_split,
       gluon=gemm_residual_norm_gluon and Gluon(gemm_residual_norm_gluon, gluon_applies),
       binds=(Binding(("producer_out", "producer_down"), ("x", "h", "rstd"),
-                     "gemm_residual_norm: GEMM + residual + gamma + sum-of-squares partials",
-                     lambda n: {"eps": n["model"].eps}),))
+                     "gemm_residual_norm: GEMM + residual + gamma + sum-of-squares partials", model_eps),))
 def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor, gamma: torch.Tensor,
                        eps: float, recipe: Recipe | None = None, h_fp8: Recipe | None = None) -> Gemm:
     """``(x, h, rstd)``: ``x = residual + a @ w.T`` and ``h = x * gamma`` (residual's dtype), ``rstd`` fp32 [M]

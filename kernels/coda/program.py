@@ -608,12 +608,14 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     return _returned(finish(named, g, results, Partials(ss, 1, cs, m_tiles, vectors)) if finish else results)
 
 
-def register(host: Callable, name: str, implementation: Callable[..., Any] | None = None, **registry: Any) -> None:
-    """Registry entries of the implementation ``name`` for every op a declared host function binds (``binds``):
+def register(host: Callable, name: str, implementation: Callable[..., Any] | None = None,
+             binds: Sequence[Binding] | None = None, **registry: Any) -> None:
+    """Registry entries of the implementation ``name`` for every op a declared host function binds (``binds``; or
+    any host function, with the ``binds`` given here):
     ``implementation(op, run, modes, description)`` makes one (an :class:`codabench.registry.Implementation`; by
     default a plain function of the cell's inputs, :func:`codabench.registry.register` with ``registry``'s
     keywords: dtypes, requires, label), ``run`` calling the host function (:meth:`Binding.run`)."""
-    for b in host.binds:
+    for b in host.binds if binds is None else binds:
         run = b.run(host)
         for op in b.ops:
             if implementation is not None:

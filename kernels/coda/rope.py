@@ -15,6 +15,7 @@ same angle computation (:func:`kernels.coda.epilogue.rope_cos_sin`).
 from __future__ import annotations
 
 import functools
+from typing import Any, Mapping
 
 import torch
 import triton
@@ -62,11 +63,16 @@ def _freq(n: int, heads: int, kv_heads: int, head_dim: int, theta: float, device
     return rope_freq_table(heads, kv_heads, head_dim, float(theta), device, inv_freq)
 
 
+def model_rope(n: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE arguments of a cell's model (``n["model"]``): heads, kv_heads, head_dim, theta (a Binding's args)."""
+    model = n["model"]
+    return {"heads": model.heads, "kv_heads": model.kv_heads, "head_dim": model.head_dim, "theta": model.rope_theta}
+
+
 @coda(rope, outputs=(Output("out"),), inputs=("pos_ptr", "freq_ptr"), row_scale="rstd",
       configs=subtiled_configs((2, 1, 4)),
       binds=(Binding(("gemm_rope",), ("qkv",), "gemm_rope: GEMM + row scale + RoPE",
-                     lambda n: {"heads": n["model"].heads, "kv_heads": n["model"].kv_heads,
-                                "head_dim": n["model"].head_dim, "theta": n["model"].rope_theta}),))
+                     model_rope),))
 def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tensor, positions: torch.Tensor,
               heads: int, kv_heads: int, head_dim: int, theta: float, recipe: Recipe | None = None,
               inv_freq: tuple[float, ...] | None = None) -> Gemm:
