@@ -63,15 +63,18 @@ def test_dgrad_rmsnorm(dtype, variant, strategy):
     check("dgamma", dgamma, ref["dgamma"], tor["dgamma"])
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dgrad_swiglu(dtype, strategy):
+def test_dgrad_swiglu(dtype, strategy, overwrite):
     op = OPS["swiglu_dgrad"]
     inp = op.make_inputs(TINY, dtype, "cpu", seed=2)
     ref, tor = op.reference(f64(inp), TINY), op.reference(inp, TINY)
+    z_pre = L.interleave_cols(inp["gate"], inp["up"])
     with launches() as names:
-        dz_pre, y, zdz = dgrad_swiglu(inp["dx"], inp["w_down"], L.interleave_cols(inp["gate"], inp["up"]))
+        dz_pre, y, zdz = dgrad_swiglu(inp["dx"], inp["w_down"], z_pre, overwrite=overwrite)
     first = {"fused": "dgrad_swiglu_kernel", "split": "swiglu_bwd_kernel"}[strategy]
     assert names == [first, "row_sum_kernel"]  # either way, the kernel's zdz partials are then summed
+    assert (dz_pre.data_ptr() == z_pre.data_ptr()) == overwrite
     dgate, dup = L.deinterleave_cols(dz_pre)
     for name, out in [("dgate", dgate), ("dup", dup), ("a", y), ("zdz", zdz)]:
         check(name, out, ref[name], tor[name])

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from codabench.metrics import passes, rel_err
-from kernels.coda import cross_entropy_bwd
+from kernels.coda import cross_entropy_bwd, functions
 from kernels.coda.hf import CodaUnsupportedError, apply_coda, apply_coda_to_mistral, apply_coda_to_qwen2
 from kernels.coda.strategy import ENV as STRATEGY_ENV
 
@@ -401,9 +401,11 @@ def test_swish_is_silu():
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_gradient_checkpointing_matches_the_unpatched_model(reentrant):
-    """gradient_checkpointing_enable() (reentrant or not): the same loss and gradients as unpatched HF with it, and
-    the checkpointed layer's block runs twice (recomputed in backward)."""
+def test_gradient_checkpointing_matches_the_unpatched_model(reentrant, monkeypatch):
+    """gradient_checkpointing_enable() (reentrant or not): the same loss and gradients as unpatched HF with it. Each
+    layer is recomputed in backward from its input alone (its own norm + QKV + RoPE and its block; the last layer
+    keeps its attention), the LM head runs once (outside the checkpoints); a non-reentrant recomputation skips the
+    down projection, and the SwiGLU dgrad writes over the recomputed pre-activation."""
     kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
     model, ref = tiny(), tiny()
     for m in (model, ref):
@@ -411,9 +413,53 @@ def test_gradient_checkpointing_matches_the_unpatched_model(reentrant):
     apply_coda(model)
     ids, mask, labels = batch()
     inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    addmm, overwrites = [], []  # the down projections of the blocks that end at x; the SwiGLU dgrads' overwrite
+    monkeypatch.setattr(torch, "addmm", lambda *args: addmm.append(1) or torch.Tensor.addmm(*args))
+    dgrad_swiglu = functions.dgrad_swiglu
+    monkeypatch.setattr(functions, "dgrad_swiglu",
+                        lambda *args, overwrite: overwrites.append(overwrite) or dgrad_swiglu(*args, overwrite=overwrite))
     with launches() as names:
         loss, grads = trainable_grads(model, **inputs)
-    assert names.count("gemm_swiglu_kernel") == 3  # two layers, the first one's block recomputed
+    layers = model.config.num_hidden_layers
+    # every block runs twice; every layer's QKV but the last one's, whose attention is kept, too
+    assert names.count("gemm_swiglu_kernel") == 2 * layers and names.count("gemm_rope_kernel") == 2 * layers - 1
+    assert names.count("gemm_cross_entropy_kernel") == 1 and "gemm_residual_norm_kernel" in names
+    assert len(addmm) == (2 if reentrant else 1) * layers
+    assert overwrites == [not reentrant] * layers  # a non-reentrant recomputation's z_pre takes dz_pre
+    ref_loss, ref_grads = trainable_grads(ref, **inputs)
+    assert_close_to("loss", loss, ref_loss)
+    for name in ref_grads:
+        assert_close_to(name, grads[name], ref_grads[name], 1e-4)
+
+
+def test_checkpointing_second_backward_gets_the_same_gradients():
+    """A second backward through the same graph (retain_graph) recomputes the checkpointed layers again: the first
+    one's overwritten recomputed tensors are not read again, so both backwards give the same gradients."""
+    model = apply_coda(tiny().train())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, mask, labels = batch()
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    first = torch.autograd.grad(loss, params, retain_graph=True)
+    second = torch.autograd.grad(loss, params)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_checkpointing_some_layers_matches_the_unpatched_model(layer):
+    """Only one layer checkpointed (as ``every_n_layers`` leaves others out): the block before a checkpointed layer
+    ends at x, a checkpointed layer's block before a plain one fuses that one's QKV; loss and gradients are HF's."""
+    model, ref = tiny(), tiny()
+    for m in (model, ref):
+        m.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.model.layers[1 - layer].gradient_checkpointing = False
+    apply_coda(model)
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with launches() as names:
+        loss, grads = trainable_grads(model, **inputs)
+    assert names.count("gemm_swiglu_kernel") == 3  # the checkpointed layer's recomputed once
     ref_loss, ref_grads = trainable_grads(ref, **inputs)
     assert_close_to("loss", loss, ref_loss)
     for name in ref_grads:

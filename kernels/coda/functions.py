@@ -37,12 +37,13 @@ fp8 weights and inputs, each epilogue handing the next GEMM its input already qu
 Saved for backward (coda-spec "The block"): the residual streams x (x1), the rstd vectors, the SwiGLU
 pre-activation, the rotated qkv (RoPE's output); the linear consumer keeps nothing, and cross-entropy the gradients
 dx [M, d], dgamma [d] and dW [V, d] that its forward computed (plus the GEMM inputs a and the weights). h,
-y and the pre-RoPE values are recomputed in epilogues. Cross-entropy's forward holds one [mc, V] chunk
-buffer and an fp32 [V, d] accumulator while it runs, nothing of size [M, V]. Without grad (or when no input
+y and the pre-RoPE values are recomputed in epilogues; a consumer's output is kept only where its backward reads it
+(RoPE's). Cross-entropy's forward holds one [mc, V] chunk buffer while it runs, nothing of size [M, V]. Without grad (or when no input
 needs one) nothing is saved and the LM head never writes logits.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -198,7 +199,43 @@ class CrossEntropy(Consumer):
         return (self.target, 0, 0, 0, 0.0, None, self.ignore_index, self.reduction, self.chunk_rows)
 
 
-CONSUMERS: dict[str, type[Consumer]] = {c.kind: c for c in (Linear, SwiGLU, RoPE, CrossEntropy)}
+class NoConsumer(Consumer):
+    """No consumer: the block ends at its residual stream x (a checkpointed layer's input; its output ``out`` and
+    ``rstd`` are empty). The block only (:func:`block_forward`)."""
+
+    kind = "none"
+
+
+CONSUMERS: dict[str, type[Consumer]] = {c.kind: c for c in (Linear, SwiGLU, RoPE, CrossEntropy, NoConsumer)}
+
+
+class _Recomputing(threading.local):
+    active = False
+    count = 0
+
+
+_RECOMPUTING = _Recomputing()
+
+
+class Recomputation:
+    """An activation checkpoint's recomputation (its ``context_fn``'s second context, entered by each recomputation:
+    torch's non-reentrant checkpoint, whose recomputed tensors serve one backward and are unpacked once). A block
+    without a consumer then skips its down projection, whose output x nothing reads there (the recomputed outputs
+    are discarded), and returns x uninitialized; its backward needs only what came before. :func:`recomputations`
+    counts the entries."""
+
+    def __enter__(self) -> None:
+        self._before, _RECOMPUTING.active = _RECOMPUTING.active, True
+        _RECOMPUTING.count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _RECOMPUTING.active = self._before
+
+
+def recomputations() -> int:
+    """How many :class:`Recomputation` contexts this thread has entered: a backward that sees the count change while
+    it unpacks its saved tensors got them from a recomputation, its own to overwrite."""
+    return _RECOMPUTING.count
 
 
 def consumer_of(kind: str, rows: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, theta: float,
@@ -239,6 +276,10 @@ def block_forward(a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, ga
     """``[x, out, rstd_mlp, rstd, *side]``, then with ``save`` ``[x1, z_pre, *consumer's saved]``."""
     x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps)
     y, z_pre = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=save)
+    if isinstance(consumer, NoConsumer):  # x = x1 + y Wd^T, unless a recomputation needs only x1 and z_pre
+        x = torch.empty_like(x1) if _RECOMPUTING.active else torch.addmm(x1, y, w_down.T)
+        out, rstd = (x1.new_empty(0, dtype=torch.float32) for _ in range(2))
+        return [x, out, rstd_mlp, rstd, *((x1, z_pre) if save else ())]
     x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps)
     out, side, saved = _consumer_fwd(consumer, h2, w, x, rstd, gamma, save)
     return [x, out, rstd_mlp, rstd, *side, *((x1, z_pre, *saved) if save else ())]
@@ -268,12 +309,12 @@ def producer_backward(dx: torch.Tensor, a: torch.Tensor, w_p: torch.Tensor) -> t
 
 
 def mlp_backward(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_gu: torch.Tensor,
-                 x1: torch.Tensor, rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor, inplace: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 x1: torch.Tensor, rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor, inplace: bool,
+                 overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx1, dW_down, dgamma_mlp, dW_gu)`` of the block's MLP half from dx, the gradient of its output x: the
-    down-proj dgrad with the SwiGLU backward, the gate/up dgrad with the RMSNorm backward adding dx (into dx
-    itself when ``inplace``: dx1 is then dx), and the two weight gradients."""
-    dz_pre, y, zdz = dgrad_swiglu(dx, w_down, z_pre)
+    down-proj dgrad with the SwiGLU backward (dz_pre over z_pre when ``overwrite``), the gate/up dgrad with the
+    RMSNorm backward adding dx (into dx itself when ``inplace``: dx1 is then dx), and the two weight gradients."""
+    dz_pre, y, zdz = dgrad_swiglu(dx, w_down, z_pre, overwrite=overwrite)
     dw_down = mm(dx.T, y)
     dx1, y1, dgamma_mlp = dgrad_rmsnorm(dz_pre, w_gu, x1, rstd_mlp, gamma_mlp, zdz, dx, inplace=inplace)
     return dx1, dw_down, dgamma_mlp, mm(dz_pre.T, y1)

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from types import MethodType
@@ -81,7 +82,8 @@ import torch
 from torch import nn
 
 from kernels import layouts as L
-from kernels.coda.functions import Consumer, CrossEntropy, Linear, RoPE, block, norm_consumer, producer_consumer
+from kernels.coda.functions import (Consumer, CrossEntropy, Linear, NoConsumer, Recomputation, RoPE, SwiGLU,
+                                    block, norm_consumer, producer_consumer)
 from kernels.coda.pack import gate_up_index, pack_rows, qkv_index
 from kernels.coda.precompile import Precompiled, compiles_here, dry_pass, precompile_autograd
 from kernels.coda.rope import rope_freq_table
@@ -165,9 +167,13 @@ def apply_coda(model: nn.Module) -> nn.Module:
     scales them in place). The weight-packing indices are made with the plan, eagerly, and are the graphs' inputs.
 
     Activation checkpointing (``gradient_checkpointing_enable()``, reentrant or not, ``every_n_layers``): in
-    training, each checkpointed layer's attention and the CODA block after it run under the layer's own
-    checkpoint function and are recomputed in backward; the last layer's (which ends in the LM head and the loss)
-    is not.
+    training, each checkpointed layer runs under the layer's own checkpoint function and is recomputed in backward
+    from its input, the residual stream x alone: it computes its own norm + QKV + RoPE from x (the block before it
+    then ends at x instead of fusing them), and its block ends at x. The last layer, if checkpointed, keeps its
+    attention's tensors (its backward runs first) and recomputes only its block. Under torch's non-reentrant
+    checkpoint (the default) the recomputation skips the block's down projection, whose output it does not need,
+    and the SwiGLU backward writes over the recomputed pre-activation (:func:`_checkpoint`). The final norm, the LM
+    head and the loss run after the checkpointed layers, outside them.
 
     Weights: the parameters stay the model's own ``nn.Parameter`` objects, in Hugging Face layout, so
     ``state_dict()``, ``save_pretrained()`` and any optimizer see the model unchanged. The packed/permuted CODA
@@ -504,6 +510,17 @@ def _attend(attn: nn.Module, qkv: torch.Tensor, mask: Any, window: int | None, p
     return out.reshape(batch * seq, -1).contiguous()
 
 
+def _checkpoint(checkpoint: Callable[..., Any], step: Callable[..., Any], *inputs: torch.Tensor) -> Any:
+    """``checkpoint(step, *inputs)``, the layer's own checkpoint function. Where that is torch's non-reentrant
+    checkpoint (``functools.partial`` of it, as ``gradient_checkpointing_enable`` makes it) without a ``context_fn`` of
+    the user's, and not traced, the recomputation runs in :class:`~kernels.coda.functions.Recomputation`, where a block
+    ending at x skips its down projection: nothing reads the recomputed outputs there."""
+    options = getattr(checkpoint, "keywords", None) or {}
+    if options.get("use_reentrant") is False and "context_fn" not in options and not torch.compiler.is_compiling():
+        return checkpoint(step, *inputs, context_fn=lambda: (nullcontext(), Recomputation()))
+    return checkpoint(step, *inputs)
+
+
 def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                   position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                   labels: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
@@ -561,60 +578,102 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         (the model's own norm) and rotated like the kernel's output."""
         return out if side is None else out + _rotated(side(layers[j].input_layernorm(x)), plan, positions)
 
-    def mlp(i: int, a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma: torch.Tensor,
-            w: torch.Tensor, consumer: Consumer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's block after attention: (x, consumer's out). One fused block, or, with a LoRA term beside
-        gate/up/down (SwiGLU's pre-activation and the down projection's input are inside the block), the split
-        form: out-proj + residual + norm + gate/up GEMM, the adapters' terms and SwiGLU in torch, then
-        down-proj + residual + norm + the consumer."""
+    def own_qkv(i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's rotated qkv from its input x: its own norm + QKV GEMM + RoPE (a layer that starts the forward or
+        a checkpointed one, whose recomputation then needs only x)."""
+        w, side = _w_qkv(layers[i].self_attn, plan, f"model.layers.{i}.self_attn")
+        return next_qkv(i, norm_consumer(x, layers[i].input_layernorm.weight, w, rope, plan.eps)[0], x, side)
+
+    def mlp(i: int, a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma: torch.Tensor | None,
+            w: torch.Tensor | None, consumer: Consumer | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i's block after attention: (x, consumer's out; None without a consumer: the block ends at x). One
+        fused block; or, with a LoRA term beside gate/up/down (SwiGLU's pre-activation and the down projection's
+        input are inside the block), the split form: out-proj + residual + norm + gate/up GEMM (+ SwiGLU when there is
+        no gate/up adapter), the adapters' terms and SwiGLU in torch, then down-proj + residual (+ norm + the
+        consumer; without one, a cuBLAS ``addmm``)."""
         layer, name = layers[i], f"model.layers.{i}.mlp"
         (w_gate, s_gate), (w_up, s_up), (w_d, s_d) = (
             _weight(getattr(layer.mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
         w_gu = _w_gu(w_gate, w_up, plan)
         gamma_mlp = layer.post_attention_layernorm.weight
         if s_gate is None and s_up is None and s_d is None:
+            if consumer is None:  # the block ends at x: its gamma and w are stand-ins nothing reads
+                return block(a, residual, w_o, gamma_mlp, w_gu, w_d, gamma_mlp, w_d, NoConsumer(), plan.eps)[0], None
             return block(a, residual, w_o, gamma_mlp, w_gu, w_d, gamma, w, consumer, plan.eps)[:2]
-        x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), plan.eps)[:2]
-        gate, up = z[:, 0::2], z[:, 1::2]
-        if s_gate is not None or s_up is not None:
+        if s_gate is None and s_up is None:
+            x1, y = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, SwiGLU(), plan.eps)[:2]
+        else:
+            x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), plan.eps)[:2]
+            gate, up = z[:, 0::2], z[:, 1::2]
             h = layer.post_attention_layernorm(x1)
             gate = gate if s_gate is None else gate + s_gate(h)
             up = up if s_up is None else up + s_up(h)
-        y = layer.mlp.act_fn(gate) * up
+            y = layer.mlp.act_fn(gate) * up
         residual = x1 if s_d is None else x1 + s_d(y)
+        if consumer is None:
+            return torch.addmm(residual, y, w_d.T), None
         return producer_consumer(y, residual, w_d, gamma, w, consumer, plan.eps)[:2]
 
-    def layer_step(i: int, qkv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's attention and the block after it: (x, qkv) of layer i + 1 (or x and the last consumer's out)."""
-        layer, name = layers[i], f"model.layers.{i}"
-        attn = layer.self_attn
+    def attention(i: int, x: torch.Tensor, qkv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention from its input x (and its rotated qkv, None: computed here from x): ``(a, residual)``,
+        the attention output and the residual stream the block adds its out-projection to."""
+        attn = layers[i].self_attn
+        qkv = own_qkv(i, x) if qkv is None else qkv
         a = _attend(attn, _with_bias(qkv, attn, plan, positions), masks[plan.windows[i]], plan.windows[i],
                     position_ids, plan, batch, seq, cache)
-        w_o, s_o = _weight(attn.o_proj, f"{name}.self_attn.o_proj")
-        residual = x if s_o is None else x + s_o(a)
+        s_o = _weight(attn.o_proj, f"model.layers.{i}.self_attn.o_proj")[1]
+        return a, (x if s_o is None else x + s_o(a))
+
+    def block_step(i: int, a: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i's block after its attention: x of layer i + 1 and the output of the consumer the block ends in:
+        layer i + 1's rotated qkv, or after the last layer the LM head's, or None where the block ends at x
+        (:func:`ends_at_x`)."""
+        w_o = _weight(layers[i].self_attn.o_proj, f"model.layers.{i}.self_attn.o_proj")[0]
+        if ends_at_x(i):
+            return mlp(i, a, residual, w_o, None, None, None)
         side = None
         if i + 1 < len(layers):
             w, side = _w_qkv(layers[i + 1].self_attn, plan, f"model.layers.{i + 1}.self_attn")
             gamma, consumer = layers[i + 1].input_layernorm.weight, rope
         else:
-            w, s_lm = _weight(self.lm_head, "lm_head")
-            if s_lm is not None:
-                raise _refuse("lm_head: lora_dropout > 0 in training is not supported on the LM head (fused with "
-                              "the loss)")
-            gamma, consumer = self.model.norm.weight, final
+            w, gamma, consumer = lm_head(), self.model.norm.weight, final
         x, out = mlp(i, a, residual, w_o, gamma, w, consumer)
         return x, (out if side is None else next_qkv(i + 1, out, x, side))
 
-    x = embeds.reshape(batch * seq, hidden)
-    w, side = _w_qkv(layers[0].self_attn, plan, "model.layers.0.self_attn")
-    out = next_qkv(0, norm_consumer(x, layers[0].input_layernorm.weight, w, rope, plan.eps)[0], x, side)
+    def layer_step(i: int, x: torch.Tensor, qkv: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i: its attention, then its block (:func:`block_step`)."""
+        return block_step(i, *attention(i, x, qkv))
+
+    def lm_head() -> torch.Tensor:
+        w, s_lm = _weight(self.lm_head, "lm_head")
+        if s_lm is not None:
+            raise _refuse("lm_head: lora_dropout > 0 in training is not supported on the LM head (fused with "
+                          "the loss)")
+        return w
+
+    # Activation checkpointing as the model's own layers do it (their function, reentrant or not, every n layers).
+    # A checkpointed layer takes only the residual stream x: it computes its own qkv from x, and the block before it
+    # ends at x, so that no qkv is kept for a recomputation. The LM head and the loss (gradients computed in forward)
+    # are never inside a checkpoint. The last layer, when checkpointed, keeps its attention's tensors and recomputes
+    # only its block: its backward comes first, and what it keeps is freed at the start of backward.
+    checkpointed = [self.training and bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
+
+    def ends_at_x(i: int) -> bool:
+        """Whether layer i's block ends at x: the next layer or, after the last, the LM head computes its own input
+        from x, because that layer is checkpointed or this one is (the LM head stays outside)."""
+        return checkpointed[i + 1] if i + 1 < len(layers) else checkpointed[i]
+
+    x, out = embeds.reshape(batch * seq, hidden), None
     for i, layer in enumerate(layers):
-        # Activation checkpointing as the model's own layers do it (its function, reentrant or not, every n layers);
-        # the last layer's block, which ends in the LM head and the loss, is not recomputed.
-        if self.training and getattr(layer, "gradient_checkpointing", False) and i + 1 < len(layers):
-            x, out = layer._gradient_checkpointing_func(partial(layer_step, i), out, x)
+        if checkpointed[i] and i + 1 == len(layers):
+            x, out = _checkpoint(layer._gradient_checkpointing_func, partial(block_step, i), *attention(i, x))
+        elif checkpointed[i]:
+            x, out = _checkpoint(layer._gradient_checkpointing_func, partial(layer_step, i), x)
         else:
-            x, out = layer_step(i, out, x)
+            x, out = layer_step(i, x, out)
+    if out is None:
+        out = norm_consumer(x, self.model.norm.weight, lm_head(), final, plan.eps)[0]
     if labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep], cache=cache)

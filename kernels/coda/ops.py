@@ -223,6 +223,9 @@ def block(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, *consu
 def _(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, *consumer):
     m, kind = a.shape[0], _kind(consumer)
     x = _rows(residual, m, w_o.shape[0])
+    if kind is F.NoConsumer:
+        out, rstd = (a.new_empty(0, dtype=torch.float32) for _ in range(2))
+        return [x, out, _rstd(a), rstd] + ([_rows(x, m, x.shape[1]), _rows(x, m, w_gu.shape[0])] if save else [])
     out, *rest = _consumer_fake(kind, x, w, x, gamma, save)
     side, saved = rest[:kind.side_outputs], rest[kind.side_outputs:]
     own = [_rows(x, m, x.shape[1]), _rows(x, m, w_gu.shape[0])] if save else []  # x1, z_pre
@@ -326,6 +329,13 @@ def _mark(ctx, output: list[torch.Tensor], differentiable: int) -> None:
     ctx.set_materialize_grads(False)
 
 
+def _kept(kind: type[F.Consumer], out: torch.Tensor) -> torch.Tensor:
+    """The op's output as its backward keeps it: itself for a consumer whose backward reads it
+    (:attr:`~kernels.coda.functions.Consumer.keeps_output`), else an empty stand-in, so that a linear or SwiGLU
+    consumer's output is not held until backward."""
+    return out if kind.keeps_output else out.new_empty(0)
+
+
 def _consumer_grads(ctx, kind: type[F.Consumer], grad: torch.Tensor | None, out: torch.Tensor, saved: list,
                     w, x, rstd, gamma, dres: torch.Tensor | None):
     """``(dx, dgamma, dW)`` through the consumer, the RMSNorm backward and the consumer's weight gradient; dx
@@ -357,7 +367,8 @@ def _pc_setup(ctx, inputs, output):
     _mark(ctx, output, 2)
     ctx.consumer = tuple(consumer)
     if save:
-        ctx.save_for_backward(a, w_p, gamma, w, *output[:3], *output[3 + kind.side_outputs:])
+        x, out, rstd = output[:3]
+        ctx.save_for_backward(a, w_p, gamma, w, x, _kept(kind, out), rstd, *output[3 + kind.side_outputs:])
 
 
 def _pc_backward(ctx, grads):
@@ -378,20 +389,28 @@ def _block_setup(ctx, inputs, output):
     _mark(ctx, output, 2)
     ctx.consumer = tuple(consumer)
     if save:
-        ctx.save_for_backward(a, w_o, gamma_mlp, w_gu, w_down, gamma, w, *output[:4],
+        x, out, rstd_mlp, rstd = output[:4]
+        ctx.save_for_backward(a, w_o, gamma_mlp, w_gu, w_down, gamma, w, x, _kept(kind, out), rstd_mlp, rstd,
                               *output[4 + kind.side_outputs:])
 
 
 def _block_backward(ctx, grads):
     dx_out, dout = grads[0], grads[1]
+    before = F.recomputations()
     a, w_o, gamma_mlp, w_gu, w_down, gamma, w, x, out, rstd_mlp, rstd, x1, z_pre, *saved = ctx.saved_tensors
+    recomputed = F.recomputations() != before  # z_pre is this backward's own: dz_pre may go over it
     dres = None if dx_out is None else dx_out.contiguous()
     dx, dgamma, dw = _consumer_grads(ctx, _kind(ctx.consumer), dout, out, saved, w, x, rstd, gamma, dres)
     if dx is None:
         return (None,) * (10 + _N_CONSUMER)
     # Add into dx in place when it is this backward's own buffer, not dres (the consumer had no gradient) nor a
     # gradient saved by the consumer's forward; otherwise into a new tensor.
-    if all(dx is not t for t in (dres, *saved)):
+    if recomputed:  # eager only (no recomputation context is entered in a traced graph): the kernels directly
+        set_scratch_allocator()
+        dx1, dw_down, dgamma_mlp, dw_gu = F.mlp_backward(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp,
+                                                         inplace=all(dx is not t for t in (dres, *saved)),
+                                                         overwrite=True)
+    elif all(dx is not t for t in (dres, *saved)):
         dw_down, dgamma_mlp, dw_gu = call("mlp_bwd_", dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp)
         dx1 = dx
     else:
@@ -409,7 +428,7 @@ def _nc_setup(ctx, inputs, output):
     _mark(ctx, output, 1)
     ctx.consumer = tuple(consumer)
     if save:
-        ctx.save_for_backward(x, gamma, w, output[0], output[1], *output[2 + kind.side_outputs:])
+        ctx.save_for_backward(x, gamma, w, _kept(kind, output[0]), output[1], *output[2 + kind.side_outputs:])
 
 
 def _nc_backward(ctx, grads):

@@ -20,6 +20,8 @@ math (:func:`swiglu_bwd_tile`); with y stored too it is :func:`dgrad_swiglu`'s s
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -84,14 +86,15 @@ ROW_BLOCK = (2, 1024, 4)
 0.580 / 0.792 / 2.019 ms; taller blocks (16 x 256, 32 x 256) were slower still."""
 
 
-def _swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor, y: torch.Tensor | None
+def _swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor, y: torch.Tensor | None, overwrite: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dz_pre, zdz)`` by :func:`swiglu_bwd_kernel` and a row sum of its partials; the kernel also writes y into
-    ``y`` when given (it may be dy)."""
+    ``y`` when given (it may be dy), and dz_pre over z_pre with ``overwrite`` (each block by the program that read
+    it)."""
     M, N = dy.shape
     _check_preact(z_pre, M, N)
     dy, z_pre = aligned(dy), aligned(z_pre)
-    dz_pre = empty_rows(*z_pre.shape, z_pre.dtype, z_pre.device)
+    dz_pre = z_pre if overwrite else empty_rows(*z_pre.shape, z_pre.dtype, z_pre.device)
     out = y if y is not None else dy
     bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
     n_tiles = triton.cdiv(N, bn)
@@ -113,12 +116,13 @@ def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
-                       recipe: Recipe | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       recipe: Recipe | None = None, overwrite: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`dgrad_swiglu` split: ``dy = dx @ w_down`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over
     it (:func:`swiglu_bwd_kernel`: dz_pre, zdz, and y written over dy, each block by the program that read it)."""
     dy = split_matmul(dx, w_down, recipe)
     y = dy if dy.dtype == z_pre.dtype else empty_rows(*dy.shape, z_pre.dtype, dy.device)
-    dz_pre, zdz = _swiglu_bwd(dy, z_pre, y)
+    dz_pre, zdz = _swiglu_bwd(dy, z_pre, y, overwrite)
     return dz_pre, y, zdz
 
 
@@ -143,26 +147,33 @@ def gluon_applies(arguments: dict) -> bool:
             and hopper(a.device))
 
 
+def _kept_preact(arguments: dict) -> dict:
+    """A call's arguments for measuring it repeatedly: dz_pre into a new buffer instead of over z_pre."""
+    return {**arguments, "overwrite": False}
+
+
 def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
     y, dz_pre = outputs
     return dz_pre, y, finish_row_sum(partials.ss, partials.n_tiles)
 
 
 @coda(swiglu_dgrad, outputs=(Output("y", like="z_pre"), Output("dzp", wide=2, like="z_pre")), inputs=(Tile("zp", 2),),
-      row_sum=True, configs=subtiled_configs(), finish=_finish, split=dgrad_swiglu_split,
-      gluon=dgrad_swiglu_gluon and Gluon(dgrad_swiglu_gluon, gluon_applies),
+      row_sum=True, configs=subtiled_configs(), restore=("dzp",), finish=_finish, split=dgrad_swiglu_split,
+      safe=_kept_preact, gluon=dgrad_swiglu_gluon and Gluon(dgrad_swiglu_gluon, gluon_applies),
       binds=(Binding(("swiglu_dgrad",), ("dz_pre", "a", "zdz"), "down-proj dgrad GEMM + SwiGLU backward + ZdZ partials",
                      lambda n: {"w_down": dgrad_weight(n["w_down"])}),))
 def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
-                 recipe: Recipe | None = None) -> Gemm:
+                 recipe: Recipe | None = None, overwrite: bool = False) -> Gemm:
     """``(dz_pre, y, zdz)``: SwiGLU backward of ``dy = dx @ w_down`` fused into that dgrad GEMM.
 
     dx [M, d] is the gradient of the down-proj output, w_down [d, f] (nn.Linear layout), z_pre [M, 2f] the
     saved interleaved pre-activation. dz_pre [M, 2f] (interleaved dgate/dup) and y = silu(gate) up [M, f]
     are in z_pre's dtype; zdz is fp32 [M]. fp8 dx (e5m2) and w_down (its data a transposed view of the K-major
     (f, d) copy) with per-tensor scales are dequantized in the epilogue (``recipe``: their fp8 recipe, whose
-    accumulation mode the launch reads).
+    accumulation mode the launch reads). ``overwrite``: dz_pre is written over z_pre (each tile after its own z_pre
+    was read; the autotuner restores it between its runs), for a caller that does not read z_pre again.
     """
-    gemm = Gemm(dx, w_down, recipe, inputs=(z_pre,))
+    gemm = Gemm(dx, w_down, recipe)
     _check_preact(z_pre, *gemm.shape)
-    return gemm
+    z_pre = aligned(z_pre)
+    return replace(gemm, inputs=(z_pre,), outputs={"dzp": z_pre} if overwrite else {})

@@ -93,14 +93,16 @@ def ws_dgrad_swiglu_kernel(a_desc, b_desc, sa_ptr, sb_ptr, M, N, K, z_ptr, dz_pt
 
 
 def ws_dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
-                    n_stages: int | None = None, sub_m: int = SUB_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    n_stages: int | None = None, sub_m: int = SUB_M, overwrite: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dz_pre, y, zdz)`` for dx [M, d], w_down [d, f] and bf16 z_pre [M, 2f]: bf16 dx and w_down (d and f multiples
     of 8), or fp8 ones with per-tensor scales, w_down's data the transposed view of a row-major (f, d) tensor (d a
     multiple of 16): TMA rows of 16-byte multiples. ``n_stages`` (default :func:`kernels.coda.mainloop_gluon.stages`
-    of K's bytes) and ``sub_m`` (rows of an epilogue sub-tile) for benchmarks."""
+    of K's bytes) and ``sub_m`` (rows of an epilogue sub-tile) for benchmarks; ``overwrite``: dz_pre over z_pre
+    (each element stored by the thread that loaded it)."""
     gemm = WsGemm(dx, w_down, "SwiGLU dgrad")
     z_pre = z_pre.contiguous()
-    dz_pre = torch.empty_like(z_pre)
+    dz_pre = z_pre if overwrite else torch.empty_like(z_pre)
     y = gemm.empty(z_pre.dtype)
     part = torch.empty(gemm.M, triton.cdiv(gemm.N, BN), device=gemm.device, dtype=torch.float32)
     gemm.launch(ws_dgrad_swiglu_kernel, z_pre.view(torch.int32), dz_pre.view(torch.int32), y, part, part.stride(0),
@@ -109,9 +111,10 @@ def ws_dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: t
 
 
 def dgrad_swiglu_gluon(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
-                       recipe: Recipe | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       recipe: Recipe | None = None, overwrite: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`kernels.coda.swiglu_bwd.dgrad_swiglu`'s Gluon path (where :func:`kernels.coda.swiglu_bwd.gluon_applies`
     holds): fp8 operands accumulate in Hopper's fast mode only (a recipe with promoted accumulation is not taken)."""
     if promoted(recipe):
         raise ValueError("the Gluon SwiGLU dgrad accumulates fp8 in the fast mode only, not promoted")
-    return ws_dgrad_swiglu(dx, w_down, z_pre)
+    return ws_dgrad_swiglu(dx, w_down, z_pre, overwrite=overwrite)
