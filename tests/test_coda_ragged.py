@@ -177,10 +177,10 @@ def test_the_ops_fake_rules_give_the_strides_of_the_row_layout():
         fake_check(ops.block, a, res, w_o, g, w_gu, w_down, g, w, 1e-5, True, c.kind, *c.op_args())
     fake_check(ops.norm_consumer, res, g, w_lm, 1e-5, True, "linear", *Linear().op_args())
     out, rstd = ops.norm_consumer(res, g, w_lm, 1e-5, True, "linear", *Linear().op_args())
-    fake_check(ops.consumer_bwd, r(m, v, seed=9), [], w_lm, res, rstd, g, r(m, d, seed=10), "linear",
+    fake_check(ops.consumer_bwd, r(m, v, seed=9), [], w_lm, res, rstd, g, r(m, d, seed=10), True, "linear",
                *Linear().op_args())
-    fake_check(ops.producer_bwd, r(m, d, seed=11), a, w_o)
-    mlp = (r(m, d, seed=12), w_down, r(m, 2 * f, seed=13), w_gu, res, rstd, g)
+    fake_check(ops.producer_bwd, r(m, d, seed=11), a, w_o, True)
+    mlp = (r(m, d, seed=12), w_down, r(m, 2 * f, seed=13), w_gu, res, rstd, g, True, True)
     fake_check(ops.mlp_bwd, *mlp)
     fake_check(ops.mlp_bwd_, *mlp)
     fake_check(ops.pack_rows, *gate_up_index(f, torch.device("cpu")), [r(f, d, seed=14), r(f, d, seed=15)])

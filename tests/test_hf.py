@@ -432,6 +432,38 @@ def test_gradient_checkpointing_matches_the_unpatched_model(reentrant, monkeypat
         assert_close_to(name, grads[name], ref_grads[name], 1e-4)
 
 
+def test_frozen_weights_get_no_weight_gradient_gemm(monkeypatch):
+    """Frozen weights (the LM head, one down projection): the same loss and trainable gradients as the unpatched model,
+    and their weight-gradient GEMMs are not run (the LM head's in the cross-entropy's forward, the down
+    projection's in the block's backward)."""
+    def freeze(m: nn.Module) -> nn.Module:
+        m.lm_head.weight.requires_grad_(False)
+        m.model.layers[0].mlp.down_proj.weight.requires_grad_(False)
+        return m
+
+    calls: dict[str, int] = {}
+
+    def counted(module, name):
+        fn, key = getattr(module, name), f"{module.__name__.rsplit('.', 1)[1]}.{name}"
+        monkeypatch.setattr(module, name, lambda *a, **k: calls.update({key: calls.get(key, 0) + 1}) or fn(*a, **k))
+
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    for module, name in ((functions, "mm"), (cross_entropy_bwd, "mm"), (cross_entropy_bwd, "mm_acc")):
+        counted(module, name)
+    trainable_grads(apply_coda(tiny(tie_word_embeddings=False)), **inputs)
+    every = dict(calls)
+    calls.clear()
+    loss, grads = trainable_grads(apply_coda(freeze(tiny(tie_word_embeddings=False))), **inputs)
+    assert every["cross_entropy_bwd.mm"] == 1  # the LM head's dW, in one chunk here
+    assert calls == {"functions.mm": every["functions.mm"] - 1}  # none of the LM head's, the down projection's gone
+    ref_loss, ref_grads = trainable_grads(freeze(tiny(tie_word_embeddings=False)), **inputs)
+    assert_close_to("loss", loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and "lm_head.weight" not in grads
+    for name in ref_grads:
+        assert_close_to(name, grads[name], ref_grads[name], 1e-4)
+
+
 def test_checkpointing_second_backward_gets_the_same_gradients():
     """A second backward through the same graph (retain_graph) recomputes the checkpointed layers again: the first
     one's overwritten recomputed tensors are not read again, so both backwards give the same gradients."""

@@ -136,8 +136,8 @@ def test_opcheck_consumer_bwd(kind):
     out, rstd, *saved = ops.norm_consumer(x, g, w, 1e-5, True, *op_args(c))
     kept = [out] if c.keeps_output else []
     grad = rand(*out.shape, seed=4)
-    for dres in (None, rand(M, D, seed=5)):
-        torch.library.opcheck(ops.consumer_bwd, (grad, kept + saved, w, x, rstd, g, dres, *op_args(c)))
+    for dres, w_grad in ((None, True), (rand(M, D, seed=5), True), (None, False)):
+        torch.library.opcheck(ops.consumer_bwd, (grad, kept + saved, w, x, rstd, g, dres, w_grad, *op_args(c)))
 
 
 def test_opcheck_backward_pieces_and_packing():
@@ -146,11 +146,13 @@ def test_opcheck_backward_pieces_and_packing():
     _, _, _, dx, dgamma, dw, applied = ops.norm_consumer(x, g, w, 1e-5, True, *op_args(c))
     torch.library.opcheck(ops.rescaled, (torch.tensor(3.0), applied, dx, dgamma, dw))
     dx, a, w_p = rand(M, D, seed=4), rand(M, 24, seed=5), rand(D, 24, seed=6)
-    torch.library.opcheck(ops.producer_bwd, (dx, a, w_p))
+    for w_grad in (True, False):  # a weight that needs no gradient gets an empty one
+        torch.library.opcheck(ops.producer_bwd, (dx, a, w_p, w_grad))
     mlp = (dx, rand(D, FFN, seed=7), rand(M, 2 * FFN, seed=8), rand(2 * FFN, D, seed=9), rand(M, D, seed=10),
            rand(M, seed=11, scale=0.1) + 1, gamma(12, False))
-    torch.library.opcheck(ops.mlp_bwd, mlp)
-    torch.library.opcheck(ops.mlp_bwd_, mlp)
+    for w_grads in ((True, True), (False, True), (True, False)):
+        torch.library.opcheck(ops.mlp_bwd, (*mlp, *w_grads))
+        torch.library.opcheck(ops.mlp_bwd_, (*mlp, *w_grads))
     from kernels.coda.pack import qkv_index
 
     index = qkv_index(HEADS, KV_HEADS, HEAD_DIM, torch.device("cpu"))

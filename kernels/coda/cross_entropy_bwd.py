@@ -96,7 +96,7 @@ def rescale_(grad: torch.Tensor, applied: torch.Tensor, *tensors: torch.Tensor) 
     they carry: 1 after the forward). No host synchronization; when the factor is 1 (a training step) the kernels
     only read the two scalars. A second backward (``retain_graph``) rescales by the ratio of the two gradients."""
     g = grad.detach().reshape(1)
-    for t in tensors:
+    for t in filter(torch.Tensor.numel, tensors):  # an empty one (a gradient not computed) has nothing to scale
         if t.dim() not in (1, 2) or t.stride(-1) != 1:
             raise ValueError("rescale_ takes 1-D contiguous or 2-D row-major tensors")
         cols = t.shape[-1]
@@ -120,7 +120,7 @@ def ce_chunk_rows(m: int, v: int, element_size: int) -> int:
 
 def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor,
                     target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
-                    chunk_rows: int | None = None
+                    chunk_rows: int | None = None, weight_grad: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, lse, dx, dgamma, dW)`` of ``CE(rstd[:, None] * (h @ w_lm.T), target)`` with ``h = x * gamma``
     (see the module docstring): the loss as :func:`kernels.coda.cross_entropy.gemm_cross_entropy` computes it, and
@@ -128,7 +128,7 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
     layout of :mod:`kernels.coda.align`).
 
     h, x [M, d]; w_lm [V, d]; rstd fp32 [M]; target [M]. ``chunk_rows``: rows per chunk (default
-    :func:`ce_chunk_rows`).
+    :func:`ce_chunk_rows`). Without ``weight_grad`` (a frozen LM head) dW is not computed: an empty tensor.
     """
     M, V = h.shape[0], w_lm.shape[0]
     if x.shape != h.shape:
@@ -144,10 +144,12 @@ def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: 
         loss, lse, dlogits, zdz = gemm_cross_entropy(h[c], w_lm, rstd[c], target[c], ignore_index, "sum",
                                                      with_grad=True, out=buf[:c.stop - r0], grad_scale=s)
         _, y, dgamma = dgrad_rmsnorm(dlogits, w_lm, x[c], rstd[c], gamma32, zdz, dx[c], inplace=True)
-        dw = mm(dlogits.T, y) if dw is None else mm_acc(dlogits.T, y, dw)
+        if weight_grad:
+            dw = mm(dlogits.T, y) if dw is None else mm_acc(dlogits.T, y, dw)
         losses.append(loss)
         lses.append(lse)
         dgammas.append(dgamma)
     del buf, dlogits  # the chunk buffer goes before the copies below
     loss = (torch.stack(losses).sum() * s).reshape(())
-    return loss, torch.cat(lses), dx, torch.stack(dgammas).sum(0).to(gamma.dtype), aligned(dw.to(w_lm.dtype))
+    dw = aligned(dw.to(w_lm.dtype)) if weight_grad else w_lm.new_empty(0)
+    return loss, torch.cat(lses), dx, torch.stack(dgammas).sum(0).to(gamma.dtype), dw

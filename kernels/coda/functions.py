@@ -38,13 +38,14 @@ Saved for backward (coda-spec "The block"): the residual streams x (x1), the rst
 pre-activation, the rotated qkv (RoPE's output); the linear consumer keeps nothing, and cross-entropy the gradients
 dx [M, d], dgamma [d] and dW [V, d] that its forward computed (plus the GEMM inputs a and the weights). h,
 y and the pre-RoPE values are recomputed in epilogues; a consumer's output is kept only where its backward reads it
-(RoPE's). Cross-entropy's forward holds one [mc, V] chunk buffer while it runs, nothing of size [M, V]. Without grad (or when no input
-needs one) nothing is saved and the LM head never writes logits.
+(RoPE's). Cross-entropy's forward holds one [mc, V] chunk buffer while it runs, nothing of size [M, V]. Without grad
+(or when no input needs one) nothing is saved and the LM head never writes logits. A weight that needs no gradient
+(frozen: LoRA's base weights) gets none computed, in backward or in cross-entropy's forward.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -103,11 +104,11 @@ class Consumer:
 
     def op_args(self) -> tuple[Any, ...]:
         """The values of :data:`CONSUMER_ARGS` after ``kind``: this consumer's fields, defaults elsewhere."""
-        return (None, 0, 0, 0, 0.0, None, IGNORE_INDEX, "mean", None)
+        return (None, 0, 0, 0, 0.0, None, IGNORE_INDEX, "mean", None, True)
 
 
 CONSUMER_ARGS = ("kind", "rows", "heads", "kv_heads", "head_dim", "theta", "inv_freq", "ignore_index", "reduction",
-                 "chunk_rows")
+                 "chunk_rows", "weight_grad")
 """A consumer as arguments of a ``coda::`` op: :attr:`Consumer.kind`, the per-row tensor (RoPE's positions,
 cross-entropy's targets), RoPE's fields, cross-entropy's fields."""
 
@@ -166,19 +167,21 @@ class RoPE(Consumer):
 
     def op_args(self):
         return (self.positions, self.heads, self.kv_heads, self.head_dim, float(self.theta),
-                None if self.inv_freq is None else list(self.inv_freq), IGNORE_INDEX, "mean", None)
+                None if self.inv_freq is None else list(self.inv_freq), IGNORE_INDEX, "mean", None, True)
 
 
 @dataclass(frozen=True, eq=False)
 class CrossEntropy(Consumer):
     """Cross-entropy loss of the logits z (side output: lse). Without grad the logits are never written; with
     grad the forward computes dx, dgamma and dW over chunks of ``chunk_rows`` rows (default:
-    :func:`kernels.coda.cross_entropy_bwd.ce_chunk_rows`) and keeps those."""
+    :func:`kernels.coda.cross_entropy_bwd.ce_chunk_rows`) and keeps those; dW only with ``weight_grad`` (the
+    compositions clear it for a weight that needs no gradient, a frozen LM head: then dW is empty)."""
 
     target: torch.Tensor
     ignore_index: int = IGNORE_INDEX
     reduction: str = "mean"
     chunk_rows: int | None = None
+    weight_grad: bool = True
 
     kind: ClassVar[str] = "cross_entropy"
     side_outputs: ClassVar[int] = 1
@@ -191,12 +194,12 @@ class CrossEntropy(Consumer):
 
     def forward_grad(self, h, w_lm, x, rstd, gamma):
         loss, lse, *grads = lm_head_ce_grad(h, w_lm, x, rstd, gamma, self.target, self.ignore_index,
-                                            self.reduction, self.chunk_rows)
+                                            self.reduction, self.chunk_rows, self.weight_grad)
         applied = torch.ones(1, device=h.device, dtype=torch.float32)  # the dloss the saved gradients carry
         return loss, (lse,), (*grads, applied)
 
     def op_args(self):
-        return (self.target, 0, 0, 0, 0.0, None, self.ignore_index, self.reduction, self.chunk_rows)
+        return (self.target, 0, 0, 0, 0.0, None, self.ignore_index, self.reduction, self.chunk_rows, self.weight_grad)
 
 
 class NoConsumer(Consumer):
@@ -239,12 +242,13 @@ def recomputations() -> int:
 
 
 def consumer_of(kind: str, rows: torch.Tensor | None, heads: int, kv_heads: int, head_dim: int, theta: float,
-                inv_freq: list[float] | None, ignore_index: int, reduction: str, chunk_rows: int | None) -> Consumer:
+                inv_freq: list[float] | None, ignore_index: int, reduction: str, chunk_rows: int | None,
+                weight_grad: bool) -> Consumer:
     """The consumer that :data:`CONSUMER_ARGS` describe (the inverse of ``(c.kind, *c.op_args())``)."""
     if kind == RoPE.kind:
         return RoPE(rows, heads, kv_heads, head_dim, theta, None if inv_freq is None else tuple(inv_freq))
     if kind == CrossEntropy.kind:
-        return CrossEntropy(rows, ignore_index, reduction, chunk_rows)
+        return CrossEntropy(rows, ignore_index, reduction, chunk_rows, weight_grad)
     return CONSUMERS[kind]()
 
 
@@ -294,30 +298,34 @@ def norm_consumer_forward(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor,
 
 
 def consumer_backward(consumer: Consumer, grad: torch.Tensor, saved: Saved, w: torch.Tensor, x: torch.Tensor,
-                      rstd: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      rstd: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None, w_grad: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(dx, dgamma, dW)`` through a consumer that computes dz in backward, the RMSNorm backward (dx includes
-    dres, the incoming residual gradient) and the consumer's weight gradient."""
+    dres, the incoming residual gradient) and the consumer's weight gradient (None without ``w_grad``)."""
     dz, zdz = consumer.backward(grad.contiguous(), saved)
     dx, y, dgamma = dgrad_rmsnorm(dz, w, x, rstd, gamma, zdz, dres)
-    return dx, dgamma, mm(dz.T, y)
+    return dx, dgamma, mm(dz.T, y) if w_grad else None
 
 
-def producer_backward(dx: torch.Tensor, a: torch.Tensor, w_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(da, dWp)`` of ``x = residual + a Wp^T`` (the residual's gradient is dx itself)."""
-    return mm(dx, w_p), mm(dx.T, a)
+def producer_backward(dx: torch.Tensor, a: torch.Tensor, w_p: torch.Tensor, w_grad: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(da, dWp)`` of ``x = residual + a Wp^T`` (the residual's gradient is dx itself; dWp None without
+    ``w_grad``)."""
+    return mm(dx, w_p), mm(dx.T, a) if w_grad else None
 
 
 def mlp_backward(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_gu: torch.Tensor,
                  x1: torch.Tensor, rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor, inplace: bool,
-                 overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 overwrite: bool = False, w_grads: tuple[bool, bool] = (True, True)
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """``(dx1, dW_down, dgamma_mlp, dW_gu)`` of the block's MLP half from dx, the gradient of its output x: the
     down-proj dgrad with the SwiGLU backward (dz_pre over z_pre when ``overwrite``), the gate/up dgrad with the
-    RMSNorm backward adding dx (into dx itself when ``inplace``: dx1 is then dx), and the two weight gradients."""
+    RMSNorm backward adding dx (into dx itself when ``inplace``: dx1 is then dx), and the two weight gradients (each
+    None where ``w_grads``, for W_down and W_gu, says it is not needed)."""
     dz_pre, y, zdz = dgrad_swiglu(dx, w_down, z_pre, overwrite=overwrite)
-    dw_down = mm(dx.T, y)
+    dw_down = mm(dx.T, y) if w_grads[0] else None
     dx1, y1, dgamma_mlp = dgrad_rmsnorm(dz_pre, w_gu, x1, rstd_mlp, gamma_mlp, zdz, dx, inplace=inplace)
-    return dx1, dw_down, dgamma_mlp, mm(dz_pre.T, y1)
+    return dx1, dw_down, dgamma_mlp, mm(dz_pre.T, y1) if w_grads[1] else None
 
 
 # ---- public API --------------------------------------------------------------------------------------
@@ -326,6 +334,14 @@ def mlp_backward(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _for_weight(consumer: Consumer, w: torch.Tensor) -> Consumer:
+    """The consumer, a gradient-in-forward one told whether its weight needs a gradient (a frozen weight's is not
+    computed)."""
+    if consumer.grad_in_forward and not (torch.is_grad_enabled() and w.requires_grad):
+        return replace(consumer, weight_grad=False)
+    return consumer
 
 
 def _results(out: list[torch.Tensor], n: int, consumer: Consumer) -> tuple[torch.Tensor, ...]:
@@ -337,6 +353,7 @@ def producer_consumer(a: torch.Tensor, residual: torch.Tensor, w_p: torch.Tensor
                       w: torch.Tensor, consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
     """``(x, out, rstd, *side)``: x = residual + a w_p^T, out = consumer(rmsnorm(x; gamma) w^T)."""
     save = _needs_grad(a, residual, w_p, gamma, w)
+    consumer = _for_weight(consumer, w)
     out = ops.call("producer_consumer", a, residual, w_p, gamma, w, eps, save, consumer.kind, *consumer.op_args())
     return _results(out, 3, consumer)
 
@@ -346,6 +363,7 @@ def block(a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma_mlp:
           ) -> tuple[torch.Tensor, ...]:
     """``(x, out, rstd_mlp, rstd, *side)`` of the CODA block (w_gu interleaved; out = consumer of rmsnorm(x))."""
     save = _needs_grad(a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w)
+    consumer = _for_weight(consumer, w)
     out = ops.call("block", a, residual, w_o, gamma_mlp, w_gu, w_down, gamma, w, eps, save, consumer.kind,
                                *consumer.op_args())
     return _results(out, 4, consumer)
@@ -355,6 +373,7 @@ def norm_consumer(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consume
                   ) -> tuple[torch.Tensor, ...]:
     """``(out, rstd, *side)``: out = consumer(rmsnorm(x; gamma) w^T)."""
     save = _needs_grad(x, gamma, w)
+    consumer = _for_weight(consumer, w)
     out = ops.call("norm_consumer", x, gamma, w, eps, save, consumer.kind, *consumer.op_args())
     return _results(out, 2, consumer)
 

@@ -18,12 +18,17 @@ Forward (differentiable), each returning a flat list: the results, then with ``s
 
 Backward::
 
-    coda::consumer_bwd(grad, saved, w, x, rstd, gamma, dres, *consumer) -> (dx, dgamma, dW)   dz in backward
+    coda::consumer_bwd(grad, saved, w, x, rstd, gamma, dres, w_grad, *consumer) -> (dx, dgamma, dW)   dz in bwd
     coda::rescaled(grad, applied, dx, dgamma, dW) -> (dx, dgamma, dW)   gradients computed in forward, scaled
                                                                           to dloss (traced; eager: in place)
-    coda::producer_bwd(dx, a, w_p) -> (da, dWp)
-    coda::mlp_bwd(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp) -> (dx1, dW_down, dgamma_mlp, dW_gu)
+    coda::producer_bwd(dx, a, w_p, w_grad) -> (da, dWp)
+    coda::mlp_bwd(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, down_grad, gu_grad)
+        -> (dx1, dW_down, dgamma_mlp, dW_gu)
     coda::mlp_bwd_(dx, ...) -> (dW_down, dgamma_mlp, dW_gu)  the same, dx1 added into dx in place
+
+A weight gradient whose weight needs none (``ctx.needs_input_grad``: a frozen weight, LoRA's base) is not computed:
+its ``*_grad`` flag is False and the op returns an empty tensor in its place; cross-entropy's consumer carries
+``weight_grad`` into its forward, which then computes no dW.
     coda::unpack_rows(dpacked, tensor, row, sizes) -> [dweight, ...]
 
 ``*consumer`` is :data:`kernels.coda.functions.CONSUMER_ARGS` (the kind as a string, its per-row tensor, its
@@ -56,7 +61,7 @@ from kernels.coda.mainloop import set_scratch_allocator
 from kernels.coda.pack import copy_rows
 
 _CONSUMER = ("str kind, Tensor? rows, int heads, int kv_heads, int head_dim, float theta, float[]? inv_freq, "
-             "int ignore_index, str reduction, int? chunk_rows")
+             "int ignore_index, str reduction, int? chunk_rows, bool weight_grad")
 """The schema of :data:`kernels.coda.functions.CONSUMER_ARGS`, the last arguments of the ops that take a consumer."""
 _N_CONSUMER = len(F.CONSUMER_ARGS)
 
@@ -127,6 +132,7 @@ class _Eager(torch.autograd.Function):
         out = op.impl(*args)
         op.setup(ctx, tuple(args), out)
         ctx.op, ctx.layout, ctx.listed = op, layout, isinstance(out, list)
+        ctx.first_arg = 2  # needs_input_grad counts op and layout first
         return tuple(out) if ctx.listed else out
 
     @staticmethod
@@ -246,20 +252,31 @@ def _(x, gamma, w, eps, save, *consumer):
 
 # ---- backward ops -----------------------------------------------------------------------------------------
 
+def _empty_for_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A backward op's skipped weight gradient as the op returns it: an empty tensor (a schema's Tensor is not
+    optional); :func:`_if_wanted` turns it back into None."""
+    return like.new_empty(0) if t is None else t
+
+
+def _if_wanted(t: torch.Tensor, wanted: bool) -> torch.Tensor | None:
+    return t if wanted else None
+
+
 @_op("consumer_bwd",
            schema=f"(Tensor grad, Tensor[] saved, Tensor w, Tensor x, Tensor rstd, Tensor gamma, Tensor? dres, "
-                  f"{_CONSUMER}) -> (Tensor, Tensor, Tensor)")
-def consumer_bwd(grad, saved, w, x, rstd, gamma, dres, *consumer):
+                  f"bool w_grad, {_CONSUMER}) -> (Tensor, Tensor, Tensor)")
+def consumer_bwd(grad, saved, w, x, rstd, gamma, dres, w_grad, *consumer):
     set_scratch_allocator()  # backward may run in autograd's device thread
-    return F.consumer_backward(_consumer(consumer), grad, tuple(saved), w, x, rstd, gamma, dres)
+    dx, dgamma, dw = F.consumer_backward(_consumer(consumer), grad, tuple(saved), w, x, rstd, gamma, dres, w_grad)
+    return dx, dgamma, _empty_for_none(dw, w)
 
 
 @consumer_bwd.register_fake
-def _(grad, saved, w, x, rstd, gamma, dres, *consumer):
+def _(grad, saved, w, x, rstd, gamma, dres, w_grad, *consumer):
     dz = saved[0] if _kind(consumer) is F.SwiGLU else grad  # dz_pre in z_pre's dtype, else in grad's
     m, d = x.shape
     return (_rows(x, m, d, (dres if dres is not None else x).dtype), gamma.new_empty(gamma.shape),
-            _rows(dz, w.shape[0], d))
+            _rows(dz, w.shape[0], d) if w_grad else w.new_empty(0))
 
 
 @_op("rescaled")
@@ -277,47 +294,54 @@ def _(grad, applied, dx, dgamma, dw):
 
 
 @_op("producer_bwd")
-def producer_bwd(dx: torch.Tensor, a: torch.Tensor, w_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def producer_bwd(dx: torch.Tensor, a: torch.Tensor, w_p: torch.Tensor, w_grad: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     set_scratch_allocator()
-    return F.producer_backward(dx, a, w_p)
+    da, dw_p = F.producer_backward(dx, a, w_p, w_grad)
+    return da, _empty_for_none(dw_p, w_p)
 
 
 @producer_bwd.register_fake
-def _(dx, a, w_p):
-    return _rows(dx, dx.shape[0], w_p.shape[1]), _rows(dx, dx.shape[1], a.shape[1])
+def _(dx, a, w_p, w_grad):
+    return _rows(dx, dx.shape[0], w_p.shape[1]), _rows(dx, dx.shape[1], a.shape[1]) if w_grad else w_p.new_empty(0)
 
 
-def _mlp_fake(dx, w_down, z_pre, w_gu):
-    """``(dW_down, dW_gu)``: dW_down in dx's dtype, dW_gu in z_pre's (the dtype of dz_pre)."""
-    return _rows(dx, dx.shape[1], w_down.shape[1]), _rows(z_pre, w_gu.shape[0], w_gu.shape[1])
+def _mlp_fake(dx, w_down, z_pre, w_gu, down_grad, gu_grad):
+    """``(dW_down, dW_gu)``: dW_down in dx's dtype, dW_gu in z_pre's (the dtype of dz_pre); empty where skipped."""
+    return (_rows(dx, dx.shape[1], w_down.shape[1]) if down_grad else w_down.new_empty(0),
+            _rows(z_pre, w_gu.shape[0], w_gu.shape[1]) if gu_grad else w_gu.new_empty(0))
 
 
 @_op("mlp_bwd")
 def mlp_bwd(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_gu: torch.Tensor, x1: torch.Tensor,
-            rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor
+            rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor, down_grad: bool, gu_grad: bool
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     set_scratch_allocator()
-    return F.mlp_backward(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, inplace=False)
+    dx1, dw_down, dgamma_mlp, dw_gu = F.mlp_backward(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, inplace=False,
+                                                     w_grads=(down_grad, gu_grad))
+    return dx1, _empty_for_none(dw_down, w_down), dgamma_mlp, _empty_for_none(dw_gu, w_gu)
 
 
 @mlp_bwd.register_fake
-def _(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp):
-    dw_down, dw_gu = _mlp_fake(dx, w_down, z_pre, w_gu)
+def _(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, down_grad, gu_grad):
+    dw_down, dw_gu = _mlp_fake(dx, w_down, z_pre, w_gu, down_grad, gu_grad)
     return _rows(dx, *dx.shape), dw_down, gamma_mlp.new_empty(gamma_mlp.shape), dw_gu
 
 
 @_op("mlp_bwd_", mutates_args=("dx",))
 def mlp_bwd_(dx: torch.Tensor, w_down: torch.Tensor, z_pre: torch.Tensor, w_gu: torch.Tensor, x1: torch.Tensor,
-             rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             rstd_mlp: torch.Tensor, gamma_mlp: torch.Tensor, down_grad: bool, gu_grad: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     set_scratch_allocator()
     # dx: this backward's own buffer, written in place
-    _, dw_down, dgamma_mlp, dw_gu = F.mlp_backward(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, inplace=True)
-    return dw_down, dgamma_mlp, dw_gu
+    _, dw_down, dgamma_mlp, dw_gu = F.mlp_backward(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, inplace=True,
+                                                   w_grads=(down_grad, gu_grad))
+    return _empty_for_none(dw_down, w_down), dgamma_mlp, _empty_for_none(dw_gu, w_gu)
 
 
 @mlp_bwd_.register_fake
-def _(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp):
-    dw_down, dw_gu = _mlp_fake(dx, w_down, z_pre, w_gu)
+def _(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, down_grad, gu_grad):
+    dw_down, dw_gu = _mlp_fake(dx, w_down, z_pre, w_gu, down_grad, gu_grad)
     return dw_down, gamma_mlp.new_empty(gamma_mlp.shape), dw_gu
 
 
@@ -336,10 +360,16 @@ def _kept(kind: type[F.Consumer], out: torch.Tensor) -> torch.Tensor:
     return out if kind.keeps_output else out.new_empty(0)
 
 
+def _needs(ctx, i: int) -> bool:
+    """Whether the op's input i needs a gradient (``ctx.needs_input_grad``, after :class:`_Eager`'s own two)."""
+    return ctx.needs_input_grad[getattr(ctx, "first_arg", 0) + i]
+
+
 def _consumer_grads(ctx, kind: type[F.Consumer], grad: torch.Tensor | None, out: torch.Tensor, saved: list,
-                    w, x, rstd, gamma, dres: torch.Tensor | None):
-    """``(dx, dgamma, dW)`` through the consumer, the RMSNorm backward and the consumer's weight gradient; dx
-    includes dres (the incoming residual gradient), and is dres itself when the output got no gradient."""
+                    w, x, rstd, gamma, dres: torch.Tensor | None, w_grad: bool):
+    """``(dx, dgamma, dW)`` through the consumer, the RMSNorm backward and the consumer's weight gradient (None
+    without ``w_grad``); dx includes dres (the incoming residual gradient), and is dres itself when the output got
+    no gradient."""
     if grad is None:
         return dres, None, None
     if kind.grad_in_forward:  # computed in forward for dloss = 1: scaled to grad on the device (a no-op at 1)
@@ -352,13 +382,18 @@ def _consumer_grads(ctx, kind: type[F.Consumer], grad: torch.Tensor | None, out:
             # Eager: in place, by kernels that autograd does not see: a second backward (retain_graph) reads these
             # saved tensors again (rescaled by the ratio of the two gradients), so their versions must not change.
             rescale_(grad, applied, dx, dgamma, dw)
-        return (dx if dres is None else dres + dx), dgamma, dw
+        # dW is empty where the forward computed none (its weight_grad)
+        return (dx if dres is None else dres + dx), dgamma, _if_wanted(dw, w_grad)
     kept = [out] if kind.keeps_output else []
-    return call("consumer_bwd", grad, kept + list(saved), w, x, rstd, gamma, dres, *ctx.consumer)
+    dx, dgamma, dw = call("consumer_bwd", grad, kept + list(saved), w, x, rstd, gamma, dres, w_grad, *ctx.consumer)
+    return dx, dgamma, _if_wanted(dw, w_grad)
 
 
-def _producer_grads(dx: torch.Tensor | None, a: torch.Tensor, w_p: torch.Tensor):
-    return (None, None) if dx is None else call("producer_bwd", dx, a, w_p)
+def _producer_grads(dx: torch.Tensor | None, a: torch.Tensor, w_p: torch.Tensor, w_grad: bool):
+    if dx is None:
+        return None, None
+    da, dw_p = call("producer_bwd", dx, a, w_p, w_grad)
+    return da, _if_wanted(dw_p, w_grad)
 
 
 def _pc_setup(ctx, inputs, output):
@@ -375,8 +410,9 @@ def _pc_backward(ctx, grads):
     dx_out, dout = grads[0], grads[1]
     a, w_p, gamma, w, x, out, rstd, *saved = ctx.saved_tensors
     dres = None if dx_out is None else dx_out.contiguous()
-    dx, dgamma, dw = _consumer_grads(ctx, _kind(ctx.consumer), dout, out, saved, w, x, rstd, gamma, dres)
-    da, dw_p = _producer_grads(dx, a, w_p)
+    dx, dgamma, dw = _consumer_grads(ctx, _kind(ctx.consumer), dout, out, saved, w, x, rstd, gamma, dres,
+                                     _needs(ctx, 4))
+    da, dw_p = _producer_grads(dx, a, w_p, _needs(ctx, 2))
     return da, dx, dw_p, dgamma, dw, None, None, *(None,) * _N_CONSUMER
 
 
@@ -400,22 +436,27 @@ def _block_backward(ctx, grads):
     a, w_o, gamma_mlp, w_gu, w_down, gamma, w, x, out, rstd_mlp, rstd, x1, z_pre, *saved = ctx.saved_tensors
     recomputed = F.recomputations() != before  # z_pre is this backward's own: dz_pre may go over it
     dres = None if dx_out is None else dx_out.contiguous()
-    dx, dgamma, dw = _consumer_grads(ctx, _kind(ctx.consumer), dout, out, saved, w, x, rstd, gamma, dres)
+    dx, dgamma, dw = _consumer_grads(ctx, _kind(ctx.consumer), dout, out, saved, w, x, rstd, gamma, dres,
+                                     _needs(ctx, 7))
     if dx is None:
         return (None,) * (10 + _N_CONSUMER)
+    w_grads = _needs(ctx, 5), _needs(ctx, 4)  # W_down, W_gu
     # Add into dx in place when it is this backward's own buffer, not dres (the consumer had no gradient) nor a
     # gradient saved by the consumer's forward; otherwise into a new tensor.
     if recomputed:  # eager only (no recomputation context is entered in a traced graph): the kernels directly
         set_scratch_allocator()
         dx1, dw_down, dgamma_mlp, dw_gu = F.mlp_backward(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp,
                                                          inplace=all(dx is not t for t in (dres, *saved)),
-                                                         overwrite=True)
-    elif all(dx is not t for t in (dres, *saved)):
-        dw_down, dgamma_mlp, dw_gu = call("mlp_bwd_", dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp)
-        dx1 = dx
+                                                         overwrite=True, w_grads=w_grads)
     else:
-        dx1, dw_down, dgamma_mlp, dw_gu = call("mlp_bwd", dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp)
-    da, dw_o = _producer_grads(dx1, a, w_o)
+        if all(dx is not t for t in (dres, *saved)):
+            dw_down, dgamma_mlp, dw_gu = call("mlp_bwd_", dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, *w_grads)
+            dx1 = dx
+        else:
+            dx1, dw_down, dgamma_mlp, dw_gu = call("mlp_bwd", dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp,
+                                                   *w_grads)
+        dw_down, dw_gu = _if_wanted(dw_down, w_grads[0]), _if_wanted(dw_gu, w_grads[1])
+    da, dw_o = _producer_grads(dx1, a, w_o, _needs(ctx, 2))
     return da, dx1, dw_o, dgamma_mlp, dw_gu, dw_down, dgamma, dw, None, None, *(None,) * _N_CONSUMER
 
 
@@ -433,7 +474,8 @@ def _nc_setup(ctx, inputs, output):
 
 def _nc_backward(ctx, grads):
     x, gamma, w, out, rstd, *saved = ctx.saved_tensors
-    dx, dgamma, dw = _consumer_grads(ctx, _kind(ctx.consumer), grads[0], out, saved, w, x, rstd, gamma, None)
+    dx, dgamma, dw = _consumer_grads(ctx, _kind(ctx.consumer), grads[0], out, saved, w, x, rstd, gamma, None,
+                                     _needs(ctx, 2))
     return dx, dgamma, dw, None, None, *(None,) * _N_CONSUMER
 
 
