@@ -234,13 +234,21 @@ def test_gluon_pingpong_dgrad_swiglu_compiles_for_hopper(tmp_path):
     assert bad.returncode == 2 and "--models: unknown nope" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.fixture(scope="module")
+def gluon_swiglu_cache(tmp_path_factory) -> str:
+    """One Triton cache for the two tests that compile the shipped Gluon SwiGLU dgrad's configs for sm_90: the second
+    reads the first one's binaries (its checks are on what the compiler reported, kept with them) instead of
+    compiling them again."""
+    return str(tmp_path_factory.mktemp("gluon-swiglu-cache"))
+
+
 @pytest.mark.slow
-def test_the_gluon_swiglu_dgrad_compiles_for_hopper(tmp_path):
+def test_the_gluon_swiglu_dgrad_compiles_for_hopper(gluon_swiglu_cache):
     """kernels/coda/swiglu_bwd_gluon.py through benchmarks/gluon_epilogue_dgrad_swiglu.py --compile-only: every timed
     config, bf16 and fp8 operands, compiles for sm_90, fits the shared memory (operand ring of 128-byte K rows and
     the fp32 accumulator buffer) and ptxas reports its registers and spills (whether the shipped configs spill:
     benchmarks/check_compiled.py)."""
-    env = script_env(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    env = script_env(TRITON_INTERPRET="0", TRITON_CACHE_DIR=gluon_swiglu_cache)
     script = str(BENCHMARKS / "gluon_epilogue_dgrad_swiglu.py")
     out = subprocess.run([sys.executable, script, "--compile-only"], env=env, capture_output=True, text=True,
                          timeout=300)
@@ -313,10 +321,10 @@ def test_check_compiled_reports_a_miss_and_fails_only_when_strict(monkeypatch, c
 
 
 @pytest.mark.slow
-def test_check_compiled_prints_its_table_for_a_fused_kernel_and_the_gluon_swiglu_dgrad(tmp_path):
+def test_check_compiled_prints_its_table_for_a_fused_kernel_and_the_gluon_swiglu_dgrad(gluon_swiglu_cache):
     """The script compiles for sm_90 without a GPU and prints one row per kernel or config with its resources; what
     they are is the compiler's, so only the exit code's agreement with the table (--strict) is asserted."""
-    env = script_env(TRITON_CACHE_DIR=str(tmp_path))
+    env = script_env(TRITON_CACHE_DIR=gluon_swiglu_cache)
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "check_compiled.py"), "--groups", "fused,gluon-swiglu",
                            "--cases", "example-bf16", "--strict"], env=env, capture_output=True, text=True,
                           timeout=600)
