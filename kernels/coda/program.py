@@ -190,6 +190,20 @@ def _store(desc, off_m, off_n, COLS: tl.constexpr, WIDE: tl.constexpr, val, amax
 
 
 @triton.jit
+def _stores(d0, d1, res, off_m, off_n, amax, ss, NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr,
+            STORE: tl.constexpr, AMAX: tl.constexpr, AMAX_OF: tl.constexpr, SUMSQ_OF: tl.constexpr):
+    """The epilogue's outputs ``res`` of the tile at (off_m, off_n) stored through d0 and d1 (those STORE asks for;
+    None for the others), by :func:`_store`: ``(amax, ss)`` with the row partials of outputs AMAX_OF and SUMSQ_OF."""
+    if STORE[0]:
+        amax, ss = _store(d0, off_m, off_n, COLS[0], WIDE[0], res[0], amax, ss, AMAX and AMAX_OF == 0, SUMSQ_OF == 0)
+    if NOUT > 1:
+        if STORE[1]:
+            amax, ss = _store(d1, off_m, off_n, COLS[1], WIDE[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
+                              SUMSQ_OF == 1)
+    return amax, ss
+
+
+@triton.jit
 def _sums(res, ss, cs_ptr, off_m, off_n, N, stride_cs, NOUT: tl.constexpr, ROW_SUM: tl.constexpr,
           COL_SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """``ss`` plus (ROW_SUM) the row values the epilogue returned after its NOUT outputs; the column sums of its
@@ -217,11 +231,9 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
     a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
     SN: tl.constexpr = BN // EPI_SUB
     args = INPUTS(args, in_strides, M, N, BM, SN)
-    if STORE[0]:
-        d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, SN)
-    if NOUT > 1:
-        if STORE[1]:
-            d1 = _desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, SN)
+    d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, SN) if STORE[0] else None  # stored outputs'
+    d1 = ((_desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, SN) if STORE[1] else None) if NOUT > 1
+          else None)
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
@@ -236,13 +248,7 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
         for i in tl.static_range(EPI_SUB):
             off_s = off_n + i * SN
             res = EPILOGUE(col_subtile(z, i, EPI_SUB, BM, BN), tile_args, off_m, off_s, M, N, BM, SN)
-            if STORE[0]:
-                amax, ss = _store(d0, off_m, off_s, COLS[0], WIDE[0], res[0], amax, ss, AMAX and AMAX_OF == 0,
-                                  SUMSQ_OF == 0)
-            if NOUT > 1:
-                if STORE[1]:
-                    amax, ss = _store(d1, off_m, off_s, COLS[1], WIDE[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
-                                      SUMSQ_OF == 1)
+            amax, ss = _stores(d0, d1, res, off_m, off_s, amax, ss, NOUT, COLS, WIDE, STORE, AMAX, AMAX_OF, SUMSQ_OF)
             ss = _sums(res, ss, cs_ptr, off_m, off_s, N, stride_cs, NOUT, ROW_SUM, COL_SUM, BM, SN)
         if SUMSQ_OF >= 0 or ROW_SUM:
             store_row_partial(ss_ptr, ss, off_m, off_n, M, stride_part, BM, BN)
@@ -263,11 +269,9 @@ def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides
     off_m = tl.program_id(0) * BM
     c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
     args = INPUTS(args, in_strides, M, N, BM, BN)
-    if STORE[0]:
-        d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, BN)
-    if NOUT > 1:
-        if STORE[1]:
-            d1 = _desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, BN)
+    d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, BN) if STORE[0] else None  # stored outputs'
+    d1 = ((_desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, BN) if STORE[1] else None) if NOUT > 1
+          else None)
     if ROW_SCALE:
         row = load_rows(row_ptr, off_m, M, BM)
     ss = tl.zeros((BM,), dtype=tl.float32)
@@ -278,13 +282,7 @@ def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides
             z = z * row[:, None]
         z, tile_args = TILE(z, args, off_m, M, N, BM)
         res = EPILOGUE(z, tile_args, off_m, off_n, M, N, BM, BN)
-        if STORE[0]:
-            amax, ss = _store(d0, off_m, off_n, COLS[0], WIDE[0], res[0], amax, ss, AMAX and AMAX_OF == 0,
-                              SUMSQ_OF == 0)
-        if NOUT > 1:
-            if STORE[1]:
-                amax, ss = _store(d1, off_m, off_n, COLS[1], WIDE[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
-                                  SUMSQ_OF == 1)
+        amax, ss = _stores(d0, d1, res, off_m, off_n, amax, ss, NOUT, COLS, WIDE, STORE, AMAX, AMAX_OF, SUMSQ_OF)
         ss = _sums(res, ss, cs_ptr, off_m, off_n, N, stride_cs, NOUT, ROW_SUM, COL_SUM, BM, BN)
     rows = off_m + tl.arange(0, BM)
     if SUMSQ_OF >= 0 or ROW_SUM:
