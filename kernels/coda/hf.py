@@ -614,21 +614,19 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
             return torch.addmm(residual, y, w_d.T), None
         return producer_consumer(y, residual, w_d, gamma, w, consumer, plan.eps)[:2]
 
-    def attention(i: int, x: torch.Tensor, qkv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's attention from its input x (and its rotated qkv, None: computed here from x): ``(a, residual)``,
-        the attention output and the residual stream the block adds its out-projection to."""
+    def attention(i: int, x: torch.Tensor, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's attention output from its input x (and its rotated qkv, None: computed here from x)."""
         attn = layers[i].self_attn
         qkv = own_qkv(i, x) if qkv is None else qkv
-        a = _attend(attn, _with_bias(qkv, attn, plan, positions), masks[plan.windows[i]], plan.windows[i],
-                    position_ids, plan, batch, seq, cache)
-        s_o = _weight(attn.o_proj, f"model.layers.{i}.self_attn.o_proj")[1]
-        return a, (x if s_o is None else x + s_o(a))
+        return _attend(attn, _with_bias(qkv, attn, plan, positions), masks[plan.windows[i]], plan.windows[i],
+                       position_ids, plan, batch, seq, cache)
 
-    def block_step(i: int, a: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layer i's block after its attention: x of layer i + 1 and the output of the consumer the block ends in:
-        layer i + 1's rotated qkv, or after the last layer the LM head's, or None where the block ends at x
-        (:func:`ends_at_x`)."""
-        w_o = _weight(layers[i].self_attn.o_proj, f"model.layers.{i}.self_attn.o_proj")[0]
+    def block_step(i: int, a: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i's block after its attention output a, x the layer's input: x of layer i + 1 and the output of the
+        consumer the block ends in: layer i + 1's rotated qkv, or after the last layer the LM head's, or None where
+        the block ends at x (:func:`ends_at_x`)."""
+        w_o, s_o = _weight(layers[i].self_attn.o_proj, f"model.layers.{i}.self_attn.o_proj")
+        residual = x if s_o is None else x + s_o(a)
         if ends_at_x(i):
             return mlp(i, a, residual, w_o, None, None, None)
         side = None
@@ -643,7 +641,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     def layer_step(i: int, x: torch.Tensor, qkv: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i: its attention, then its block (:func:`block_step`)."""
-        return block_step(i, *attention(i, x, qkv))
+        return block_step(i, attention(i, x, qkv), x)
 
     def lm_head() -> torch.Tensor:
         w, s_lm = _weight(self.lm_head, "lm_head")
@@ -667,7 +665,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     x, out = embeds.reshape(batch * seq, hidden), None
     for i, layer in enumerate(layers):
         if checkpointed[i] and i + 1 == len(layers):
-            x, out = _checkpoint(layer._gradient_checkpointing_func, partial(block_step, i), *attention(i, x))
+            x, out = _checkpoint(layer._gradient_checkpointing_func, partial(block_step, i), attention(i, x), x)
         elif checkpointed[i]:
             x, out = _checkpoint(layer._gradient_checkpointing_func, partial(layer_step, i), x)
         else:

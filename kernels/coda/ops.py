@@ -25,11 +25,11 @@ Backward::
     coda::mlp_bwd(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, down_grad, gu_grad)
         -> (dx1, dW_down, dgamma_mlp, dW_gu)
     coda::mlp_bwd_(dx, ...) -> (dW_down, dgamma_mlp, dW_gu)  the same, dx1 added into dx in place
+    coda::unpack_rows(dpacked, tensor, row, sizes) -> [dweight, ...]
 
 A weight gradient whose weight needs none (``ctx.needs_input_grad``: a frozen weight, LoRA's base) is not computed:
 its ``*_grad`` flag is False and the op returns an empty tensor in its place; cross-entropy's consumer carries
 ``weight_grad`` into its forward, which then computes no dW.
-    coda::unpack_rows(dpacked, tensor, row, sizes) -> [dweight, ...]
 
 ``*consumer`` is :data:`kernels.coda.functions.CONSUMER_ARGS` (the kind as a string, its per-row tensor, its
 numbers). rstd, the side outputs and the saved tensors are not differentiable. A missing gradient stays None: with
@@ -443,19 +443,16 @@ def _block_backward(ctx, grads):
     w_grads = _needs(ctx, 5), _needs(ctx, 4)  # W_down, W_gu
     # Add into dx in place when it is this backward's own buffer, not dres (the consumer had no gradient) nor a
     # gradient saved by the consumer's forward; otherwise into a new tensor.
+    own = all(dx is not t for t in (dres, *saved))
+    mlp = (dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp)
     if recomputed:  # eager only (no recomputation context is entered in a traced graph): the kernels directly
         set_scratch_allocator()
-        dx1, dw_down, dgamma_mlp, dw_gu = F.mlp_backward(dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp,
-                                                         inplace=all(dx is not t for t in (dres, *saved)),
-                                                         overwrite=True, w_grads=w_grads)
+        dx1, dw_down, dgamma_mlp, dw_gu = F.mlp_backward(*mlp, inplace=own, overwrite=True, w_grads=w_grads)
+    elif own:
+        (dw_down, dgamma_mlp, dw_gu), dx1 = call("mlp_bwd_", *mlp, *w_grads), dx
     else:
-        if all(dx is not t for t in (dres, *saved)):
-            dw_down, dgamma_mlp, dw_gu = call("mlp_bwd_", dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp, *w_grads)
-            dx1 = dx
-        else:
-            dx1, dw_down, dgamma_mlp, dw_gu = call("mlp_bwd", dx, w_down, z_pre, w_gu, x1, rstd_mlp, gamma_mlp,
-                                                   *w_grads)
-        dw_down, dw_gu = _if_wanted(dw_down, w_grads[0]), _if_wanted(dw_gu, w_grads[1])
+        dx1, dw_down, dgamma_mlp, dw_gu = call("mlp_bwd", *mlp, *w_grads)
+    dw_down, dw_gu = _if_wanted(dw_down, w_grads[0]), _if_wanted(dw_gu, w_grads[1])
     da, dw_o = _producer_grads(dx1, a, w_o, _needs(ctx, 2))
     return da, dx1, dw_o, dgamma_mlp, dw_gu, dw_down, dgamma, dw, None, None, *(None,) * _N_CONSUMER
 
