@@ -111,12 +111,11 @@ def fp8_main(args) -> None:
             xq = fp8.quantize_as(torch.randn(g.m, g.k, device="cuda"), "act", recipe)
             wq = fp8.quantize_as(torch.randn(g.n, g.k, device="cuda") * g.k ** -0.5, "weight", recipe)
             mm = fp8.ScaledMMGemms(recipe)
-            promote = recipe.accum == "promoted"
             ref = xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).T
-            ours, theirs = linear(xq, wq, promote), mm.linear(xq, wq)
+            ours, theirs = linear(xq, wq, recipe), mm.linear(xq, wq)
             errs = [rel_err(o, ref) for o in (ours, theirs)]
             t_ref = triton.testing.do_bench(lambda: mm.linear(xq, wq), warmup=50, rep=300)
-            t_ours = triton.testing.do_bench(lambda: linear(xq, wq, promote), warmup=50, rep=300)
+            t_ours = triton.testing.do_bench(lambda: linear(xq, wq, recipe), warmup=50, rep=300)
             best = gemm_kernel.best_config
             ratios.append((name, op, t_ref / t_ours))
             print(f"{name:10s} {op:13s} {g.m:6d}x{g.n:6d}x{g.k:6d}  _scaled_mm {tflops(g, t_ref):7.1f}  ours "

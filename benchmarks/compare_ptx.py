@@ -41,14 +41,21 @@ from typing import Callable
 
 BASE_NAMES = {
     "gemm_residual_norm_kernel": {"w_ptr": "b_ptr", "stride_w": "stride_b"},
-    **{k: {"h_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_h": "stride_a", "stride_w": "stride_b"}
+    **{k: {"h_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_h": "stride_a", "stride_w": "stride_b",
+           **({"stride_o": "stride_out"} if k == "gemm_rope_kernel" else {}),
+           **({"lse_part_ptr": "ss_ptr", "stride_p": "stride_ss", "stride_l": "stride_logits"}
+              if k == "gemm_cross_entropy_kernel" else {})}
        for k in ("scaled_linear_kernel", "gemm_swiglu_kernel", "gemm_rope_kernel", "gemm_cross_entropy_kernel")},
-    "dgrad_rmsnorm_kernel": {"dz_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dz": "stride_a", "stride_w": "stride_b"},
-    "dgrad_swiglu_kernel": {"dx_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dx": "stride_a", "stride_w": "stride_b"},
+    "dgrad_rmsnorm_kernel": {"dz_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dz": "stride_a", "stride_w": "stride_b",
+                             "dg_ptr": "cs_ptr", "stride_dg": "stride_cs"},
+    "dgrad_swiglu_kernel": {"dx_ptr": "a_ptr", "w_ptr": "b_ptr", "stride_dx": "stride_a", "stride_w": "stride_b",
+                            "part_ptr": "ss_ptr", "stride_p": "stride_ss"},
     "gemm_bias_gelu_kernel": {"x_ptr": "a_ptr", "w_ptr": "b_ptr", "b_ptr": "bias_ptr", "stride_x": "stride_a",
                               "stride_w": "stride_b"},
 }
-"""Parameter names of the fused kernels before the mainloop block (commit 9d59c22) that the block renamed."""
+"""Parameter names of the fused kernels before the mainloop block (commit 9d59c22) that the block renamed, and that
+the declared kernels (:mod:`kernels.coda.program`) name after their outputs (``stride_out``) and partials
+(``ss_ptr``, ``cs_ptr``)."""
 
 M, D, F, V = 4096, 2048, 8192, 128256
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
@@ -76,9 +83,13 @@ def _rstd():
 
 
 def _gemm(fp8: bool) -> None:
+    import inspect
     from kernels.coda.gemm import matmul
-    if fp8:
-        matmul(_fp8(M, D, False), _fp8(F, D, False).T, promote=True)
+    from workloads.fp8 import Recipe
+    if fp8:  # promoted accumulation: by the recipe, or by the bool of a base tree before the recipe travelled
+        promoted = ({"recipe": Recipe(rowwise=False, accum="promoted")}
+                    if "recipe" in inspect.signature(matmul).parameters else {"promote": True})
+        matmul(_fp8(M, D, False), _fp8(F, D, False).T, **promoted)
     else:
         matmul(_t(M, D), _t(F, D).T)
 
@@ -180,7 +191,8 @@ def compile_case(case: str) -> dict:
     from triton.runtime.driver import driver
     name, dtype = case.rsplit("-", 1)
     module, kernel_name, call, _ = KERNELS[name]
-    kernel = getattr(importlib.import_module(module), kernel_name)
+    kernel = next(k for k in (getattr(v, "kernel", v) for v in vars(importlib.import_module(module)).values())
+                  if getattr(k, "base_fn", None) and k.base_fn.__name__ == kernel_name)  # declared kernels: .kernel
     launch = {}
 
     def catch(*args, **kwargs):
@@ -318,7 +330,8 @@ def _ordered_decls(ptx: str, kernel: str, params: list[str], names: dict[str, st
 
 def compare(base: dict, new: dict) -> dict[str, list[str]]:
     """The differences between two compiled cases, per artefact (resources, PTX, SASS; empty: identical)."""
-    kernel, names = new["kernel"], BASE_NAMES.get(new["kernel"], {})
+    kernel = new["kernel"]  # a rename applies where the base lacks its new name (a base that has it is newer)
+    names = {old: now for old, now in BASE_NAMES.get(kernel, {}).items() if now not in base["params"]}
     resources = [f"{key}: {base[key]} -> {new[key]}" for key in ("shared", "num_warps", "num_stages", "regs", "stack",
                                                                   "local") if base[key] != new[key]]
     (bdecl, bbody), (ndecl, nbody) = (normalise_ptx(base["ptx"], kernel, base["params"], names),

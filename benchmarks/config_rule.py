@@ -58,7 +58,7 @@ def kernel_lists() -> dict[str, set[str]]:
     out = {}
     for name in MODULES:
         module = importlib.import_module(f"kernels.coda.{name}")
-        for value in vars(module).values():
+        for value in (getattr(v, "kernel", v) for v in vars(module).values()):  # declared: the host's .kernel
             if isinstance(value, tuning.Autotuner):
                 out[tuning.kernel_name(value)] = {_config_text(tuning._config_json(c)) for c in value.configs}
     return out

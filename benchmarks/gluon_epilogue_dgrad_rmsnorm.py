@@ -230,7 +230,7 @@ def inputs(model: str, site: str, dtype: str) -> dict:
     return {"dz": dz, "w": w, "x": x, "rstd": torch.rand(m, device="cuda") + 0.5,
             "gamma": (torch.randn(d, device="cuda") * 0.1 + 1).to(torch.bfloat16),
             "zdz": torch.randn(m, device="cuda"), "dres": torch.randn(m, d, device="cuda", dtype=torch.bfloat16),
-            "promote": False}
+            "recipe": None}
 
 
 def check(label: str, out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> None:
@@ -255,7 +255,7 @@ def bench(model: str) -> None:
             configs = [c[1:] for c in CONFIGS if c[0] == dtype]
             for s, r, v in configs:
                 paths[f"gluon {(s, r, v)}"] = lambda s=s, r=r, v=v: ws_dgrad_rmsnorm(
-                    **{k: a for k, a in args.items() if k != "promote"}, n_stages=s, sub_m=r, vec=v)
+                    **{k: a for k, a in args.items() if k != "recipe"}, n_stages=s, sub_m=r, vec=v)
             if dtype == "bf16":
                 paths["schedule's plain GEMM"] = lambda: ws_gemm(dz, w)
             paths["cuBLAS GEMM"] = gemm

@@ -49,7 +49,7 @@ def gemm_call(g: Gemm, dtype: str, device: torch.device, fp8_accum: str = "fast"
         rowwise = recipe.rowwise and g.b_layout == "nk"
         sa = torch.ones((g.m, 1) if rowwise else (), device=device)
         sb = torch.ones((1, g.n) if rowwise else (), device=device)
-        fast = recipe.accum == "fast"
+        fast = not fp8.promoted(recipe)
         return lambda _: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
     tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     a, b = _operands(g, tdt, device)

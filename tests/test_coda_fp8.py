@@ -81,11 +81,11 @@ def test_the_per_tensor_scale_is_the_max_over_every_block_of_rows(rowwise, monke
     assert torch.equal(ours.scale, ref.scale) and torch.equal(_bits(ours.data), _bits(ref.data))
 
 
-@pytest.mark.parametrize("promote", [False, True])
+@pytest.mark.parametrize("accum", ["fast", "promoted"])
 @pytest.mark.parametrize("rowwise", [False, True])
-def test_fp8_gemm_equals_the_dequantized_product(rowwise, promote):
+def test_fp8_gemm_equals_the_dequantized_product(rowwise, accum):
     xq, wq = _q(_r(M, K, seed=2), rowwise), _q(_r(N, K, seed=3, scale=0.1), rowwise)
-    out = linear(xq, wq, promote=promote)
+    out = linear(xq, wq, recipe=Recipe(rowwise, accum))
     assert out.dtype == torch.bfloat16 and out.shape == (M, N)
     assert rel_err(out, _deq(xq).double() @ _deq(wq).double().T) < BF16_ROUNDING
 
@@ -187,3 +187,29 @@ def test_plugin_fp8_passes_the_harness_check(op_name, dtype, strategy):
     outcome = check_impl(build_reference(op, case), impl)
     assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])
     assert {c.output for c in outcome.checks} == set(op.outputs) | set(op.side_outputs)
+
+
+@pytest.mark.parametrize("accum", ["fast", "promoted"])
+@pytest.mark.parametrize("op_name", ["block", "swiglu_dgrad", "gemm_out"])
+def test_the_cells_recipe_reaches_every_launch_as_its_accumulation_mode(op_name, accum, monkeypatch):
+    """The cell's recipe travels from the Case through the plugin, the compositions and the host functions to the
+    launch, where every mainloop kernel of the call gets ``PROMOTE`` from its accumulation mode (fused paths)."""
+    from kernels.coda.launch import MAINLOOP_PARAMS
+    from kernel_helpers import rstd_kernel
+    monkeypatch.setenv("CODABENCH_STRATEGY", "fused")
+    op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
+    model = get_model("tiny")
+    case = Case(op, model, op.modes[0], "fp8", torch.device(DEV), op.inputs(model, "fp8", DEV, CHECK_SEED), accum)
+    native = impl.prepare(case)
+    seen: list[bool] = []
+    cls = type(rstd_kernel)
+    orig = cls.run
+
+    def run(self, *args, **kwargs):
+        if tuple(self.arg_names[:len(MAINLOOP_PARAMS)]) == MAINLOOP_PARAMS:
+            seen.append({**dict(zip(self.arg_names, args)), **kwargs}["PROMOTE"])
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "run", run)
+    impl.run(native)
+    assert seen and set(seen) == {accum == "promoted"}

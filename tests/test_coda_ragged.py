@@ -26,6 +26,7 @@ from kernels.coda.cross_entropy_bwd import rescale_
 from kernels.coda import ops
 from kernels.coda.functions import CrossEntropy, Linear, RoPE, block, norm_consumer, producer_consumer
 from kernels.coda.pack import gate_up_index
+from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 from kernels.coda.strategy import ENV as STRATEGY_ENV
 from workloads import reference as R
 from workloads.op import DTYPES
@@ -64,6 +65,18 @@ def test_empty_rows_pads_only_rows_off_the_rule_and_aligned_copies_only_those():
     buf = aligned(target)
     buf.fill_(2.0)
     assert written_back(buf, target) is target and torch.equal(target, torch.full((5, 90), 2.0))
+
+
+def test_dgrad_rmsnorm_in_place_into_a_dres_off_the_rule_writes_the_callers_tensor(strategy):
+    """dx in place into a dres whose rows (70 fp32: 280 bytes) are off the rule: the kernels write an aligned copy,
+    which comes back into the caller's dres, the tensor returned."""
+    inp = OPS["rmsnorm_dgrad"].make_inputs(RAGGED, torch.float32, "cpu", seed=3)
+    args = (inp["dz"], inp["w"], inp["x"], inp["rstd"], inp["gamma"], inp["zdz"])
+    dres = inp["dres"].clone()
+    assert not is_aligned(dres)
+    want, _, _ = dgrad_rmsnorm(*args, inp["dres"])
+    dx, _, _ = dgrad_rmsnorm(*args, dres, inplace=True)
+    assert dx is dres and torch.equal(dres, want)
 
 
 def test_rescale_scales_a_padded_tensor_and_leaves_its_padding():

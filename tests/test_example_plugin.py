@@ -8,7 +8,7 @@ from codabench.case import Case
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.discovery import discover
 from codabench.registry import REGISTRY
-from kernels.examples.gemm_bias_gelu import gemm_bias_gelu_kernel
+from kernels.examples.gemm_bias_gelu import gemm_bias_gelu
 from workloads.models import get_model
 from workloads.ops import OPS
 
@@ -22,11 +22,12 @@ def test_example_is_discovered_and_correct(dtype):
     case = Case(op, model, "fwd", dtype, torch.device("cpu"), op.make_inputs(model, tdt, "cpu", CHECK_SEED))
     assert impl.skip_reason(case) is None and impl.label == "fused"
     launched = []
-    run = gemm_bias_gelu_kernel.fn.run
-    gemm_bias_gelu_kernel.fn.run = lambda *a, **k: launched.append(1) or run(*a, **k)
+    kernel = gemm_bias_gelu.kernel
+    run = kernel.fn.run
+    kernel.fn.run = lambda *a, **k: launched.append(1) or run(*a, **k)
     try:
         outcome = check_impl(build_reference(op, case), impl)
     finally:
-        del gemm_bias_gelu_kernel.fn.run
+        del kernel.fn.run
     assert launched == [1]
     assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])

@@ -649,7 +649,8 @@ def test_compiled_fullgraph_bf16_equals_eager_patched_gpu():
            + [(n, grads[n], grads16[n], grads64[n]) for n in grads64] if not passes(rel_err(o, r), rel_err(t, r),
                                                                                     torch.bfloat16)]
     assert not bad, bad
-    assert out.logits is None and "gemm_cross_entropy_kernel" in names
+    # the CODA LM head + cross-entropy ran, by the path this GPU's strategy takes (fused or split)
+    assert out.logits is None and {"gemm_cross_entropy_kernel", "ce_split_rows_kernel"} & set(names)
     assert sorted(names) == sorted(eager)  # the compiled step runs the eager patched step's kernels
 
 
@@ -688,7 +689,7 @@ def test_generate_64_greedy_tokens_bf16_follow_the_unpatched_model_gpu():
         with launches() as names:
             ours = model.generate(ids, **args)
         theirs = ref.generate(ids, **args, output_logits=True, return_dict_in_generate=True)
-    assert "gemm_rope_kernel" in names and ours.shape == theirs.sequences.shape == (4, 256 + 64)
+    assert {"gemm_rope_kernel", "gemm_rope_rows_kernel"} & set(names) and ours.shape == theirs.sequences.shape == (4, 256 + 64)
     compared = 0
     for row in range(4):
         differ = (ours[row, 256:] != theirs.sequences[row, 256:]).nonzero()

@@ -273,11 +273,12 @@ def step():
 first = step()  # tunes, chooses and compiles everything
 serial = len(compiled)
 for mod in [m for n, m in sys.modules.items() if n.startswith("kernels.")]:  # forget every compiled kernel
-    for obj in vars(mod).values():
-        while isinstance(obj, (Autotuner, Heuristics)):
-            obj = obj.fn
-        if isinstance(obj, JITFunction):
-            obj.device_caches.clear()
+    for v in vars(mod).values():  # a declared kernel's host function holds its two kernels
+        for obj in (v, getattr(v, "kernel", None), getattr(v, "rows_kernel", None)):
+            while isinstance(obj, (Autotuner, Heuristics)):
+                obj = obj.fn
+            if isinstance(obj, JITFunction):
+                obj.device_caches.clear()
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # and Triton's on-disk cache
 compiled.clear()
 done = precompile_autograd(lambda: block(a, res, w_o, g_mlp, w_gu, w_d, g_attn, w_qkv, rope, 1e-5)[:2], leaves, dev)

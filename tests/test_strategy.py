@@ -9,6 +9,7 @@ run the real thing.
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pandas as pd
@@ -36,6 +37,7 @@ from kernels.coda.rope import gemm_rope
 from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.swiglu import gemm_swiglu
 from kernels.coda.swiglu_bwd import dgrad_swiglu
+from workloads.fp8 import Recipe
 from workloads.models import get_model
 from workloads.ops import OPS
 
@@ -190,12 +192,23 @@ def test_a_new_key_is_measured_once_chosen_by_the_lower_median_and_cached(gpu):
     assert len(json.loads(tuning.cache_file("Test GPU").read_text())[entry]) == 2
 
 
+def test_a_call_key_holds_a_recipe_by_its_accumulation_mode():
+    """A recipe argument is keyed by its accumulation mode: the rowwise recipe's dgrad (per-tensor operands, as the
+    per-tensor recipe's) has the per-tensor one's key and shares its table entries; promoted accumulation has its
+    own."""
+    call = {"x": torch.empty(4, 8), "recipe": Recipe(rowwise=False)}
+    key = S.call_key(call)
+    assert json.loads(key)[-1] == ["recipe", "fast"] and S.call_key({**call, "recipe": Recipe(rowwise=True)}) == key
+    assert json.loads(S.call_key({**call, "recipe": Recipe(rowwise=False, accum="promoted")}))[-1] == ["recipe",
+                                                                                                      "promoted"]
+
+
 def test_the_binder_binds_as_inspect_does_and_keeps_its_errors():
     """A host function's call is bound by plain dict work (the dispatch runs at every layer): the same arguments, in
     the signature's order, defaults filled, as ``inspect.Signature.bind`` + ``apply_defaults`` give, for every mix of
     positional and keyword arguments of real host functions; calls it cannot bind get inspect's TypeError."""
     import inspect
-    calls = [((1, 2, 3, 4, 5, 6), {}), ((1, 2, 3, 4, 5, 6, 7), {"promote": True}),
+    calls = [((1, 2, 3, 4, 5, 6), {}), ((1, 2, 3, 4, 5, 6, 7), {"recipe": None}),
              ((1, 2), {"gamma": 5, "rstd": 4, "x": 3, "zdz": 6, "inplace": True}),
              ((), {"dz": 1, "w": 2, "x": 3, "rstd": 4, "gamma": 5, "zdz": None})]
     for fn in (dgrad_rmsnorm, gemm_residual_norm, dgrad_swiglu, mm):
@@ -287,7 +300,7 @@ def _gluon(x: torch.Tensor, n: int, inplace: bool = False, eps: float = 1e-5) ->
     return "gluon"
 
 
-GLUON_WHERE_N_IS_3 = S.Gluon(__name__, "_gluon", lambda arguments: arguments["n"] == 3)
+GLUON_WHERE_N_IS_3 = S.Gluon(_gluon, lambda arguments: arguments["n"] == 3)
 
 
 def test_a_gluon_path_is_measured_and_forced_only_where_it_applies(gpu, monkeypatch):
@@ -512,7 +525,7 @@ def test_auto_measures_a_choice_on_the_gpu_stores_it_and_a_new_process_reuses_it
     (name, chosen), = rec.launches()
     records = tuning.load_entries(tuning.cache_file(torch.cuda.get_device_name(dev)), gemm_residual_norm.chooser.entry)
     (key, record), = records.items()
-    arguments = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "promote": False, "h_fp8": None}
+    arguments = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "recipe": None, "h_fp8": None}
     paths = gemm_residual_norm.chooser.strategies(arguments)
     assert paths == (("fused", "split", "gluon") if S.hopper(dev) else ("fused", "split"))
     assert record["strategy"] == chosen and all(record[f"{s}_ms"] > 0 for s in paths)
@@ -546,7 +559,7 @@ def test_gluon_producer_matches_its_triton_twin_on_hopper(m, n, k, dtype):
     w = (torch.randn(n, k, device=dev, generator=g) * k ** -0.5).to(dtype)
     res = torch.randn(m, n, device=dev, generator=g).to(dtype)
     gamma = (torch.randn(n, device=dev, generator=g) * 0.1 + 1).to(dtype)
-    args = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "promote": False, "h_fp8": None}
+    args = {"a": a, "w": w, "residual": res, "gamma": gamma, "eps": 1e-5, "recipe": None, "h_fp8": None}
     assert gemm_residual_norm.chooser.strategies(args) == ("fused", "split", "gluon")
     x, h, rstd = gemm_residual_norm.chooser.path("gluon")(**args)
     xt, ht, rstdt = gemm_residual_norm.fused(**args)
@@ -571,7 +584,7 @@ def swiglu_dgrad_args(dtype: str, m: int, f: int, d: int) -> dict:
     else:
         dx, w = dx.to(torch.bfloat16), w.to(torch.bfloat16)
     return {"dx": dx, "w_down": w, "z_pre": torch.randn(m, 2 * f, device=dev, generator=g).to(torch.bfloat16),
-            "promote": False}
+            "recipe": None}
 
 
 @hopper_only
@@ -593,6 +606,31 @@ def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(dtype, m, f, d):
     assert rel_err(zdz, zdzt.double()) <= 1e-5
 
 
+def test_a_gluon_path_is_bound_with_its_kernel_and_missing_where_gluon_cannot_be_imported():
+    """The producer and the SwiGLU dgrad bind their Gluon functions directly; where those modules cannot be imported
+    (a Triton without Gluon: here made so in a fresh process) the kernels still import, with no Gluon path, and a
+    call has the fused and split paths only, forced gluon running fused."""
+    import subprocess
+    import sys
+    from kernels.coda.producer_gluon import gemm_residual_norm_gluon
+    from kernels.coda.swiglu_bwd_gluon import dgrad_swiglu_gluon
+    assert gemm_residual_norm.chooser.gluon.function is gemm_residual_norm_gluon
+    assert dgrad_swiglu.chooser.gluon.function is dgrad_swiglu_gluon
+    script = (
+        "import sys, torch\n"
+        "sys.modules['kernels.coda.producer_gluon'] = sys.modules['kernels.coda.swiglu_bwd_gluon'] = None\n"
+        "from kernels.coda.producer import gemm_residual_norm\n"
+        "from kernels.coda.swiglu_bwd import dgrad_swiglu\n"
+        "assert gemm_residual_norm.chooser.gluon is None and dgrad_swiglu.chooser.gluon is None\n"
+        "a, w = torch.randn(8, 16), torch.randn(16, 16)\n"
+        "args = dict(a=a, w=w, residual=torch.randn(8, 16), gamma=torch.ones(16), eps=1e-5, recipe=None, h_fp8=None)\n"
+        "assert gemm_residual_norm.chooser.strategies(args) == ('fused', 'split')\n"
+        "assert gemm_residual_norm.chooser.choose(args) == 'fused'\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CODABENCH_STRATEGY": "gluon"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
 def test_where_the_gluon_swiglu_dgrad_applies(monkeypatch):
     """Where the Gluon SwiGLU dgrad takes part (checked without a GPU): on Hopper, bf16 operands of matching shapes
     with rows TMA can address, or fp8 ones under the dgrad's recipe (per-tensor scales, the weight's data the
@@ -601,13 +639,15 @@ def test_where_the_gluon_swiglu_dgrad_applies(monkeypatch):
     from kernels.coda.swiglu_bwd import gluon_applies
     from workloads.fp8 import E4M3, E5M2, Fp8
     args = {"dx": torch.empty(64, 32, dtype=torch.bfloat16), "w_down": torch.empty(32, 48, dtype=torch.bfloat16),
-            "z_pre": torch.empty(64, 96, dtype=torch.bfloat16), "promote": False}
+            "z_pre": torch.empty(64, 96, dtype=torch.bfloat16), "recipe": None}
     one = torch.ones(())
     fp8 = {**args, "dx": Fp8(torch.empty(64, 32, dtype=E5M2), one),
            "w_down": Fp8(torch.empty(48, 32, dtype=E4M3), one).T}
     monkeypatch.setattr("kernels.coda.swiglu_bwd.hopper", lambda device: True)
     assert gluon_applies(args) and gluon_applies(fp8)
-    assert not gluon_applies({**args, "promote": True}) and not gluon_applies({**fp8, "promote": True})
+    promoted = Recipe(rowwise=False, accum="promoted")
+    assert gluon_applies({**fp8, "recipe": Recipe(rowwise=False)})
+    assert not gluon_applies({**args, "recipe": promoted}) and not gluon_applies({**fp8, "recipe": promoted})
     assert not gluon_applies({k: v.half() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
     assert not gluon_applies({**args, "w_down": torch.empty(32, 44, dtype=torch.bfloat16),
                               "z_pre": torch.empty(64, 88, dtype=torch.bfloat16)})
@@ -632,7 +672,7 @@ def test_the_gluon_swiglu_dgrad_refuses_rowwise_fp8_scales_and_promoted_accumula
     with pytest.raises(ValueError, match="per-tensor scales, not rowwise"):
         ws_dgrad_swiglu(dx, w, z)
     with pytest.raises(ValueError, match="fast mode only, not promoted"):
-        dgrad_swiglu_gluon(dx, w, z, promote=True)
+        dgrad_swiglu_gluon(dx, w, z, recipe=Recipe(rowwise=False, accum="promoted"))
 
 
 @hopper_only

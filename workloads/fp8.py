@@ -67,6 +67,13 @@ class Recipe:
         return f"{'rowwise' if self.rowwise else 'per-tensor'} e4m3/e5m2, pow2 dynamic scales, {self.accum} accum"
 
 
+def promoted(recipe: Recipe | None) -> bool:
+    """Whether fp8 partial sums are promoted to fp32 every K block under ``recipe`` (``accum`` "promoted"); plain
+    operands (no recipe) are not fp8 and never are. The one reading of a recipe's accumulation mode: the CODA
+    mainloop's ``PROMOTE`` and ``torch._scaled_mm``'s ``use_fast_accum`` (its negation) come from it."""
+    return recipe is not None and recipe.accum == "promoted"
+
+
 FP8_DTYPES = ("fp8", "fp8-row")
 """The matrix's fp8 dtype names: per-tensor and rowwise scales (:func:`recipe` maps them to a :class:`Recipe`)."""
 
@@ -123,6 +130,12 @@ def quantize_as(x: torch.Tensor, role: str, recipe: Recipe) -> Fp8:
     return quantize(x, ROLES[role][0], rowwise=recipe.rowwise_for(role))
 
 
+def dgrad_weight(w: torch.Tensor | Fp8) -> torch.Tensor | Fp8:
+    """A dgrad's weight in nn.Linear layout: a ``weight_bwd`` operand is stored transposed (:func:`quantize_as`), so
+    its transposed view; a plain weight as it is."""
+    return w.T if isinstance(w, Fp8) else w
+
+
 def round_inputs(inputs: dict[str, torch.Tensor], operands: dict[str, str], recipe: Recipe) -> dict[str, torch.Tensor]:
     """The inputs with each GEMM operand (name -> role) replaced by its dequantized fp8 value (same dtype)."""
     out = dict(inputs)
@@ -166,7 +179,7 @@ class ScaledMMGemms(TorchGemms):
     def _mm(self, x: torch.Tensor | Fp8, w: Fp8, role: str) -> torch.Tensor:
         xq = x if isinstance(x, Fp8) else quantize_as(x, role, self.recipe)
         return torch._scaled_mm(xq.data, w.data.t(), xq.scale, w.scale.t(), out_dtype=torch.bfloat16,
-                                use_fast_accum=self.recipe.accum == "fast")
+                                use_fast_accum=not promoted(self.recipe))
 
     def linear(self, x, w):
         return self._mm(x, w, "act")

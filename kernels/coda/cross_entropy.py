@@ -6,50 +6,43 @@ the target column; the logits tile is written only when gradients are wanted. A 
 computes ``lse_m = log sum_t exp(lse_part[m, t])``, ``loss_m = lse_m - logits[m, target_m]`` (0 for
 ignored rows), the reduction, and (with_grad) ``dlogits = s * (softmax - onehot)`` in place over the logits (s: an
 optional loss scale, a device scalar) plus ``zdz_m = sum_j logits_mj dlogits_mj``
-(see :func:`kernels.coda.reduce.finish_cross_entropy`).
+(see :func:`kernels.coda.reduce.finish_cross_entropy`). Declared as its epilogue (:mod:`kernels.coda.program`): the
+tiles' log-sum-exps are its row partials (the kernel does not sub-tile: one per tile), and the target logits a
+declared vector its finish reads.
 Split path (:mod:`kernels.coda.strategy`): the plain GEMM's output c (so the logits are written, also without grad),
 then one bandwidth-bound kernel over its rows (:func:`ce_split_rows_kernel`): an online log-sum-exp, the loss and,
 with grad, dlogits written over c by the finishing kernel's own row loop.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.coda.align import is_aligned
-from kernels.coda.epilogue import dequant_scale, gather_cols, load_rows, store_row_partial, store_tile, tile_lse
+from kernels.coda.epilogue import gather_cols, tile_lse
+from kernels.coda.fp8 import result_dtype
 from kernels.coda.gemm import split_matmul
-from kernels.coda.launch import FusedGemm
-from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, tile_coords,
-                                   tile_desc)
-from kernels.coda.reduce import (ce_row_grad, check_reduction, finish_cross_entropy, launched_tiles,
-                                 reduce_loss, row_partials)
-from kernels.coda.strategy import with_split
-from workloads.fp8 import Fp8
+from kernels.coda.mainloop import INTERPRET
+from kernels.coda.program import Binding, Gemm, Output, Partials, coda
+from kernels.coda.reduce import ce_row_grad, check_reduction, finish_cross_entropy, reduce_loss
+from workloads.fp8 import Fp8, Recipe
 
 
-@coda_autotune(key=("M", "N", "K", "WITH_GRAD"))
 @triton.jit
-def gemm_cross_entropy_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
-                              PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, rstd_ptr, target_ptr,
-                              logits_ptr, lse_part_ptr, tgt_logit_ptr, stride_l, stride_p, WITH_GRAD: tl.constexpr):
-    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
-    if WITH_GRAD:
-        logits_desc = tile_desc(logits_ptr, M, N, stride_l, BM, BN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
-        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        rstd = load_rows(rstd_ptr, off_m, M, BM)
-        logits = dequant_scale(acc, rstd, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
-        if WITH_GRAD:
-            store_tile(logits_desc, off_m, off_n, logits)
-        store_row_partial(lse_part_ptr, tile_lse(logits, off_n, N, BN), off_m, off_n, M, stride_p, BM, BN)
-        rows = off_m + tl.arange(0, BM)
-        target = tl.load(target_ptr + rows, mask=rows < M, other=-1)
-        tgt_logit, hit = gather_cols(logits, target, off_n, BN)
-        tl.store(tgt_logit_ptr + rows, tgt_logit, mask=hit & (rows < M))
+def cross_entropy(logits, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """The fused kernel's epilogue on the tile of logits (already times rstd): the target logit of each row whose
+    target column the tile holds, stored into the vector ``tgt_logit`` (``args``: the target and tgt_logit
+    pointers); returns the logits and the tile's per-row log-sum-exp."""
+    target_ptr, tgt_logit_ptr = args
+    lse = tile_lse(logits, off_n, N, BN)
+    rows = off_m + tl.arange(0, BM)
+    target = tl.load(target_ptr + rows, mask=rows < M, other=-1)
+    tgt_logit, hit = gather_cols(logits, target, off_n, BN)
+    tl.store(tgt_logit_ptr + rows, tgt_logit, mask=hit & (rows < M))
+    return logits, lse
 
 
 @triton.jit
@@ -91,14 +84,14 @@ its second read, were slower (too few bytes in flight: 1.0-3.5 ms), and pipelini
 
 def gemm_cross_entropy_split(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: torch.Tensor,
                              target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
-                             with_grad: bool = False, promote: bool = False, out: torch.Tensor | None = None,
+                             with_grad: bool = False, recipe: Recipe | None = None, out: torch.Tensor | None = None,
                              grad_scale: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """:func:`gemm_cross_entropy` split: ``c = h @ w_lm.T`` (:func:`kernels.coda.gemm.split_matmul`, into ``out``
     when given with grad), then one pass of :func:`ce_split_rows_kernel` over c (lse, per-row losses; with grad
     dlogits in place over c and zdz), and the loss's reduction."""
     check_reduction(reduction)
-    z = split_matmul(h, w_lm.T, promote, out if with_grad else None)
+    z = split_matmul(h, w_lm.T, recipe, out if with_grad else None)
     M, V = z.shape
     target = target.contiguous()
     block_v, warps = (32, 4) if INTERPRET else ROWS_CONFIG
@@ -112,12 +105,24 @@ def gemm_cross_entropy_split(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rs
     return (loss, lse, z, zdz) if with_grad else (loss, lse, None, None)
 
 
-@with_split(gemm_cross_entropy_split)
+def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
+    [logits], [target] = outputs, gemm.inputs
+    loss, lse, zdz = finish_cross_entropy(partials.ss, partials.n_tiles, partials.vectors["tgt_logit"], target,
+                                          arguments["ignore_index"], arguments["reduction"], logits,
+                                          arguments["grad_scale"])
+    return loss, lse, logits, zdz
+
+
+@coda(cross_entropy, outputs=(Output("logits", when="with_grad"),), inputs=("target_ptr",), vectors=("tgt_logit",),
+      row_scale="rstd", row_sum=True, finish=_finish, split=gemm_cross_entropy_split,
+      binds=(Binding(("gemm_ce",), ("loss", "lse"), "gemm_cross_entropy: GEMM + row scale + LSE partials; CE finish"),
+             Binding(("gemm_ce_grad",), ("loss", "lse", "dlogits", "zdz"),
+                     "gemm_cross_entropy: GEMM + row scale + logits + LSE partials; CE finish writing dlogits in "
+                     "place and ZdZ", lambda n: {"with_grad": True})))
 def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: torch.Tensor, target: torch.Tensor,
                        ignore_index: int = -100, reduction: str = "mean", with_grad: bool = False,
-                       promote: bool = False, out: torch.Tensor | None = None,
-                       grad_scale: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                       recipe: Recipe | None = None, out: torch.Tensor | None = None,
+                       grad_scale: torch.Tensor | None = None) -> Gemm:
     """``(loss, lse, dlogits, zdz)`` of ``CE(rstd[:, None] * (h @ w_lm.T), target)``.
 
     loss: fp32 scalar ("mean" over non-ignored rows, or "sum"); lse: fp32 [M]. With ``with_grad``:
@@ -127,19 +132,9 @@ def gemm_cross_entropy(h: torch.Tensor | Fp8, w_lm: torch.Tensor | Fp8, rstd: to
     16 bytes as :func:`kernels.coda.align.empty_rows` makes them, which a caller going over chunks of rows reuses),
     and zdz fp32 [M] = ``sum_j logits_mj dlogits_mj``; otherwise the logits are never written and both are None.
     """
-    gemm = FusedGemm(h, w_lm.T, promote)
-    M, V = gemm.M, gemm.N
-    target = target.contiguous()
-    kernel = gemm_cross_entropy_kernel
-    lse_part = row_partials(kernel, M, V, gemm.device)
-    tgt_logit = torch.zeros(M, device=gemm.device, dtype=torch.float32)
-    if out is not None and (out.shape != (M, V) or out.dtype != gemm.out_dtype or not is_aligned(out)):
-        raise ValueError(f"out must be a row-major {(M, V)} {gemm.out_dtype} tensor with 16-byte aligned rows "
+    gemm = Gemm(h, w_lm.T, recipe, row_scale=rstd)
+    (M, V), dtype = gemm.shape, result_dtype(h.data if isinstance(h, Fp8) else h)
+    if out is not None and (out.shape != (M, V) or out.dtype != dtype or not is_aligned(out)):
+        raise ValueError(f"out must be a row-major {(M, V)} {dtype} tensor with 16-byte aligned rows "
                          f"(kernels.coda.align.empty_rows), got {tuple(out.shape)}, {out.dtype}")
-    logits = (gemm.empty() if out is None else out) if with_grad else None
-    gemm.launch(kernel, rstd_ptr=rstd, target_ptr=target, logits_ptr=logits if with_grad else tgt_logit,
-                lse_part_ptr=lse_part, tgt_logit_ptr=tgt_logit, stride_l=logits.stride(0) if with_grad else 0,
-                stride_p=lse_part.stride(0), WITH_GRAD=with_grad)
-    loss, lse, zdz = finish_cross_entropy(lse_part, launched_tiles(kernel, M, V)[1], tgt_logit, target,
-                                          ignore_index, reduction, logits, grad_scale)
-    return loss, lse, logits, zdz
+    return replace(gemm, inputs=(target.contiguous(),), outputs={} if out is None else {"logits": out})

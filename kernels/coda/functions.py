@@ -85,9 +85,9 @@ class Consumer:
     :meth:`backward` computing dz."""
 
     def forward(self, h: torch.Tensor | Fp8, w: torch.Tensor | Fp8, rstd: torch.Tensor, save: bool,
-                promote: bool = False) -> tuple[torch.Tensor, Saved, Saved]:
+                recipe: Recipe | None = None) -> tuple[torch.Tensor, Saved, Saved]:
         """``(output, non-differentiable side outputs, tensors saved for backward besides the output)``; fp8 h and
-        w are dequantized in the epilogue (``promote``: accumulation mode)."""
+        w are dequantized in the epilogue (``recipe``: their fp8 recipe, whose accumulation mode the launch reads)."""
         raise NotImplementedError
 
     def backward(self, grad: torch.Tensor, saved: Saved) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +119,8 @@ class Linear(Consumer):
 
     kind = "linear"
 
-    def forward(self, h, w, rstd, save, promote=False):
-        return scaled_linear(h, w, rstd, promote), (), ()
+    def forward(self, h, w, rstd, save, recipe=None):
+        return scaled_linear(h, w, rstd, recipe), (), ()
 
     def backward(self, dz, saved):
         return dz, None
@@ -131,8 +131,8 @@ class SwiGLU(Consumer):
 
     kind = "swiglu"
 
-    def forward(self, h, w_gu, rstd, save, promote=False):
-        y, z_pre = gemm_swiglu(h, w_gu, rstd, save_preact=save, promote=promote)
+    def forward(self, h, w_gu, rstd, save, recipe=None):
+        y, z_pre = gemm_swiglu(h, w_gu, rstd, save_preact=save, recipe=recipe)
         return y, (), (z_pre,) if save else ()
 
     def backward(self, dy, saved):
@@ -156,9 +156,9 @@ class RoPE(Consumer):
     kind: ClassVar[str] = "rope"
     keeps_output: ClassVar[bool] = True
 
-    def forward(self, h, w_qkv, rstd, save, promote=False):
+    def forward(self, h, w_qkv, rstd, save, recipe=None):
         qkv = gemm_rope(h, w_qkv, rstd, self.positions, self.heads, self.kv_heads, self.head_dim, self.theta,
-                        promote, self.inv_freq)
+                        recipe, self.inv_freq)
         return qkv, (), ()
 
     def backward(self, dqkv, saved):
@@ -187,9 +187,9 @@ class CrossEntropy(Consumer):
     side_outputs: ClassVar[int] = 1
     grad_in_forward: ClassVar[bool] = True
 
-    def forward(self, h, w_lm, rstd, save, promote=False):
+    def forward(self, h, w_lm, rstd, save, recipe=None):
         loss, lse, _, _ = gemm_cross_entropy(h, w_lm, rstd, self.target, self.ignore_index, self.reduction,
-                                             promote=promote)
+                                             recipe=recipe)
         return loss, (lse,), ()
 
     def forward_grad(self, h, w_lm, x, rstd, gamma):
@@ -384,32 +384,26 @@ def norm_consumer(x: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor, consume
 # its epilogue; an epilogue whose output feeds another GEMM (h, SwiGLU's y) also writes its absmax partials,
 # and one pass quantizes it (e4m3, per tensor or per row) for that GEMM.
 
-def _promote(recipe: Recipe) -> bool:
-    return recipe.accum == "promoted"
-
-
 def producer_consumer_fp8(recipe: Recipe, a: Fp8, residual: torch.Tensor, w_p: Fp8, gamma: torch.Tensor, w: Fp8,
                           consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
-    promote = _promote(recipe)
-    x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps, promote, h_fp8=recipe)
-    out, side, _ = consumer.forward(h, w, rstd, False, promote)
+    x, h, rstd = gemm_residual_norm(a, w_p, residual, gamma, eps, recipe, h_fp8=recipe)
+    out, side, _ = consumer.forward(h, w, rstd, False, recipe)
     return x, out, rstd, *side
 
 
 def block_fp8(recipe: Recipe, a: Fp8, residual: torch.Tensor, w_o: Fp8, gamma_mlp: torch.Tensor, w_gu: Fp8,
               w_down: Fp8, gamma: torch.Tensor, w: Fp8, consumer: Consumer, eps: float) -> tuple[torch.Tensor, ...]:
-    promote = _promote(recipe)
-    x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps, promote, h_fp8=recipe)
-    y, _ = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=False, promote=promote, y_fp8=recipe)
-    x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps, promote, h_fp8=recipe)
-    out, side, _ = consumer.forward(h2, w, rstd, False, promote)
+    x1, h1, rstd_mlp = gemm_residual_norm(a, w_o, residual, gamma_mlp, eps, recipe, h_fp8=recipe)
+    y, _ = gemm_swiglu(h1, w_gu, rstd_mlp, save_preact=False, recipe=recipe, y_fp8=recipe)
+    x, h2, rstd = gemm_residual_norm(y, w_down, x1, gamma, eps, recipe, h_fp8=recipe)
+    out, side, _ = consumer.forward(h2, w, rstd, False, recipe)
     return x, out, rstd_mlp, rstd, *side
 
 
 def norm_consumer_fp8(recipe: Recipe, x: torch.Tensor, gamma: torch.Tensor, w: Fp8, consumer: Consumer, eps: float
                       ) -> tuple[torch.Tensor, ...]:
     h, rstd = norm_input(x, gamma, eps, h_fp8=recipe)
-    out, side, _ = consumer.forward(h, w, rstd, False, _promote(recipe))
+    out, side, _ = consumer.forward(h, w, rstd, False, recipe)
     return out, rstd, *side
 
 

@@ -17,7 +17,7 @@ from kernels.coda.epilogue import add_tile, col_subtile, dequant, store_tile
 from kernels.coda.launch import FusedGemm
 from kernels.coda.mainloop import coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, tile_desc
 from kernels.coda.strategy import with_split
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 
 @coda_autotune(key=("M", "N", "K", "ACC"), restore_value=("c_ptr",))
@@ -42,17 +42,18 @@ def gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALI
 
 
 def matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, out_dtype: torch.dtype | None = None,
-           scale: torch.Tensor | None = None, promote: bool = False, acc: torch.Tensor | None = None
+           scale: torch.Tensor | None = None, recipe: Recipe | None = None, acc: torch.Tensor | None = None
            ) -> torch.Tensor:
     """``a @ b`` for a (M, K) and b (K, N), each row-major or a transposed row-major view (fp8: a (M, K) and
     b (K, N) as the transpose of an (N, K) tensor, per-channel scales along N); ``scale``: an optional fp32
-    one-element device tensor multiplying plain operands; ``promote``: fp8 accumulation mode.
+    one-element device tensor multiplying plain operands; ``recipe``: the fp8 operands' recipe (the launch reads its
+    accumulation mode).
 
     ``acc``: a row-major (M, N) tensor to accumulate into, ``acc += a @ b`` (in acc's dtype), returned;
     otherwise a new (M, N) tensor in ``out_dtype`` (default: the operands' dtype), in the row layout
     (:mod:`kernels.coda.align`).
     """
-    gemm = FusedGemm(a, b, promote, scale)
+    gemm = FusedGemm(a, b, recipe, scale)
     if acc is not None and (acc.shape != (gemm.M, gemm.N) or acc.stride(1) != 1):
         raise ValueError(f"acc must be a row-major {(gemm.M, gemm.N)} tensor, got {tuple(acc.shape)}")
     c = gemm.empty(out_dtype) if acc is None else aligned(acc)
@@ -92,18 +93,18 @@ def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) ->
     return matmul(a, b, acc=acc)
 
 
-def linear(x: torch.Tensor | Fp8, w: torch.Tensor | Fp8, promote: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor | Fp8, w: torch.Tensor | Fp8, recipe: Recipe | None = None) -> torch.Tensor:
     """``x @ w.T`` with w in nn.Linear layout (N, K); fp8 x, w: scales per tensor or per row of each."""
-    return matmul(x, w.T, promote=promote)
+    return matmul(x, w.T, recipe=recipe)
 
 
-def split_matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, promote: bool = False,
+def split_matmul(a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, recipe: Recipe | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMM of a split path (:mod:`kernels.coda.strategy`): ``a @ b`` by cuBLAS (torch) for plain operands, by
     :func:`matmul` (the mainloop, dequantizing) for fp8 ones; the result rounded to the operands' dtype (bf16 for
     fp8), as PyTorch's unfused code rounds it; written into ``out`` when given, else into a new tensor in the row
     layout (:mod:`kernels.coda.align`) that the split path's row kernel then reads."""
     if isinstance(a, Fp8):
-        c = matmul(a, b, promote=promote)
+        c = matmul(a, b, recipe=recipe)
         return c if out is None else out.copy_(c)
     return torch.matmul(a, b, out=empty_rows(a.shape[0], b.shape[1], a.dtype, a.device) if out is None else out)

@@ -23,6 +23,7 @@ persistent grid, with the epilogue's arguments by keyword::
 
 The block is passed by position (the autotuner's pruning reads M, N and A's element size from there), the
 epilogue by name; the autotuning key is (the kernel's ``key`` values, then the dtype of every tensor argument).
+A kernel declared as its epilogue (:mod:`kernels.coda.program`) is built with this contract and launched this way.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from triton.runtime.autotuner import Autotuner
 from kernels.coda.align import aligned, empty_rows
 from kernels.coda.fp8 import dequant_args, result_dtype, scalar_args
 from kernels.coda.mainloop import operand, persistent_grid
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe, promoted
 
 MAINLOOP_PARAMS = ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "M", "N", "K", "stride_a", "stride_b", "SCALING",
                    "PROMOTE", "A_KM", "B_KN", "BM", "BN", "BK", "GROUP_M")
@@ -46,15 +47,16 @@ class FusedGemm:
 
     ``a`` (M, K) and ``b`` (K, N) are each row-major or the transposed view of a row-major tensor (an
     nn.Linear weight W (N, K) is passed as ``W.T``), both plain or both fp8 (:class:`workloads.fp8.Fp8`,
-    scales per tensor or per row of A and per column of C, dequantized in the epilogue; ``promote``: their
-    accumulation mode). ``scale``: an optional fp32 one-element device tensor multiplying plain operands
-    (a loss scale), applied by the epilogue's dequantization. ``M``, ``N``, ``K``, ``device`` and ``out_dtype``
+    scales per tensor or per row of A and per column of C, dequantized in the epilogue; ``recipe``: the fp8
+    recipe they were quantized under, whose accumulation mode the launch passes as ``PROMOTE``). ``scale``: an
+    optional fp32 one-element device tensor multiplying plain operands (a loss scale), applied by the epilogue's
+    dequantization. ``M``, ``N``, ``K``, ``device`` and ``out_dtype``
     (the operands' dtype, bf16 for fp8 operands) size the epilogue's outputs. Any sizes: an operand whose stored rows
     are off the 16-byte rule is copied into the row layout, and :meth:`empty` allocates in it
     (:mod:`kernels.coda.align`).
     """
 
-    def __init__(self, a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, promote: bool = False,
+    def __init__(self, a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, recipe: Recipe | None = None,
                  scale: torch.Tensor | None = None) -> None:
         a, b, self.sa, self.sb, self.scaling = dequant_args(a, b)
         if scale is not None:
@@ -67,7 +69,7 @@ class FusedGemm:
         (a, self.a_km), (b, b_t) = operand(a), operand(b)
         self.a, self.b = aligned(a), aligned(b)
         self.b_kn = not b_t  # b (K, N) row-major: B stored (K, N); b = W.T: W stored (N, K)
-        self.promote = promote
+        self.recipe = recipe
         self.device = a.device
         self.out_dtype = result_dtype(a)
 
@@ -83,4 +85,4 @@ class FusedGemm:
             raise TypeError(f"{kernel.base_fn.__name__} does not start with the mainloop block {MAINLOOP_PARAMS}")
         kernel[persistent_grid(self.M, self.N, self.device)](
             self.a, self.b, self.sa, self.sb, self.M, self.N, self.K, self.a.stride(0), self.b.stride(0),
-            self.scaling, self.promote, self.a_km, self.b_kn, **epilogue)
+            self.scaling, promoted(self.recipe), self.a_km, self.b_kn, **epilogue)

@@ -60,9 +60,10 @@ from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, Swi
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.gemm import linear, matmul
 from kernels.coda.precompile import precompile_autograd
-from kernels.coda.producer import gemm_residual_norm, norm_input
+from kernels.coda.program import Binding, register
+from kernels.coda.producer import gemm_residual_norm, model_eps, norm_input
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
-from kernels.coda.rope import gemm_rope
+from kernels.coda.rope import gemm_rope, model_rope
 from kernels.coda.rope_bwd import rope_bwd
 from kernels.coda.scaled_linear import scaled_linear
 from kernels.coda.strategy import Recorder, summary
@@ -128,81 +129,8 @@ def block_run(n: Tensors) -> Tensors:
     return {"x": x, "qkv": qkv, "rstd_mlp": rstd_mlp, "rstd_attn": rstd_attn}
 
 
-def _dgrad_weight(w: torch.Tensor | fp8.Fp8) -> torch.Tensor | fp8.Fp8:
-    """The dgrad's weight in nn.Linear layout: an fp8 one is stored transposed (K-major), so view it back."""
-    return w.T if isinstance(w, fp8.Fp8) else w
-
-
-def _promote(n: Tensors) -> bool:
-    return n["recipe"] is not None and n["recipe"].accum == "promoted"
-
-
-def rmsnorm_dgrad_run(n: Tensors) -> Tensors:
-    """rmsnorm_dgrad(_qkv) with the incoming residual gradient dres; rmsnorm_dgrad_lm with the loss scale instead."""
-    dx, y, dgamma = dgrad_rmsnorm(n["dz"], _dgrad_weight(n["w"]), n["x"], n["rstd"], n["gamma"], n["zdz"],
-                                  n.get("dres"), dz_scale=n.get("scale", 1.0), promote=_promote(n))
-    return {"dx": dx, "dgamma": dgamma, "y": y}
-
-
-def swiglu_dgrad_run(n: Tensors) -> Tensors:
-    dz_pre, a, zdz = dgrad_swiglu(n["dx"], _dgrad_weight(n["w_down"]), n["z_pre"], promote=_promote(n))
-    return {"dz_pre": dz_pre, "a": a, "zdz": zdz}
-
-
 def gemm_run(n: Tensors) -> Tensors:
-    return {"out": linear(n["x"], n["w"], promote=_promote(n))}
-
-
-# ---- the kernel-level ops: one host function each (native layouts) ------------------------------------------
-
-def producer_run(n: Tensors) -> Tensors:
-    x, h, rstd = gemm_residual_norm(n["a"], n["w"], n["residual"], n["gamma"], n["model"].eps, promote=_promote(n))
-    return {"x": x, "h": h, "rstd": rstd}
-
-
-def scaled_linear_run(n: Tensors) -> Tensors:
-    return {"z": scaled_linear(n["h"], n["w"], n["rstd"], promote=_promote(n))}
-
-
-def _gemm_swiglu(save_preact: bool) -> Callable[[Tensors], Tensors]:
-    def run(n: Tensors) -> Tensors:
-        y, z_pre = gemm_swiglu(n["h"], n["w_gu"], n["rstd"], save_preact, promote=_promote(n))
-        return {"y": y, "z_pre": z_pre} if save_preact else {"y": y}
-    return run
-
-
-def gemm_rope_run(n: Tensors) -> Tensors:
-    model = n["model"]
-    return {"qkv": gemm_rope(n["h"], n["w_qkv"], n["rstd"], n["positions"], *_qkv_args(model), model.rope_theta,
-                             promote=_promote(n))}
-
-
-def _gemm_ce(with_grad: bool) -> Callable[[Tensors], Tensors]:
-    def run(n: Tensors) -> Tensors:
-        loss, lse, dlogits, zdz = gemm_cross_entropy(n["h"], n["w_lm"], n["rstd"], n["target"], with_grad=with_grad,
-                                                     promote=_promote(n))
-        return {"loss": loss, "lse": lse, "dlogits": dlogits, "zdz": zdz} if with_grad else {"loss": loss, "lse": lse}
-    return run
-
-
-def norm_input_run(n: Tensors) -> Tensors:
-    h, rstd = norm_input(n["x"], n["gamma"], n["model"].eps)
-    return {"h": h, "rstd": rstd}
-
-
-def swiglu_bwd_run(n: Tensors) -> Tensors:
-    dz_pre, zdz = swiglu_bwd(n["dy"], n["z_pre"])
-    return {"dz_pre": dz_pre, "zdz": zdz}
-
-
-def rope_bwd_run(n: Tensors) -> Tensors:
-    model = n["model"]
-    dz, zdz = rope_bwd(n["dqkv"], n["qkv"], n["positions"], *_qkv_args(model), model.rope_theta)
-    return {"dz": dz, "zdz": zdz}
-
-
-def lm_head_wgrad_run(n: Tensors) -> Tensors:
-    return {"dw": matmul(n["dz"].T, n["y"], scale=n["scale"])}
+    return {"out": linear(n["x"], n["w"], recipe=n["recipe"])}
 
 
 # ---- the implementation -----------------------------------------------------------------------
@@ -215,6 +143,10 @@ def _row_layout(v: object) -> object:
         return fp8.Fp8(aligned(v.data), v.scale)
     return aligned(v) if isinstance(v, torch.Tensor) and v.dim() == 2 else v
 
+
+DECLARED = (gemm_residual_norm, scaled_linear, gemm_swiglu, gemm_rope, gemm_cross_entropy, dgrad_rmsnorm, dgrad_swiglu)
+"""The CODA kernels declared as their epilogues (:mod:`kernels.coda.program`), whose ``binds`` name the ops each
+implements alone."""
 
 RECORDER = Recorder()
 """The strategies of the last call of a coda-triton op: its forward and, in autograd modes, its backward."""
@@ -307,28 +239,17 @@ for _op, _fn, _modes, _desc in [
     ("lm_head_ce", lm_head_ce_run, CE_MODES, "norm statistics pass; LM-head GEMM + LSE/CE epilogue"),
     ("block", block_run, ALL_MODES, "4 fused GEMMs + 2 rstd reductions (CODA block boundary); "
                                     "bwd: RoPE bwd + 3 fused dgrad GEMMs + sums + 5 GEMMs"),
-    ("rmsnorm_dgrad", rmsnorm_dgrad_run, ("bwd",), "dgrad GEMM + RMSNorm backward epilogue + dgamma partials"),
-    ("swiglu_dgrad", swiglu_dgrad_run, ("bwd",), "down-proj dgrad GEMM + SwiGLU backward + ZdZ partials"),
 ]:
     REGISTRY.add(CodaTriton(_op, _fn, _modes, _desc, grads_in_forward=_modes == CE_MODES))
 for _op in GEMM_SHAPES:  # the speed-of-light of the fused kernels
     REGISTRY.add(CodaTriton(_op, gemm_run, ("fwd",), "plain GEMM, CODA mainloop"))
-for _op, _fn, _modes, _desc in [  # the kernel level: one host function each
-    ("producer_out", producer_run, ("fwd",), "gemm_residual_norm: GEMM + residual + gamma + sum-of-squares partials"),
-    ("producer_down", producer_run, ("fwd",), "gemm_residual_norm: GEMM + residual + gamma + sum-of-squares partials"),
-    ("scaled_linear", scaled_linear_run, ("fwd",), "scaled_linear: GEMM + row scale"),
-    ("gemm_swiglu", _gemm_swiglu(False), ("fwd",), "gemm_swiglu: GEMM + row scale + SwiGLU"),
-    ("gemm_swiglu_save", _gemm_swiglu(True), ("fwd",), "gemm_swiglu: GEMM + row scale + SwiGLU, pre-activation saved"),
-    ("gemm_rope", gemm_rope_run, ("fwd",), "gemm_rope: GEMM + row scale + RoPE"),
-    ("gemm_ce", _gemm_ce(False), ("fwd",), "gemm_cross_entropy: GEMM + row scale + LSE partials; CE finish"),
-    ("gemm_ce_grad", _gemm_ce(True), ("fwd",), "gemm_cross_entropy: GEMM + row scale + logits + LSE partials; "
-                                               "CE finish writing dlogits in place and ZdZ"),
-    ("norm_input", norm_input_run, ("fwd",), "norm_input: one pass, h and rstd"),
-    ("rmsnorm_dgrad_qkv", rmsnorm_dgrad_run, ("bwd",), "dgrad GEMM + RMSNorm backward epilogue + dgamma partials"),
-    ("rmsnorm_dgrad_lm", rmsnorm_dgrad_run, ("bwd",), "dgrad GEMM x loss scale + RMSNorm backward epilogue + "
-                                                      "dgamma partials"),
-    ("swiglu_bwd", swiglu_bwd_run, ("bwd",), "swiglu_bwd: elementwise, one pass"),
-    ("rope_bwd", rope_bwd_run, ("bwd",), "rope_bwd: elementwise, one pass"),
-    ("lm_head_wgrad", lm_head_wgrad_run, ("bwd",), "matmul: dz^T y GEMM + loss scale"),
+for _host in DECLARED:  # the ops each declared kernel implements alone (its binds): the direct dgrads, the kernel level
+    register(_host, CodaTriton.name, CodaTriton)
+for _host, _binding in [  # the kernel level of what is not a declared kernel: one host function each
+    (norm_input, Binding(("norm_input",), ("h", "rstd"), "norm_input: one pass, h and rstd", model_eps)),
+    (swiglu_bwd, Binding(("swiglu_bwd",), ("dz_pre", "zdz"), "swiglu_bwd: elementwise, one pass")),
+    (rope_bwd, Binding(("rope_bwd",), ("dz", "zdz"), "rope_bwd: elementwise, one pass", model_rope)),
+    (matmul, Binding(("lm_head_wgrad",), ("dw",), "matmul: dz^T y GEMM + loss scale",
+                     lambda n: {"a": n["dz"].T, "b": n["y"]})),
 ]:
-    REGISTRY.add(CodaTriton(_op, _fn, _modes, _desc))
+    register(_host, CodaTriton.name, CodaTriton, (_binding,))

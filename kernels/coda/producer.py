@@ -4,62 +4,43 @@
     h = x * gamma                   (gamma as a column scale; the consumer GEMM applies rstd per row)
     rstd_m = (sum_j x_mj^2 / d + eps)^(-1/2)
 
-One fused GEMM writes x, h and per-N-tile partial sums of squares of the fp32 x (before rounding);
-:func:`kernels.coda.reduce.finish_rstd` turns them into rstd. On fp8 operands the epilogue first
-dequantizes, and can write absmax partials of h so that h is quantized for the next fp8 GEMM.
+One fused GEMM, declared as its epilogue (:mod:`kernels.coda.program`), writes x, h and per-N-tile partial sums of
+squares of the fp32 x (before rounding); :func:`kernels.coda.reduce.finish_rstd` turns them into rstd. On fp8
+operands the epilogue first dequantizes, and can write absmax partials of h so that h is quantized for the next fp8
+GEMM.
 :func:`norm_input` does the same for an x that no GEMM produces (the first layer's input, the LM head's input).
 Split path (:mod:`kernels.coda.strategy`): the plain GEMM c = a @ w^T, then that same row pass on x = residual + c.
 Gluon path, on Hopper: the warp-specialized kernel of :mod:`kernels.coda.producer_gluon` (h from the rounded x).
 """
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.coda.align import aligned, empty_rows, meets_rule
-from kernels.coda.epilogue import (add_tile, cast, col_subtile, dequant, load_tile, row_absmax, row_sumsq,
-                                   scale_cols, store_row_partial, store_tile)
+from kernels.coda.epilogue import add_tile, cast, load_tile, row_absmax, row_sumsq, scale_cols, store_tile
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import split_matmul
-from kernels.coda.launch import FusedGemm
-from kernels.coda.mainloop import (coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs, tile_coords,
-                                   tile_desc)
-from kernels.coda.reduce import finish_rstd, launched_tiles, row_partials
-from kernels.coda.strategy import Gluon, hopper, with_split
+from kernels.coda.mainloop import subtiled_configs, tile_desc
+from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
+from kernels.coda.reduce import finish_rstd
+from kernels.coda.strategy import Gluon, hopper
 from workloads.fp8 import Fp8, Recipe
 
+try:  # the Gluon path needs Triton's Gluon; without it (strategy.Gluon) the fused and split paths only
+    from kernels.coda.producer_gluon import gemm_residual_norm_gluon
+except ImportError:
+    gemm_residual_norm_gluon = None
 
-@coda_autotune(configs=subtiled_configs((2, 1, 4)))
+
 @triton.jit
-def gemm_residual_norm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
-                              PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
-                              BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, res_ptr, gamma_ptr, x_ptr,
-                              h_ptr, ss_ptr, amax_ptr, stride_res, stride_x, stride_h, stride_ss, AMAX: tl.constexpr,
-                              EPI_SUB: tl.constexpr):
-    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
-    SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
-    res_desc = tile_desc(res_ptr, M, N, stride_res, BM, SN)
-    x_desc = tile_desc(x_ptr, M, N, stride_x, BM, SN)
-    h_desc = tile_desc(h_ptr, M, N, stride_h, BM, SN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
-        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        acc = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
-        sumsq = tl.zeros((BM,), dtype=tl.float32)
-        amax = tl.zeros((BM,), dtype=tl.float32)
-        for i in tl.static_range(EPI_SUB):
-            off_s = off_n + i * SN
-            x = add_tile(col_subtile(acc, i, EPI_SUB, BM, BN), res_desc, off_m, off_s)
-            store_tile(x_desc, off_m, off_s, x)
-            sumsq += row_sumsq(x)
-            h = cast(scale_cols(x, gamma_ptr, off_s, N, SN), h_desc.dtype)
-            store_tile(h_desc, off_m, off_s, h)
-            if AMAX:
-                amax = tl.maximum(amax, row_absmax(h))
-        store_row_partial(ss_ptr, sumsq, off_m, off_n, M, stride_ss, BM, BN)
-        if AMAX:
-            store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_ss, BM, BN)
+def residual_norm(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(x, h): ``x = z + residual`` (the tile of descriptor ``args[0]``) and ``h = x * gamma`` (``args[1]``)."""
+    x = add_tile(z, args[0], off_m, off_n)
+    return x, scale_cols(x, args[1], off_n, N, BN)
 
 
 @triton.jit
@@ -112,11 +93,11 @@ def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tens
 
 
 def gemm_residual_norm_split(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor,
-                             gamma: torch.Tensor, eps: float, promote: bool = False, h_fp8: Recipe | None = None
+                             gamma: torch.Tensor, eps: float, recipe: Recipe | None = None, h_fp8: Recipe | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor | Fp8, torch.Tensor]:
     """:func:`gemm_residual_norm` split: ``c = a @ w.T`` (:func:`kernels.coda.gemm.split_matmul`), then one pass
     over the rows of c and residual writing x, h and rstd (:func:`norm_rows_kernel`)."""
-    return _norm_rows(split_matmul(a, w.T, promote), residual, gamma, eps, h_fp8)
+    return _norm_rows(split_matmul(a, w.T, recipe), residual, gamma, eps, h_fp8)
 
 
 def gluon_applies(arguments: dict) -> bool:
@@ -130,28 +111,29 @@ def gluon_applies(arguments: dict) -> bool:
             and all(meets_rule(n, a.element_size()) for n in (a.shape[1], w.shape[0])))
 
 
-@with_split(gemm_residual_norm_split,
-            gluon=Gluon("kernels.coda.producer_gluon", "gemm_residual_norm_gluon", gluon_applies))
+def model_eps(n: Mapping[str, Any]) -> dict[str, Any]:
+    """The RMSNorm epsilon of a cell's model (``n["model"]``), as a Binding's args."""
+    return {"eps": n["model"].eps}
+
+
+def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, finish_rstd(partials.ss, partials.n_tiles, outputs[0].shape[1], arguments["eps"]))
+
+
+@coda(residual_norm, outputs=(Output("x", like="residual", sumsq=True), Output("h", like="residual", fp8="h_fp8")),
+      inputs=(Tile("res"), "gamma_ptr"), configs=subtiled_configs((2, 1, 4)), finish=_finish,
+      split=gemm_residual_norm_split,
+      gluon=gemm_residual_norm_gluon and Gluon(gemm_residual_norm_gluon, gluon_applies),
+      binds=(Binding(("producer_out", "producer_down"), ("x", "h", "rstd"),
+                     "gemm_residual_norm: GEMM + residual + gamma + sum-of-squares partials", model_eps),))
 def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor, gamma: torch.Tensor,
-                       eps: float, promote: bool = False, h_fp8: Recipe | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | Fp8, torch.Tensor]:
+                       eps: float, recipe: Recipe | None = None, h_fp8: Recipe | None = None) -> Gemm:
     """``(x, h, rstd)``: ``x = residual + a @ w.T`` and ``h = x * gamma`` (residual's dtype), ``rstd`` fp32 [M]
     of x; w in nn.Linear layout (N, K). fp8 a and w (:class:`workloads.fp8.Fp8`) are dequantized in the
-    epilogue (``promote``: accumulation mode). ``h_fp8``: h returned quantized to e4m3 under that recipe (an
-    activation: per tensor or per row) from absmax partials the epilogue writes next to the sums of squares."""
-    gemm = FusedGemm(a, w.T, promote)
-    residual, gamma = aligned(residual), gamma.contiguous()
-    x, h = gemm.empty(residual.dtype), gemm.empty(residual.dtype)
-    kernel = gemm_residual_norm_kernel
-    ss = row_partials(kernel, gemm.M, gemm.N, gemm.device)
-    amax = torch.empty_like(ss) if h_fp8 else ss
-    gemm.launch(kernel, res_ptr=residual, gamma_ptr=gamma, x_ptr=x, h_ptr=h, ss_ptr=ss, amax_ptr=amax,
-                stride_res=residual.stride(0), stride_x=x.stride(0), stride_h=h.stride(0), stride_ss=ss.stride(0),
-                AMAX=h_fp8 is not None)
-    n_tiles = launched_tiles(kernel, gemm.M, gemm.N)[1]
-    if h_fp8:
-        h = quantize_from_partials(h, amax, n_tiles, rowwise=h_fp8.rowwise_for("act"))
-    return x, h, finish_rstd(ss, n_tiles, gemm.N, eps)
+    epilogue (``recipe``: their fp8 recipe, whose accumulation mode the launch reads). ``h_fp8``: h returned
+    quantized to e4m3 under that recipe (an activation: per tensor or per row) from absmax partials the epilogue
+    writes next to the sums of squares."""
+    return Gemm(a, w.T, recipe, inputs=(residual, gamma.contiguous()))
 
 
 def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Recipe | None = None

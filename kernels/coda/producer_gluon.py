@@ -224,10 +224,10 @@ def ws_producer(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
 
 
 def gemm_residual_norm_gluon(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
-                             eps: float, promote: bool = False, h_fp8: Recipe | None = None
+                             eps: float, recipe: Recipe | None = None, h_fp8: Recipe | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`kernels.coda.producer.gemm_residual_norm`'s Gluon path: ``(x, h, rstd)``, h = bf16(x) * gamma. Plain
-    operands only (:func:`kernels.coda.producer.gluon_applies`): ``promote`` and ``h_fp8`` are fp8's."""
+    operands only (:func:`kernels.coda.producer.gluon_applies`): ``recipe`` and ``h_fp8`` are fp8's."""
     if h_fp8 is not None:
         raise ValueError("the Gluon producer takes plain operands, not fp8")
     return ws_producer(a, w, residual, gamma, eps)

@@ -8,10 +8,11 @@ For ``y = gamma * x * rstd`` (normalized, scaled) feeding ``z = y @ W^T``, given
     y  = xhat gamma                                  (recomputed, for the weight gradient dW = dz^T y)
     dgamma = sum_m gy xhat                           (per-M-tile column partials + a finishing sum)
 
-One fused GEMM writes dx, y and the dgamma partials; :func:`kernels.coda.reduce.finish_col_sum` sums
-the partials. dx may overwrite dres (each tile is read and written by the one program that owns it).
-The epilogue runs on EPI_SUB column sub-tiles of the accumulator (autotuned: 2 or 4), so the large tile
-fits in shared memory next to its TMA staging buffers. Split path (:mod:`kernels.coda.strategy`): gy = dz @ W by the
+One fused GEMM, declared as its epilogue (:mod:`kernels.coda.program`), writes dx, y and the dgamma partials (the
+column sums of gy xhat per M tile); :func:`kernels.coda.reduce.finish_col_sum` sums the partials. dx may overwrite
+dres (each tile is read and written by the one program that owns it). rstd and c are loaded once per tile; the
+epilogue runs on EPI_SUB column sub-tiles of the accumulator (autotuned: 2 or 4), so the large tile fits in shared
+memory next to its TMA staging buffers. Split path (:mod:`kernels.coda.strategy`): gy = dz @ W by the
 plain GEMM, then the same epilogue math on whole rows of gy in one bandwidth-bound kernel (y written over gy, dgamma
 partials per program). A consumer that produces no ZdZ (a plain linear keeps no z) gets c from the row of gy there,
 ``c_m = (1/d) sum_j gy_mj gamma_j xhat_mj`` (= s <z_m, dz_m> / d): no extra pass, as the row is in registers; the
@@ -19,64 +20,48 @@ fused epilogue cannot, as it needs c before a tile's first column, so a call wit
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.coda.align import aligned, empty_rows, written_back
-from kernels.coda.epilogue import (col_subtile, col_sum_partial, dequant, load_block, load_cols, load_rows,
-                                   load_tile, rmsnorm_dx, store_block, store_tile)
+from kernels.coda.epilogue import load_block, load_cols, load_rows, load_tile, rmsnorm_dx, store_block
 from kernels.coda.gemm import split_matmul
-from kernels.coda.launch import FusedGemm
-from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
-                                   num_sms, tile_coords, tile_desc)
-from kernels.coda.reduce import col_partials, finish_col_sum, launched_tiles
-from kernels.coda.strategy import with_split
-from workloads.fp8 import Fp8
+from kernels.coda.mainloop import INTERPRET, num_sms, subtiled_configs
+from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
+from kernels.coda.reduce import finish_col_sum
+from workloads.fp8 import Fp8, Recipe, dgrad_weight
 
 
 @triton.jit
-def _rmsnorm_bwd_subtile(gy, off_m, off_n, rstd, c, gamma_ptr, x_desc, dres_desc, dx_desc, y_desc, dg_ptr, N, stride_dg,
-                         HAS_RES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """The epilogue on the (BM, BN) sub-tile gy at (off_m, off_n): dx, y and the dgamma column partials."""
+def rmsnorm_rows(gy, args, off_m, M, N, BM: tl.constexpr):
+    """Per tile of gy, before its sub-tiles: gy times the scale, and the epilogue's args: x's and dres's
+    descriptors, gamma, HAS_RES, and rstd and c of the tile's rows. ``args``: x's descriptor, the rstd, gamma, zdz
+    and scale pointers, dres's descriptor, the flags HAS_RES and HAS_SCALE."""
+    x_desc, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_desc, HAS_RES, HAS_SCALE = args
+    c_scale = 1.0 / N
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+        c_scale = c_scale * scale
+        gy = gy * scale
+    rstd = load_rows(rstd_ptr, off_m, M, BM)
+    c = load_rows(zdz_ptr, off_m, M, BM) * c_scale
+    return gy, (x_desc, dres_desc, gamma_ptr, rstd, c, HAS_RES)
+
+
+@triton.jit
+def rmsnorm_dgrad(gy, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """The fused kernel's epilogue on the (BM, BN) sub-tile gy at (off_m, off_n) (``args``: :func:`rmsnorm_rows`'):
+    (dx, y, gy xhat), the last one's column sums the dgamma partials."""
+    x_desc, dres_desc, gamma_ptr, rstd, c, HAS_RES = args
     gamma = load_cols(gamma_ptr, off_n, N, BN)
     xhat = load_tile(x_desc, off_m, off_n) * rstd[:, None]
     dx = rmsnorm_dx(gy, xhat, rstd, gamma, c)
     if HAS_RES:
         dx += load_tile(dres_desc, off_m, off_n)
-    store_tile(dx_desc, off_m, off_n, dx)
-    store_tile(y_desc, off_m, off_n, xhat * gamma[None, :])
-    col_sum_partial(dg_ptr, gy * xhat, off_m, off_n, N, stride_dg, BM, BN)
-
-
-@coda_autotune(key=("M", "N", "K", "HAS_RES", "HAS_SCALE"), configs=subtiled_configs(), restore_value=("dx_ptr",))
-@triton.jit
-def dgrad_rmsnorm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
-                         PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, x_ptr, rstd_ptr, gamma_ptr,
-                         zdz_ptr, scale_ptr, dres_ptr, dx_ptr, y_ptr, dg_ptr, stride_x, stride_dres, stride_dx,
-                         stride_y, stride_dg, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, EPI_SUB: tl.constexpr):
-    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
-    SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
-    x_desc = tile_desc(x_ptr, M, N, stride_x, BM, SN)
-    dres_desc = tile_desc(dres_ptr, M, N, stride_dres, BM, SN)
-    dx_desc = tile_desc(dx_ptr, M, N, stride_dx, BM, SN)
-    y_desc = tile_desc(y_ptr, M, N, stride_y, BM, SN)
-    c_scale = 1.0 / N
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr).to(tl.float32)
-        c_scale = c_scale * scale
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
-        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        gy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        gy = dequant(gy, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
-        if HAS_SCALE:
-            gy = gy * scale
-        rstd = load_rows(rstd_ptr, off_m, M, BM)
-        c = load_rows(zdz_ptr, off_m, M, BM) * c_scale
-        for i in tl.static_range(EPI_SUB):
-            _rmsnorm_bwd_subtile(col_subtile(gy, i, EPI_SUB, BM, BN), off_m, off_n + i * SN, rstd, c, gamma_ptr,
-                                 x_desc, dres_desc, dx_desc, y_desc, dg_ptr, N, stride_dg, HAS_RES, BM, SN)
+    return dx, xhat * gamma[None, :], gy * xhat
 
 
 def scale_arg(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -156,12 +141,12 @@ def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres
 
 def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
                         gamma: torch.Tensor, zdz: torch.Tensor | None, dres: torch.Tensor | None = None,
-                        dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, promote: bool = False
+                        dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, recipe: Recipe | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`dgrad_rmsnorm` split: ``gy = dz @ w`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over whole
     rows of gy (:func:`rmsnorm_bwd_rows_kernel`: c from zdz or from the row, dx, y over gy, dgamma partials) and the
     partials' sum."""
-    gy = split_matmul(dz, w, promote)
+    gy = split_matmul(dz, w, recipe)
     M, N = gy.shape
     x, gamma, res, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gy.device)
     bm, bd, warps, programs = rows_launch(M, N, gy.device)
@@ -179,11 +164,28 @@ def _not_inplace(arguments: dict) -> dict:
     return {**arguments, "inplace": False}
 
 
-@with_split(dgrad_rmsnorm_split, safe=_not_inplace, fuses=lambda arguments: arguments["zdz"] is not None)
+def _cell_args(n: dict) -> dict:
+    """A cell's weight in nn.Linear layout and its loss scale (rmsnorm_dgrad_lm; 1 elsewhere)."""
+    return {"w": dgrad_weight(n["w"]), "dz_scale": n.get("scale", 1.0)}
+
+
+def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
+    dx, y = outputs
+    dx = written_back(dx, arguments["dres"]) if arguments["inplace"] else dx
+    return dx, y, finish_col_sum(partials.cs, partials.m_tiles, arguments["gamma"].dtype)
+
+
+@coda(rmsnorm_dgrad, outputs=(Output("dx"), Output("y")),
+      inputs=(Tile("x"), "rstd_ptr", "gamma_ptr", "zdz_ptr", "scale_ptr", Tile("dres")), flags=("HAS_RES", "HAS_SCALE"),
+      tile=rmsnorm_rows, col_sum=True, configs=subtiled_configs(), restore=("dx",), finish=_finish,
+      split=dgrad_rmsnorm_split, safe=_not_inplace, fuses=lambda arguments: arguments["zdz"] is not None,
+      binds=(Binding(("rmsnorm_dgrad", "rmsnorm_dgrad_qkv"), ("dx", "y", "dgamma"),
+                     "dgrad GEMM + RMSNorm backward epilogue + dgamma partials", _cell_args),
+             Binding(("rmsnorm_dgrad_lm",), ("dx", "y", "dgamma"),
+                     "dgrad GEMM x loss scale + RMSNorm backward epilogue + dgamma partials", _cell_args)))
 def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
                   gamma: torch.Tensor, zdz: torch.Tensor | None, dres: torch.Tensor | None = None,
-                  dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, promote: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, recipe: Recipe | None = None) -> Gemm:
     """``(dx, y, dgamma)`` of RMSNorm followed by ``z = y @ w.T``, given ``dz`` (see the module docstring).
 
     dz [M, N'] and w [N', d] (nn.Linear layout of the consumer GEMM); x [M, d] the saved residual stream,
@@ -193,18 +195,11 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     has dres's dtype (x's without dres), y dz's, dgamma gamma's.
 
     fp8 (:class:`workloads.fp8.Fp8`): dz e5m2 and w (its data a transposed view of the K-major (d, N') copy)
-    with per-tensor scales, dequantized in the epilogue (``promote``: accumulation mode); y is then bf16.
+    with per-tensor scales, dequantized in the epilogue (``recipe``: their fp8 recipe, whose accumulation mode the
+    launch reads); y is then bf16.
     """
-    gemm = FusedGemm(dz, w, promote)
-    M, N = gemm.M, gemm.N
-    x, gamma, res, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gemm.device)
-    y = gemm.empty()
-    kernel = dgrad_rmsnorm_kernel
-    dg = col_partials(kernel, M, N, gemm.device)
+    gemm = Gemm(dz, w, recipe)
+    x, gamma, res, dx = norm_bwd_operands(*gemm.shape, x, gamma, dres, inplace, gemm.device)
     scale = scale_arg(dz_scale, gemm.device)
-    gemm.launch(kernel, x_ptr=x, rstd_ptr=rstd, gamma_ptr=gamma, zdz_ptr=zdz,
-                scale_ptr=scale if scale is not None else rstd, dres_ptr=res, dx_ptr=dx, y_ptr=y, dg_ptr=dg,
-                stride_x=x.stride(0), stride_dres=res.stride(0), stride_dx=dx.stride(0), stride_y=y.stride(0),
-                stride_dg=dg.stride(0), HAS_RES=dres is not None, HAS_SCALE=scale is not None)
-    return (written_back(dx, dres) if inplace else dx), y, finish_col_sum(dg, launched_tiles(kernel, M, N)[0],
-                                                                          gamma.dtype)
+    return replace(gemm, inputs=(x, rstd, gamma, zdz, rstd if scale is None else scale, res),
+                   flags={"HAS_RES": dres is not None, "HAS_SCALE": scale is not None}, outputs={"dx": dx})

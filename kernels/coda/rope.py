@@ -9,25 +9,22 @@ head's rotary pairs are adjacent columns. Epilogue, for pair p = (column 2p, col
 with i = p mod (dh / 2) the pair's index within its head; v columns have frequency 0 (cos 1, sin 0). A scaled
 RoPE (linear, llama3) replaces ``theta^(-2i/dh)`` by its own frequencies ``inv_freq_i``. This equals Hugging
 Face's half-split RoPE after the layout permutation.
-Split path (:mod:`kernels.coda.strategy`): the plain GEMM, then the row scale and rotation in place over its output,
-with the same angle computation (:func:`kernels.coda.epilogue.rope_cos_sin`).
+Declared as its epilogue (:mod:`kernels.coda.program`); its split path rotates the GEMM output in place, with the
+same angle computation (:func:`kernels.coda.epilogue.rope_cos_sin`).
 """
 from __future__ import annotations
 
 import functools
+from typing import Any, Mapping
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.epilogue import (col_subtile, dequant_scale, load_rows, load_tile, rope_cos_sin, rotate_pairs,
-                                   store_tile)
-from kernels.coda.gemm import split_matmul
-from kernels.coda.launch import FusedGemm
-from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
-                                   tile_coords, tile_desc)
-from kernels.coda.strategy import with_split
-from workloads.fp8 import Fp8
+from kernels.coda.epilogue import rope_cos_sin, rotate_pairs
+from kernels.coda.mainloop import subtiled_configs
+from kernels.coda.program import Binding, Gemm, Output, coda
+from workloads.fp8 import Fp8, Recipe
 
 
 @functools.lru_cache(maxsize=32)
@@ -51,49 +48,11 @@ def rope_freq_table(heads: int, kv_heads: int, head_dim: int, theta: float, devi
     return torch.stack([hi, per_pair - hi]).to(device=device, dtype=torch.float32)
 
 
-@coda_autotune(configs=subtiled_configs((2, 1, 4)))
 @triton.jit
-def gemm_rope_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
-                     PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, rstd_ptr, pos_ptr, freq_ptr, out_ptr,
-                     stride_o, EPI_SUB: tl.constexpr):
-    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
-    SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
-    out_desc = tile_desc(out_ptr, M, N, stride_o, BM, SN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
-        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        rstd = load_rows(rstd_ptr, off_m, M, BM)
-        z = dequant_scale(acc, rstd, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
-        for i in tl.static_range(EPI_SUB):
-            off_s = off_n + i * SN
-            cos, sin = rope_cos_sin(pos_ptr, freq_ptr, off_m, off_s, M, N, BM, SN)
-            store_tile(out_desc, off_m, off_s, rotate_pairs(col_subtile(z, i, EPI_SUB, BM, BN), cos, sin, BM, SN))
-
-
-@triton.jit
-def rope_rows_kernel(z_ptr, rstd_ptr, pos_ptr, freq_ptr, M, N, stride_z, BM: tl.constexpr, BN: tl.constexpr):
-    """Rows [pid BM, pid BM + BM) of the GEMM output c: ``rotate_pairs(rstd[:, None] * c)`` in place, one pass."""
-    off_m = tl.program_id(0) * BM
-    z_desc = tile_desc(z_ptr, M, N, stride_z, BM, BN)
-    rstd = load_rows(rstd_ptr, off_m, M, BM)
-    for off_n in range(0, N, BN):
-        z = load_tile(z_desc, off_m, off_n) * rstd[:, None]
-        cos, sin = rope_cos_sin(pos_ptr, freq_ptr, off_m, off_n, M, N, BM, BN)
-        store_tile(z_desc, off_m, off_n, rotate_pairs(z, cos, sin, BM, BN))
-
-
-def gemm_rope_split(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tensor, positions: torch.Tensor,
-                    heads: int, kv_heads: int, head_dim: int, theta: float, promote: bool = False,
-                    inv_freq: tuple[float, ...] | None = None) -> torch.Tensor:
-    """:func:`gemm_rope` split: ``c = h @ w_qkv.T`` (:func:`kernels.coda.gemm.split_matmul`), then the row scale and
-    the rotation in place over c (:func:`rope_rows_kernel`, the fused epilogue's angles)."""
-    out = split_matmul(h, w_qkv.T, promote)
-    M, N = out.shape
-    freq = _freq(N, heads, kv_heads, head_dim, theta, out.device, inv_freq)
-    bm, bn = (16, 32) if INTERPRET else (16, 256)
-    rope_rows_kernel[(triton.cdiv(M, bm),)](out, rstd, positions.contiguous(), freq, M, N, out.stride(0), BM=bm, BN=bn)
-    return out
+def rope(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """z's adjacent column pairs rotated by the angles of positions ``args[0]`` and frequencies ``args[1]``."""
+    cos, sin = rope_cos_sin(args[0], args[1], off_m, off_n, M, N, BM, BN)
+    return (rotate_pairs(z, cos, sin, BM, BN),)
 
 
 def _freq(n: int, heads: int, kv_heads: int, head_dim: int, theta: float, device: torch.device,
@@ -104,19 +63,25 @@ def _freq(n: int, heads: int, kv_heads: int, head_dim: int, theta: float, device
     return rope_freq_table(heads, kv_heads, head_dim, float(theta), device, inv_freq)
 
 
-@with_split(gemm_rope_split)
+def model_rope(n: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE arguments of a cell's model (``n["model"]``): heads, kv_heads, head_dim, theta (a Binding's args)."""
+    model = n["model"]
+    return {"heads": model.heads, "kv_heads": model.kv_heads, "head_dim": model.head_dim, "theta": model.rope_theta}
+
+
+@coda(rope, outputs=(Output("out"),), inputs=("pos_ptr", "freq_ptr"), row_scale="rstd",
+      configs=subtiled_configs((2, 1, 4)),
+      binds=(Binding(("gemm_rope",), ("qkv",), "gemm_rope: GEMM + row scale + RoPE",
+                     model_rope),))
 def gemm_rope(h: torch.Tensor | Fp8, w_qkv: torch.Tensor | Fp8, rstd: torch.Tensor, positions: torch.Tensor,
-              heads: int, kv_heads: int, head_dim: int, theta: float, promote: bool = False,
-              inv_freq: tuple[float, ...] | None = None) -> torch.Tensor:
+              heads: int, kv_heads: int, head_dim: int, theta: float, recipe: Recipe | None = None,
+              inv_freq: tuple[float, ...] | None = None) -> Gemm:
     """Packed qkv [M, (H + 2 Hkv) dh] in h's dtype (bf16 for fp8 h, w_qkv), RoPE'd q and k in the adjacent-pair
     layout.
 
     w_qkv: nn.Linear layout with q/k rows in the adjacent-pair order; rstd fp32 [M]; positions [M] (integer);
     inv_freq: the head's dh/2 frequencies instead of ``theta^(-2i/dh)`` (:func:`rope_freq_table`).
     """
-    gemm = FusedGemm(h, w_qkv.T, promote)
-    freq = _freq(gemm.N, heads, kv_heads, head_dim, theta, gemm.device, inv_freq)
-    out = gemm.empty()
-    gemm.launch(gemm_rope_kernel, rstd_ptr=rstd, pos_ptr=positions.contiguous(), freq_ptr=freq, out_ptr=out,
-                stride_o=out.stride(0))
-    return out
+    n = (w_qkv.data if isinstance(w_qkv, Fp8) else w_qkv).shape[0]
+    freq = _freq(n, heads, kv_heads, head_dim, theta, rstd.device, inv_freq)
+    return Gemm(h, w_qkv.T, recipe, row_scale=rstd, inputs=(positions.contiguous(), freq))

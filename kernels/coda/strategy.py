@@ -9,10 +9,10 @@ has that rounding too, and an fp32 output would double the bytes the split path 
 overlapped with the next tile's mainloop (docs/performance.md: small K, large epilogue traffic) the split path can be
 faster::
 
-    def gemm_residual_norm_split(a, w, residual, gamma, eps, promote=False, h_fp8=None): ...
+    def gemm_residual_norm_split(a, w, residual, gamma, eps, recipe=None, h_fp8=None): ...
 
     @with_split(gemm_residual_norm_split)
-    def gemm_residual_norm(a, w, residual, gamma, eps, promote=False, h_fp8=None): ...   # the fused path
+    def gemm_residual_norm(a, w, residual, gamma, eps, recipe=None, h_fp8=None): ...   # the fused path
 
 For a plain GEMM (:func:`kernels.coda.gemm.mm`) the fused path is the mainloop and the split path is cuBLAS, with
 no epilogue kernel at all. A host function may also have a *Gluon* path (:class:`Gluon`): a warp-specialized
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import importlib.util
 import inspect
 import itertools
@@ -64,7 +63,7 @@ import torch
 import triton
 
 from kernels.coda import configs, precompile, tuning
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe
 
 FUSED, SPLIT, GLUON, AUTO = "fused", "split", "gluon", "auto"
 STRATEGIES = (FUSED, SPLIT, GLUON)
@@ -87,20 +86,14 @@ def forced() -> str | None:
 
 @dataclass(frozen=True)
 class Gluon:
-    """A host function's Gluon path: ``function`` of ``module`` (same signature and results as the fused path),
-    imported at its first call, for the calls whose arguments satisfy ``applies`` (checked without importing it;
-    a call's key decides it: device, dtypes, shapes)."""
+    """A host function's Gluon path: ``function`` (same signature and results as the fused path), bound where the
+    kernel is declared, for the calls whose arguments satisfy ``applies`` (a call's key decides it: device, dtypes,
+    shapes). A kernel module imports its Gluon function directly; where that import fails (a Triton without Gluon's
+    Hopper API, which :func:`hopper` then also finds missing) it declares no Gluon path, so the host function has
+    its fused and split paths only, as on any GPU other than a Hopper."""
 
-    module: str
-    function: str
+    function: Callable
     applies: Callable[[dict[str, Any]], bool]
-
-    def source(self) -> str:
-        spec = importlib.util.find_spec(self.module)
-        return Path(spec.origin).read_text() if spec and spec.origin else ""
-
-    def load(self) -> Callable:
-        return getattr(importlib.import_module(self.module), self.function)
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,11 +112,14 @@ def always(arguments: dict[str, Any]) -> bool:
 
 def call_key(arguments: dict[str, Any]) -> str:
     """A call's key as JSON: per argument, a tensor's shape and dtype (an fp8 operand's, with whether its scales are
-    per row), or a flag (bool, int, str, None, a recipe); floats and tuples (eps, theta, scalar multipliers,
-    frequencies) do not change the cost and are left out."""
+    per row), a recipe's accumulation mode (its scaling shows in the fp8 operands': a dgrad's are per tensor in
+    either recipe, so both recipes' dgrads share their entries), or a flag (bool, int, str, None); floats and tuples
+    (eps, theta, scalar multipliers, frequencies) do not change the cost and are left out."""
     parts = []
     for name, v in arguments.items():
-        if isinstance(v, Fp8):
+        if isinstance(v, Recipe):
+            parts.append([name, v.accum])
+        elif isinstance(v, Fp8):
             parts.append([name, list(v.data.shape), str(v.data.dtype), v.scale.numel() > 1])
         elif isinstance(v, torch.Tensor):
             parts.append([name, list(v.shape), str(v.dtype)])
@@ -263,23 +259,20 @@ class Chooser:
         self.fused, self.split, self.safe, self.gluon, self.fuses = fused, split, safe, gluon, fuses
         self.name = fused.__name__
         sources = list(dict.fromkeys(inspect.getsource(inspect.getmodule(f)) for f in (fused, split)))
-        sources += [gluon.source()] if gluon else []
+        sources += [inspect.getsource(inspect.getmodule(gluon.function))] if gluon else []
         self.entry = f"strategy:{self.name}:{hashlib.sha256(''.join(sources).encode()).hexdigest()[:16]}"
         self.known: dict[Path, dict[str, dict[str, Any]]] = {}
         """Per cache file (GPU model, Triton version): call key -> record (``strategy``, and the measured times)."""
         self.predictions: dict[str, dict[str, str]] = {}
         """Per GPU model: call key -> the strategy :meth:`_predicted` chose (kept in memory only)."""
         self._lock = threading.Lock()
-        self._gluon_fn: Callable | None = None
         self._facts: dict[tuple, tuple[str, tuple[str, ...]]] = {}
         """:func:`shape_key` -> (:func:`call_key`, :meth:`strategies`): pure functions of the arguments, memoized."""
 
     def path(self, strategy: str) -> Callable:
         """The function of a strategy this chooser returned."""
         if strategy == GLUON:
-            if self._gluon_fn is None:
-                self._gluon_fn = self.gluon.load()
-            return self._gluon_fn
+            return self.gluon.function
         return self.split if strategy == SPLIT else self.fused
 
     def strategies(self, arguments: dict[str, Any]) -> tuple[str, ...]:

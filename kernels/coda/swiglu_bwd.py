@@ -8,8 +8,10 @@ computed ``y_i = silu(gate_i) up_i``, ``x = ... + y @ Wd^T``. Given the gradient
 
 :func:`dgrad_swiglu` gets ``dy = dx @ Wd`` from its own GEMM (the down-proj dgrad) and also writes the
 recomputed activation ``y`` for the weight gradient ``dWd = dx^T y``; zdz comes from per-N-tile row
-partials and :func:`kernels.coda.reduce.finish_row_sum`; its epilogue runs on EPI_SUB column sub-tiles
-(autotuned: 2 or 4), each reading a [BM, 2 * BN / EPI_SUB] tile of z_pre. On Hopper it also has a Gluon path
+partials and :func:`kernels.coda.reduce.finish_row_sum`. It is declared as its epilogue
+(:mod:`kernels.coda.program`: z_pre and dz_pre twice as wide as the GEMM's tile, the row sums returned after the
+outputs), which runs on EPI_SUB column sub-tiles (autotuned: 2 or 4), each reading a [BM, 2 * BN / EPI_SUB] tile
+of z_pre. On Hopper it also has a Gluon path
 (:mod:`kernels.coda.swiglu_bwd_gluon`: the epilogue in a warp partition of its own, beside the next tile's
 mainloop), chosen per shape like the split path. :func:`swiglu_bwd` is the
 elementwise kernel for a given dy (one pass over dy in wide, short blocks; zdz from their row partials), the same
@@ -18,20 +20,26 @@ math (:func:`swiglu_bwd_tile`); with y stored too it is :func:`dgrad_swiglu`'s s
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.coda.align import aligned, empty_rows, meets_rule
-from kernels.coda.epilogue import (col_subtile, dequant, join_pairs, load_block, load_tile, silu_mul_pairs_bwd,
-                                   split_pairs, store_block, store_row_partial, store_tile)
+from kernels.coda.epilogue import join_pairs, load_block, load_tile, silu_mul_pairs_bwd, split_pairs, store_block, \
+    store_row_partial
 from kernels.coda.gemm import split_matmul
-from kernels.coda.launch import FusedGemm
-from kernels.coda.mainloop import (INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, subtiled_configs,
-                                   tile_coords, tile_desc)
-from kernels.coda.reduce import finish_row_sum, launched_tiles, row_partials
-from kernels.coda.strategy import Gluon, hopper, with_split
-from workloads.fp8 import Fp8
+from kernels.coda.mainloop import INTERPRET, subtiled_configs
+from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
+from kernels.coda.reduce import finish_row_sum
+from kernels.coda.strategy import Gluon, hopper
+from workloads.fp8 import Fp8, Recipe, dgrad_weight, promoted
+
+try:  # the Gluon path needs Triton's Gluon; without it (strategy.Gluon) the fused and split paths only
+    from kernels.coda.swiglu_bwd_gluon import dgrad_swiglu_gluon
+except ImportError:
+    dgrad_swiglu_gluon = None
 
 
 @triton.jit
@@ -44,35 +52,11 @@ def swiglu_bwd_tile(dy, z, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd_subtile(dy, off_m, off_n, zp_desc, dzp_desc, y_desc, BM: tl.constexpr, BN: tl.constexpr):
-    """The fused kernel's epilogue on the (BM, BN) sub-tile dy at (off_m, off_n): :func:`swiglu_bwd_tile`, through
-    the tiles of z_pre, dz_pre and y; returns the sub-tile's row sums."""
-    dz, y, zdz = swiglu_bwd_tile(dy, load_tile(zp_desc, off_m, 2 * off_n), BM, BN)
-    store_tile(y_desc, off_m, off_n, y)
-    store_tile(dzp_desc, off_m, 2 * off_n, dz)
-    return zdz
-
-
-@coda_autotune(configs=subtiled_configs(), restore_value=("zp_ptr",))  # z_pre: dz_pre's buffer with overwrite=
-@triton.jit
-def dgrad_swiglu_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
-                        PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, zp_ptr, dzp_ptr, y_ptr, part_ptr,
-                        stride_zp, stride_dzp, stride_y, stride_p, EPI_SUB: tl.constexpr):
-    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
-    SN: tl.constexpr = BN // EPI_SUB  # the epilogue works on EPI_SUB column sub-tiles of SN columns
-    zp_desc = tile_desc(zp_ptr, M, 2 * N, stride_zp, BM, 2 * SN)
-    dzp_desc = tile_desc(dzp_ptr, M, 2 * N, stride_dzp, BM, 2 * SN)
-    y_desc = tile_desc(y_ptr, M, N, stride_y, BM, SN)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
-        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        dy = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        dy = dequant(dy, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
-        zdz = tl.zeros((BM,), dtype=tl.float32)
-        for i in tl.static_range(EPI_SUB):
-            zdz += _swiglu_bwd_subtile(col_subtile(dy, i, EPI_SUB, BM, BN), off_m, off_n + i * SN, zp_desc, dzp_desc,
-                                       y_desc, BM, SN)
-        store_row_partial(part_ptr, zdz, off_m, off_n, M, stride_p, BM, BN)
+def swiglu_dgrad(dy, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """The fused kernel's epilogue: :func:`swiglu_bwd_tile` of dy with the tile of z_pre (descriptor ``args[0]``,
+    [BM, 2 BN] at column 2 off_n): (y, dz_pre) and the rows' sums of ``gate dgate + up dup``."""
+    dz, y, zdz = swiglu_bwd_tile(dy, load_tile(args[0], off_m, 2 * off_n), BM, BN)
+    return y, dz, zdz
 
 
 def _check_preact(z_pre: torch.Tensor, M: int, f: int) -> None:
@@ -131,11 +115,12 @@ def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, tor
     return _swiglu_bwd(dy, z_pre, None)
 
 
-def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor, promote: bool = False,
-                       overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
+                       recipe: Recipe | None = None, overwrite: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`dgrad_swiglu` split: ``dy = dx @ w_down`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over
     it (:func:`swiglu_bwd_kernel`: dz_pre, zdz, and y written over dy, each block by the program that read it)."""
-    dy = split_matmul(dx, w_down, promote)
+    dy = split_matmul(dx, w_down, recipe)
     y = dy if dy.dtype == z_pre.dtype else empty_rows(*dy.shape, z_pre.dtype, dy.device)
     dz_pre, zdz = _swiglu_bwd(dy, z_pre, y, overwrite)
     return dz_pre, y, zdz
@@ -146,7 +131,8 @@ def gluon_applies(arguments: dict) -> bool:
     [M, d], w_down [d, f] either bf16 (d and f multiples of 8) or fp8 with per-tensor scales in fast accumulation, the
     weight's data the transposed view of its K-major (f, d) copy (d a multiple of 16): rows TMA can address."""
     dx, w, z = arguments["dx"], arguments["w_down"], arguments["z_pre"]
-    if arguments["promote"] or not (isinstance(z, torch.Tensor) and z.dtype == torch.bfloat16 and z.dim() == 2):
+    if promoted(arguments["recipe"]) or not (isinstance(z, torch.Tensor) and z.dtype == torch.bfloat16
+                                             and z.dim() == 2):
         return False
     if isinstance(dx, Fp8) and isinstance(w, Fp8):
         a, b = dx.data, w.data
@@ -166,27 +152,28 @@ def _kept_preact(arguments: dict) -> dict:
     return {**arguments, "overwrite": False}
 
 
-@with_split(dgrad_swiglu_split, safe=_kept_preact,
-            gluon=Gluon("kernels.coda.swiglu_bwd_gluon", "dgrad_swiglu_gluon", gluon_applies))
-def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor, promote: bool = False,
-                 overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
+    y, dz_pre = outputs
+    return dz_pre, y, finish_row_sum(partials.ss, partials.n_tiles)
+
+
+@coda(swiglu_dgrad, outputs=(Output("y", like="z_pre"), Output("dzp", wide=2, like="z_pre")), inputs=(Tile("zp", 2),),
+      row_sum=True, configs=subtiled_configs(), restore=("dzp",), finish=_finish, split=dgrad_swiglu_split,
+      safe=_kept_preact, gluon=dgrad_swiglu_gluon and Gluon(dgrad_swiglu_gluon, gluon_applies),
+      binds=(Binding(("swiglu_dgrad",), ("dz_pre", "a", "zdz"), "down-proj dgrad GEMM + SwiGLU backward + ZdZ partials",
+                     lambda n: {"w_down": dgrad_weight(n["w_down"])}),))
+def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
+                 recipe: Recipe | None = None, overwrite: bool = False) -> Gemm:
     """``(dz_pre, y, zdz)``: SwiGLU backward of ``dy = dx @ w_down`` fused into that dgrad GEMM.
 
     dx [M, d] is the gradient of the down-proj output, w_down [d, f] (nn.Linear layout), z_pre [M, 2f] the
     saved interleaved pre-activation. dz_pre [M, 2f] (interleaved dgate/dup) and y = silu(gate) up [M, f]
     are in z_pre's dtype; zdz is fp32 [M]. fp8 dx (e5m2) and w_down (its data a transposed view of the K-major
-    (f, d) copy) with per-tensor scales are dequantized in the epilogue (``promote``: accumulation mode).
-    ``overwrite``: dz_pre is written over z_pre (each tile after its own z_pre was read), for a caller that does not
-    read z_pre again.
+    (f, d) copy) with per-tensor scales are dequantized in the epilogue (``recipe``: their fp8 recipe, whose
+    accumulation mode the launch reads). ``overwrite``: dz_pre is written over z_pre (each tile after its own z_pre
+    was read; the autotuner restores it between its runs), for a caller that does not read z_pre again.
     """
-    gemm = FusedGemm(dx, w_down, promote)
-    M, N = gemm.M, gemm.N
-    _check_preact(z_pre, M, N)
+    gemm = Gemm(dx, w_down, recipe)
+    _check_preact(z_pre, *gemm.shape)
     z_pre = aligned(z_pre)
-    dz_pre = z_pre if overwrite else empty_rows(*z_pre.shape, z_pre.dtype, z_pre.device)
-    y = gemm.empty(z_pre.dtype)
-    kernel = dgrad_swiglu_kernel
-    part = row_partials(kernel, M, N, gemm.device)
-    gemm.launch(kernel, zp_ptr=z_pre, dzp_ptr=dz_pre, y_ptr=y, part_ptr=part, stride_zp=z_pre.stride(0),
-                stride_dzp=dz_pre.stride(0), stride_y=y.stride(0), stride_p=part.stride(0))
-    return dz_pre, y, finish_row_sum(part, launched_tiles(kernel, M, N)[1])
+    return replace(gemm, inputs=(z_pre,), outputs={"dzp": z_pre} if overwrite else {})

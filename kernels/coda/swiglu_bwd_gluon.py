@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from kernels.coda.mainloop_gluon import BN, MMA_REGS, WsGemm, loader, mma, ws_buffers
 from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords
 from kernels.coda.reduce import finish_row_sum
-from workloads.fp8 import Fp8
+from workloads.fp8 import Fp8, Recipe, promoted
 
 SUB_M = 32
 """Rows of an epilogue sub-tile."""
@@ -110,10 +110,11 @@ def ws_dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: t
     return dz_pre, y, finish_row_sum(part, part.shape[1])
 
 
-def dgrad_swiglu_gluon(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor, promote: bool = False,
-                       overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dgrad_swiglu_gluon(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
+                       recipe: Recipe | None = None, overwrite: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`kernels.coda.swiglu_bwd.dgrad_swiglu`'s Gluon path (where :func:`kernels.coda.swiglu_bwd.gluon_applies`
-    holds): fp8 operands accumulate in Hopper's fast mode only (``promote`` is not taken)."""
-    if promote:
+    holds): fp8 operands accumulate in Hopper's fast mode only (a recipe with promoted accumulation is not taken)."""
+    if promoted(recipe):
         raise ValueError("the Gluon SwiGLU dgrad accumulates fp8 in the fast mode only, not promoted")
     return ws_dgrad_swiglu(dx, w_down, z_pre, overwrite=overwrite)

@@ -1,0 +1,624 @@
+"""A CODA kernel declared once, as its epilogue: from the declaration, the fused kernel, its split twin and the host
+function that chooses between them.
+
+An epilogue is a ``@triton.jit`` function of one fp32 tile ``z`` of ``A @ B`` (dequantized, times the row scale
+when the kernel has one) that returns the fp32 tiles of its outputs, in the declared order::
+
+    @triton.jit
+    def swiglu(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+        return silu_mul_pairs(z, BM, BN), z          # y [M, N / 2], z [M, N]
+
+``args`` is the tuple of the declared ``inputs``: the host call's pointers and scalars, and for a :class:`Tile`
+input the descriptor of that [M, N] matrix, blocks of the tile's shape; (off_m, off_n) is the tile's place in the
+(M, N) product and (BM, BN) its shape (a column sub-tile of the autotuned tile, when the configs have ``EPI_SUB``).
+:func:`coda` binds an epilogue to a host function, whose body only says which GEMM the call is (:class:`Gemm`)::
+
+    @coda(swiglu, outputs=(Output("y", cols=2, fp8="y_fp8"), Output("z", when="save_preact")), row_scale="rstd",
+          configs=subtiled_configs((2, 1, 4)))
+    def gemm_swiglu(h, w_gu, rstd, save_preact, recipe=None, y_fp8=None) -> Gemm:
+        return Gemm(h, w_gu.T, recipe, row_scale=rstd)
+
+Built from it:
+
+- the fused kernel ``<host>_kernel``, autotuned by :func:`kernels.coda.mainloop.coda_autotune` (its key: M, N, K
+  and the ``when`` flags): the mainloop block (:data:`kernels.coda.launch.MAINLOOP_PARAMS`), then the row scale,
+  the inputs, the outputs and the partials (pointers), their row strides, the flags, every one a parameter of its
+  own, so that the tuning key (the argument dtypes, in that order) is what a hand-written kernel of that signature
+  had. Its body is one call of :func:`fused_program`, the same for every kernel;
+- the split kernel ``<host>_rows_kernel`` (unless the declaration brings its own split path): the plain GEMM
+  (:func:`kernels.coda.gemm.split_matmul`), then :func:`rows_program` over its output, calling the SAME epilogue on
+  each tile and writing the first output of the GEMM output's shape and dtype over it, in place;
+- the host function, under :func:`kernels.coda.strategy.with_split` with both paths (and a Gluon one if declared),
+  and the ops it implements (``binds``): the registry's entries (:func:`register`).
+  It returns the outputs (one: the tensor; several: a tuple in the declared order), or what ``finish`` makes of
+  them; an output whose ``when`` argument is false is None and not written (all of them may be), one the call
+  brings (``Gemm.outputs``) is written in place; an output with ``fp8`` is returned quantized
+  (:func:`kernels.coda.fp8.quantize_from_partials`) when that argument holds a :class:`workloads.fp8.Recipe`, from
+  the row absmax partials of its stored tiles; an output with ``sumsq`` has the per-N-tile partial sums of squares
+  of its fp32 tiles stored (with ``row_sum``, the sums of a row vector the epilogue returns after its outputs
+  instead), which ``finish`` turns into the host function's further results, as it does the column sums per M
+  tile of a tile the epilogue returns last (``col_sum``). An output or :class:`Tile` input may be ``wide``:
+  [M, N * wide], the epilogue's tile of it [BM, BN * wide] (an interleaved pair per column). Flags of the call
+  (``flags``) and values loaded once per tile (``tile``) reach the epilogue through its ``args``.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import linecache
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from codabench.registry import REGISTRY, register as register_function
+from kernels.coda.align import aligned, empty_rows
+from kernels.coda.epilogue import cast, col_subtile, col_sum_partial, dequant, dequant_scale, load_rows, load_tile, \
+    row_absmax, row_sumsq, store_row_partial, store_tile
+from kernels.coda.fp8 import quantize_from_partials
+from kernels.coda.gemm import split_matmul
+from kernels.coda.launch import MAINLOOP_PARAMS, FusedGemm
+from kernels.coda.mainloop import INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, \
+    tile_desc
+from kernels.coda.reduce import col_partials, launched_tiles, row_partials
+from kernels.coda.strategy import Gluon, always, binder, with_split
+from workloads.fp8 import Fp8, Recipe
+from workloads.ops import OPS
+
+MAX_OUTPUTS = 2
+"""Outputs an epilogue may declare (the programs below spell each one out)."""
+RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "cs_ptr", "stride_ss", "stride_amax", "stride_cs",
+            "EPI_SUB", "AMAX", "BM", "BN")
+"""Parameter names of the built kernels besides the mainloop block, which no input, output or flag may take."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output of an epilogue: ``name`` [M, N * wide // cols], in the GEMM's output dtype or that of the host
+    argument ``like`` (the epilogue's tile of it: [BM, BN * wide // cols], stored at column off_n * wide // cols).
+    ``when``: the host function's bool argument that asks for it (None: always). ``fp8``: the host argument that,
+    holding a Recipe, asks for it quantized (``role``: its role in that recipe). ``sumsq``: its row sums of squares
+    are stored as partials, for the declaration's ``finish``."""
+
+    name: str
+    cols: int = 1
+    wide: int = 1
+    when: str | None = None
+    like: str | None = None
+    fp8: str | None = None
+    role: str = "act"
+    sumsq: bool = False
+
+
+@dataclass(frozen=True)
+class Tile:
+    """An input matrix [M, N * wide] the epilogue reads tile by tile (a residual; blocks [BM, BN * wide]): the
+    kernel gets ``<name>_ptr`` and ``stride_<name>``, the epilogue its descriptor."""
+
+    name: str
+    wide: int = 1
+
+
+@dataclass(frozen=True)
+class Partials:
+    """The partials a call's kernel stored, for the declaration's ``finish``: ``ss`` [M, >= n_tiles], the row sums
+    per N tile (of squares of the ``sumsq`` output, or the ``row_sum`` ones), ``cs`` [>= m_tiles, N], the
+    ``col_sum`` column sums per M tile (None: not declared), and the declared ``vectors`` by name."""
+
+    ss: torch.Tensor | None
+    n_tiles: int
+    cs: torch.Tensor | None
+    m_tiles: int
+    vectors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """The GEMM of one host call: ``a @ b`` (:class:`kernels.coda.launch.FusedGemm`'s operands), ``recipe`` the fp8
+    operands' recipe (its accumulation mode read at the launch), ``row_scale`` an optional fp32 [M] factor of each
+    row (RMSNorm's rstd), ``inputs`` the values of the declared inputs, in order (an [M, N * wide] tensor for a
+    :class:`Tile`, taken through :func:`kernels.coda.align.aligned`), ``flags`` the values of the declared flags,
+    by name; ``outputs``: outputs the call brings, by name (written in place; of the declared shape and dtype, in
+    the row layout of :mod:`kernels.coda.align`), the others are allocated (:func:`kernels.coda.align.empty_rows`)."""
+
+    a: torch.Tensor | Fp8
+    b: torch.Tensor | Fp8
+    recipe: Recipe | None = None
+    row_scale: torch.Tensor | None = None
+    inputs: tuple = ()
+    flags: Mapping[str, bool] = field(default_factory=dict)
+    outputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(M, N) of ``a @ b``."""
+        a, b = (t.data if isinstance(t, Fp8) else t for t in (self.a, self.b))
+        return a.shape[0], b.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return (self.a.data if isinstance(self.a, Fp8) else self.a).device
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Ops of the catalogue (:mod:`workloads.ops`) that a declared host function implements alone, one call a cell:
+    ``ops`` their names; ``results`` the names of the host function's results, in order (a result that is None, not
+    asked for, is left out; a None name: never an output); ``args(n)``: the call's arguments that are not the
+    cell's native inputs of their names (a constant flag, a model's size, a weight seen another way), from those
+    inputs ``n`` (``n["model"]`` the cell's :class:`workloads.models.ModelShape`, ``n["recipe"]`` its fp8 recipe);
+    ``modes``: the modes it runs (None: the op's); ``description``: the registry's line."""
+
+    ops: tuple[str, ...]
+    results: tuple[str | None, ...]
+    description: str
+    args: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda n: {}
+    modes: tuple[str, ...] | None = None
+
+    def run(self, host: Callable) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+        """The function of a cell's native inputs that calls ``host`` and names its results."""
+        params = list(inspect.signature(host).parameters)
+
+        def run(n: Mapping[str, Any]) -> dict[str, Any]:
+            out = host(**{**{p: n[p] for p in params if p in n}, **self.args(n)})
+            out = out if isinstance(out, tuple) else (out,)
+            return {k: v for k, v in zip(self.results, out) if k is not None and v is not None}
+
+        return run
+
+
+# ---- the two programs every declared kernel runs -------------------------------------------------------------
+
+@triton.jit
+def _desc(ptr, stride, M, N, COLS: tl.constexpr, WIDE: tl.constexpr, BM: tl.constexpr, SN: tl.constexpr):
+    return tile_desc(ptr, M, N * WIDE // COLS, stride, BM, SN * WIDE // COLS)
+
+
+@triton.jit
+def _store(desc, off_m, off_n, COLS: tl.constexpr, WIDE: tl.constexpr, val, amax, ss, ABSMAX: tl.constexpr,
+           SUMSQ: tl.constexpr):
+    """Store ``val`` at (off_m, off_n * WIDE / COLS); with SUMSQ, ``ss`` plus the row sums of squares of the fp32
+    ``val``; with ABSMAX, ``amax`` maxed with the row absmax of what was stored."""
+    store_tile(desc, off_m, off_n * WIDE // COLS, val)
+    if SUMSQ:
+        ss += row_sumsq(val)
+    if ABSMAX:
+        amax = tl.maximum(amax, row_absmax(cast(val, desc.dtype)))
+    return amax, ss
+
+
+@triton.jit
+def _stores(d0, d1, res, off_m, off_n, amax, ss, NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr,
+            STORE: tl.constexpr, AMAX: tl.constexpr, AMAX_OF: tl.constexpr, SUMSQ_OF: tl.constexpr):
+    """The epilogue's outputs ``res`` of the tile at (off_m, off_n) stored through d0 and d1 (those STORE asks for;
+    None for the others), by :func:`_store`: ``(amax, ss)`` with the row partials of outputs AMAX_OF and SUMSQ_OF."""
+    if STORE[0]:
+        amax, ss = _store(d0, off_m, off_n, COLS[0], WIDE[0], res[0], amax, ss, AMAX and AMAX_OF == 0, SUMSQ_OF == 0)
+    if NOUT > 1:
+        if STORE[1]:
+            amax, ss = _store(d1, off_m, off_n, COLS[1], WIDE[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
+                              SUMSQ_OF == 1)
+    return amax, ss
+
+
+@triton.jit
+def _sums(res, ss, cs_ptr, off_m, off_n, N, stride_cs, NOUT: tl.constexpr, ROW_SUM: tl.constexpr,
+          COL_SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """``ss`` plus (ROW_SUM) the row values the epilogue returned after its NOUT outputs; the column sums of its
+    result COL_SUM (-1: none) stored at (off_m / BM, off_n)."""
+    if ROW_SUM:
+        ss += res[NOUT]
+    if COL_SUM >= 0:
+        col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_n, N, stride_cs, BM, BN)
+    return ss
+
+
+@triton.jit
+def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
+                  PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, in_strides, outs, strides, ss_ptr,
+                  amax_ptr, stride_part, cs_ptr, stride_cs, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr,
+                  TILE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
+                  WIDE: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr,
+                  COL_SUM: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, EPI_SUB: tl.constexpr):
+    """The persistent fused kernel: for each tile, the mainloop, the dequantization (with the row scale), TILE (the
+    tile and the epilogue's args on it), then EPILOGUE on each of EPI_SUB column sub-tiles, its outputs stored
+    (those STORE asks for) and the column sums of its result COL_SUM (-1: none) stored per M tile; the row partials
+    of the tile: sums of squares of output SUMSQ_OF (-1: none) or (ROW_SUM) sums of the row values EPILOGUE returns
+    after its outputs, and with AMAX the absmax of output AMAX_OF."""
+    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
+    SN: tl.constexpr = BN // EPI_SUB
+    args = INPUTS(args, in_strides, M, N, BM, SN)
+    d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, SN) if STORE[0] else None  # stored outputs'
+    d1 = ((_desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, SN) if STORE[1] else None) if NOUT > 1
+          else None)
+    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
+        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
+        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
+        if ROW_SCALE:
+            z = dequant_scale(acc, load_rows(row_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN,
+                              SCALING)
+        else:
+            z = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        z, tile_args = TILE(z, args, off_m, M, N, BM)
+        ss = tl.zeros((BM,), dtype=tl.float32)
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for i in tl.static_range(EPI_SUB):
+            off_s = off_n + i * SN
+            res = EPILOGUE(col_subtile(z, i, EPI_SUB, BM, BN), tile_args, off_m, off_s, M, N, BM, SN)
+            amax, ss = _stores(d0, d1, res, off_m, off_s, amax, ss, NOUT, COLS, WIDE, STORE, AMAX, AMAX_OF, SUMSQ_OF)
+            ss = _sums(res, ss, cs_ptr, off_m, off_s, N, stride_cs, NOUT, ROW_SUM, COL_SUM, BM, SN)
+        if SUMSQ_OF >= 0 or ROW_SUM:
+            store_row_partial(ss_ptr, ss, off_m, off_n, M, stride_part, BM, BN)
+        if AMAX:
+            store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_part, BM, BN)
+
+
+@triton.jit
+def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides, ss_ptr, amax_ptr, cs_ptr,
+                 stride_cs, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, TILE: tl.constexpr, ROW_SCALE: tl.constexpr,
+                 NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr, STORE: tl.constexpr,
+                 SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr, COL_SUM: tl.constexpr, AMAX_OF: tl.constexpr,
+                 AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The split kernel: rows [pid BM, pid BM + BM) of the GEMM output c [M, N], tile by tile, through TILE and
+    EPILOGUE (c times the row scale is its ``z``); the row sums (of squares of output SUMSQ_OF, or with ROW_SUM of
+    the row values EPILOGUE returns) in ``ss[M]``, the column sums of result COL_SUM over these rows in ``cs[pid]``,
+    and with AMAX the row absmax of output AMAX_OF in ``amax[M]``."""
+    off_m = tl.program_id(0) * BM
+    c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
+    args = INPUTS(args, in_strides, M, N, BM, BN)
+    d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, BN) if STORE[0] else None  # stored outputs'
+    d1 = ((_desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, BN) if STORE[1] else None) if NOUT > 1
+          else None)
+    if ROW_SCALE:
+        row = load_rows(row_ptr, off_m, M, BM)
+    ss = tl.zeros((BM,), dtype=tl.float32)
+    amax = tl.zeros((BM,), dtype=tl.float32)
+    for off_n in range(0, N, BN):
+        z = load_tile(c_desc, off_m, off_n)
+        if ROW_SCALE:
+            z = z * row[:, None]
+        z, tile_args = TILE(z, args, off_m, M, N, BM)
+        res = EPILOGUE(z, tile_args, off_m, off_n, M, N, BM, BN)
+        amax, ss = _stores(d0, d1, res, off_m, off_n, amax, ss, NOUT, COLS, WIDE, STORE, AMAX, AMAX_OF, SUMSQ_OF)
+        ss = _sums(res, ss, cs_ptr, off_m, off_n, N, stride_cs, NOUT, ROW_SUM, COL_SUM, BM, BN)
+    rows = off_m + tl.arange(0, BM)
+    if SUMSQ_OF >= 0 or ROW_SUM:
+        tl.store(ss_ptr + rows, ss, mask=rows < M)
+    if AMAX:
+        tl.store(amax_ptr + rows, amax, mask=rows < M)
+
+
+# ---- building a declared kernel ------------------------------------------------------------------------------
+
+def _tuple(items: Sequence[str]) -> str:
+    return f"({''.join(f'{n}, ' for n in items)})"
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """An epilogue with its outputs, inputs, flags, row scale, row and column sums and sub-tiling: what the two
+    kernels and the two host paths are built from."""
+
+    epilogue: Callable
+    outputs: tuple[Output, ...]
+    inputs: tuple[str | Tile, ...]
+    call_flags: tuple[str, ...]
+    vectors: tuple[str, ...]
+    tile: Callable | None
+    row_scale: str | None
+    row_sum: bool
+    col_sum: bool
+    subtiled: bool
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The constexpr flags: of the outputs' ``when`` arguments (``save_preact`` -> ``SAVE_PREACT``), then the
+        declared ones."""
+        return (*(o.when.upper() for o in self.outputs if o.when), *self.call_flags)
+
+    @property
+    def col_sum_of(self) -> int:
+        """The epilogue's result whose column sums are stored (-1: none): the one after the outputs and row sums."""
+        return len(self.outputs) + self.row_sum if self.col_sum else -1
+
+    @property
+    def amax_of(self) -> int:
+        """The output whose row absmax partials the epilogue can store (-1: none)."""
+        return next((i for i, o in enumerate(self.outputs) if o.fp8), -1)
+
+    @property
+    def sumsq_of(self) -> int:
+        """The output whose row sums of squares the epilogue stores (-1: none)."""
+        return next((i for i, o in enumerate(self.outputs) if o.sumsq), -1)
+
+    @property
+    def partials(self) -> list[str]:
+        """The partials' pointers, in order (``ss``: row sums, of squares of the sumsq output or of the epilogue's
+        row values; ``amax``); they share one row stride, ``stride_<first>``."""
+        return ["ss"] * (self.sumsq_of >= 0 or self.row_sum) + ["amax"] * (self.amax_of >= 0)
+
+    def _pointers(self) -> list[str]:
+        return [*([f"{self.row_scale}_ptr"] if self.row_scale else []),
+                *(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs),
+                *(f"{o.name}_ptr" for o in self.outputs)]
+
+    def _strides(self) -> list[str]:
+        return [*(f"stride_{i.name}" for i in self.inputs if isinstance(i, Tile)),
+                *(f"stride_{o.name}" for o in self.outputs)]
+
+    def names(self) -> list[str]:
+        """Every parameter name the declaration chooses."""
+        return [*self._pointers(), *self._vectors(), *self._strides(), *self.flags]
+
+    def _vectors(self) -> list[str]:
+        return [f"{v}_ptr" for v in self.vectors]
+
+    def _params(self, partial_stride: bool) -> list[str]:
+        return [*self._pointers(), *(f"{p}_ptr" for p in self.partials), *(["cs_ptr"] if self.col_sum else []),
+                *self._vectors(), *self._strides(),
+                *([f"stride_{self.partials[0]}"] if partial_stride and self.partials else []),
+                *(["stride_cs"] if self.col_sum else []), *(f"{f}: tl.constexpr" for f in self.flags),
+                *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
+
+    def _body(self, program: str, head: str, unused: str, tail: str) -> list[str]:
+        """The entry's one line: the program's call."""
+        outs = [o.name for o in self.outputs]
+        ptrs = [*(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs), *self.call_flags,
+                *self._vectors()]
+        tiles = [f"stride_{i.name}" for i in self.inputs if isinstance(i, Tile)]
+        store = ", ".join(o.when.upper() if o.when else "True" for o in self.outputs)
+        cols, wide = (", ".join(str(getattr(o, f)) for o in self.outputs) for f in ("cols", "wide"))
+        consts = (f"INPUTS, EPILOGUE, TILE, {self.row_scale is not None}, {len(self.outputs)}, ({cols},), ({wide},), "
+                  f"({store},), {self.sumsq_of}, {self.row_sum}, {self.col_sum_of}")
+        return [f"{program}({head}, {f'{self.row_scale}_ptr' if self.row_scale else unused}, {_tuple(ptrs)}, "
+                f"{_tuple(tiles)}, {_tuple([f'{n}_ptr' for n in outs])}, {_tuple([f'stride_{n}' for n in outs])}, "
+                f"{tail.format(consts=consts, amax='AMAX' if self.amax_of >= 0 else 'False')})"]
+
+    def _scope(self, kernel: str) -> dict[str, Callable]:
+        tile = self.tile or triton.jit(self._compile(f"{kernel}_tile", ["z", "args", "off_m", "M", "N",
+                                                                         "BM: tl.constexpr"], ["return z, args"], {}))
+        return {"EPILOGUE": self.epilogue, "INPUTS": self.inputs_fn(f"{kernel}_inputs"), "TILE": tile}
+
+    def inputs_fn(self, name: str) -> Callable:
+        """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's inputs, declared flags
+        and vectors, a :class:`Tile`'s pointer replaced by its descriptor (blocks (BM, BN * wide); its row stride
+        the next of ``strides``)."""
+        items, t = [], 0
+        for k, i in enumerate((*self.inputs, *self.call_flags, *self.vectors)):
+            wide = f"{i.wide} * " if isinstance(i, Tile) and i.wide > 1 else ""
+            items.append(f"tile_desc(args[{k}], M, {wide}N, strides[{t}], BM, {wide}BN)" if isinstance(i, Tile)
+                         else f"args[{k}]")
+            t += isinstance(i, Tile)
+        return triton.jit(self._compile(name, ["args", "strides", "M", "N", "BM: tl.constexpr", "BN: tl.constexpr"],
+                                        [f"return {_tuple(items)}"], {}))
+
+    def fused_kernel(self, name: str, configs: list[triton.Config] | None, restore: Sequence[str]) -> Callable:
+        """The fused kernel: :data:`MAINLOOP_PARAMS`, then the declaration's parameters; its body
+        :func:`fused_program`; autotuned with the outputs ``restore`` restored between runs."""
+        first = MAINLOOP_PARAMS.index("SCALING")  # the block's constexprs
+        params = [*MAINLOOP_PARAMS[:first], *(f"{p}: tl.constexpr" for p in MAINLOOP_PARAMS[first:]),
+                  *self._params(True), *(["EPI_SUB: tl.constexpr"] if self.subtiled else [])]
+        ptr = {p: f"{p}_ptr" if p in self.partials else "a_ptr" for p in ("ss", "amax")}
+        stride = f"stride_{self.partials[0]}" if self.partials else "0"
+        sub = "EPI_SUB" if self.subtiled else "1"
+        cs = "cs_ptr, stride_cs" if self.col_sum else "a_ptr, 0"
+        tail = f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, {sub}"
+        body = self._body("fused_program", ", ".join(MAINLOOP_PARAMS), "a_ptr", tail)
+        entry = self._compile(name, params, body, {"fused_program": fused_program, **self._scope(name)})
+        return coda_autotune(key=("M", "N", "K", *self.flags), configs=configs,
+                             restore_value=[f"{o}_ptr" for o in restore])(triton.jit(entry))
+
+    def rows_kernel(self, name: str) -> Callable:
+        """The split kernel over the GEMM output; its body :func:`rows_program`."""
+        params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(False), "BM: tl.constexpr", "BN: tl.constexpr"]
+        ptr = {p: f"{p}_ptr" if p in self.partials else "gemm_ptr" for p in ("ss", "amax")}
+        cs = "cs_ptr, stride_cs" if self.col_sum else "gemm_ptr, 0"
+        body = self._body("rows_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr",
+                          f"{ptr['ss']}, {ptr['amax']}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
+        return triton.jit(self._compile(name, params, body, {"rows_program": rows_program, **self._scope(name)}))
+
+    def _compile(self, name: str, params: list[str], body: list[str], scope: dict[str, Any]) -> Callable:
+        src = f"def {name}({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
+        filename = f"<coda:{name}>"  # Triton reads a kernel's source: kept in linecache under this name
+        linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+        namespace = {"__name__": __name__, "tl": tl, "tile_desc": tile_desc, **scope}  # Triton reads __module__
+        exec(compile(src, filename, "exec"), namespace)
+        return namespace[name]
+
+
+def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | Tile] = (),
+         flags: Sequence[str] = (), vectors: Sequence[str] = (), tile: Callable | None = None,
+         row_scale: str | None = None, row_sum: bool = False, col_sum: bool = False,
+         configs: list[triton.Config] | None = None,
+         restore: Sequence[str] = (), finish: Callable[..., tuple] | None = None, split: Callable | None = None,
+         gluon: Gluon | None = None, binds: Sequence[Binding] = (),
+         safe: Callable[[dict[str, Any]], dict[str, Any]] = dict, fuses: Callable[[dict[str, Any]], bool] = always
+         ) -> Callable:
+    """Decorate a host function that returns the :class:`Gemm` of its call: it becomes the declared kernel's host
+    function (same name and signature; fused, split or Gluon by :func:`kernels.coda.strategy.with_split`), with the
+    fused kernel ``<host>_kernel`` as ``.kernel`` and the split one ``<host>_rows_kernel`` as ``.rows_kernel``.
+
+    ``inputs``: the epilogue's extra arguments (``Gemm.inputs``, its ``args``), by parameter name, or :class:`Tile`;
+    ``flags``: constexpr flags of the kernels (``Gemm.flags``; part of the tuning key), which the epilogue finds
+    after its inputs in ``args``; ``vectors``: fp32 [M] vectors, zero-filled for each call, whose pointers
+    (``<name>_ptr``) the epilogue finds after the flags in ``args`` and writes into (a gathered value per row), and
+    ``finish`` reads (``Partials.vectors``); ``tile(z, args, off_m, M, N, BM)``: a ``@triton.jit`` function run once per
+    tile of the GEMM output before the epilogue (before the column sub-tiles) that returns the tile and the ``args``
+    the epilogue gets on it (what is the same for every sub-tile: row vectors, scalars); ``row_scale``: the name of
+    ``Gemm.row_scale`` (the kernel's ``<row_scale>_ptr``), which scales the GEMM's rows before the epilogue;
+    ``row_sum``: the epilogue returns, after its outputs, an fp32 [BM] vector of its tile whose sums over each row
+    are kept (as partials, like a ``sumsq`` output's); ``col_sum``: it returns after those an fp32 tile whose column
+    sums are kept, per M tile; ``configs``: the tile configs (``EPI_SUB`` in them: the epilogue runs on column
+    sub-tiles); ``restore``: outputs the fused kernel may read before writing (given in place), restored between
+    the autotuner's runs; ``finish(arguments, gemm, outputs, partials)``: the host function's results from its
+    arguments, its :class:`Gemm`, its outputs and the :class:`Partials`; ``split``: a split path of the host
+    function's signature and results instead of the built one; ``gluon``: its Gluon path; ``binds``: the ops it
+    implements (:class:`Binding`, as ``.binds``: the registry's entries are built from them, :func:`register`);
+    ``safe`` and ``fuses``: :func:`kernels.coda.strategy.with_split`'s."""
+    decl = Declaration(epilogue, tuple(outputs), tuple(inputs), tuple(flags), tuple(vectors), tile, row_scale,
+                       row_sum, col_sum, any("EPI_SUB" in c.kwargs for c in configs or ()))
+    if not 1 <= len(outputs) <= MAX_OUTPUTS:
+        raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
+    if decl.sumsq_of >= 0 and row_sum:
+        raise ValueError("an epilogue keeps one kind of row sums: a sumsq output or row_sum")
+    if (decl.sumsq_of >= 0 or row_sum or col_sum or bool(vectors)) != (finish is not None):
+        raise ValueError("partial sums (a sumsq output, row_sum or col_sum) and vectors go with finish, which turns "
+                         "them into results")
+    names = decl.names()
+    taken = {*MAINLOOP_PARAMS, *RESERVED} & set(names) | {n for n in names if names.count(n) > 1}
+    if taken:
+        raise ValueError(f"{epilogue.__name__}: names the kernels already use: {sorted(taken)}")
+
+    def deco(host: Callable[..., Gemm]) -> Callable:
+        bind = binder(host)
+        fused_kernel = decl.fused_kernel(f"{host.__name__}_kernel", configs, restore)
+        rows_kernel = None if split else decl.rows_kernel(f"{host.__name__}_rows_kernel")
+
+        @functools.wraps(host)
+        def fused(*args: Any, **kwargs: Any) -> Any:
+            named = bind(args, kwargs)
+            return _run_fused(decl, fused_kernel, host(**named), named, finish)
+
+        @functools.wraps(host)
+        def built_split(*args: Any, **kwargs: Any) -> Any:
+            named = bind(args, kwargs)
+            return _run_split(decl, rows_kernel, host(**named), named, finish)
+
+        signature = inspect.signature(host).replace(return_annotation=Any)  # the outputs, not the declared Gemm
+        fused.__signature__ = built_split.__signature__ = signature
+        dispatch = with_split(split or built_split, safe=safe, gluon=gluon, fuses=fuses)(fused)
+        dispatch.kernel, dispatch.rows_kernel, dispatch.binds = fused_kernel, rows_kernel, tuple(binds)
+        return dispatch
+
+    return deco
+
+
+@dataclass
+class _Asked:
+    """What one call asks of a declaration: which outputs are stored, and whether the absmax partials are."""
+
+    flags: dict[str, bool]
+    stored: list[bool]
+    recipe: Recipe | None
+
+    @classmethod
+    def of(cls, decl: Declaration, named: dict[str, Any]) -> _Asked:
+        flags = {o.when.upper(): bool(named[o.when]) for o in decl.outputs if o.when}
+        stored = [not o.when or flags[o.when.upper()] for o in decl.outputs]
+        recipe = named[decl.outputs[decl.amax_of].fp8] if decl.amax_of >= 0 else None
+        return cls(flags, stored, recipe)
+
+    def kernel_flags(self, decl: Declaration, g: Gemm) -> dict[str, bool]:
+        return {**self.flags, **{f: bool(g.flags[f]) for f in decl.call_flags},
+                **({"AMAX": self.recipe is not None} if decl.amax_of >= 0 else {})}
+
+    def outputs(self, decl: Declaration, g: Gemm, M: int, N: int, device: torch.device, dtypes: list[torch.dtype],
+                reuse: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+        """The outputs asked for: those the call brings, else those of ``reuse`` (by index), else new
+        [M, N * wide // cols] ones in the row layout (:func:`kernels.coda.align.empty_rows`); None for the others
+        (a brought one too)."""
+        return [None if not s else g.outputs[o.name] if o.name in g.outputs else reuse[i] if i in reuse else
+                empty_rows(M, N * o.wide // o.cols, dt, device)
+                for i, (o, s, dt) in enumerate(zip(decl.outputs, self.stored, dtypes))]
+
+    def results(self, decl: Declaration, outs: list[torch.Tensor | None], amax: torch.Tensor | None,
+                n_tiles: int) -> list[Any]:
+        """The outputs asked for (None for the others), the fp8 one quantized."""
+        results = []
+        for i, (o, t) in enumerate(zip(decl.outputs, outs)):
+            if i == decl.amax_of and self.recipe is not None:
+                t = quantize_from_partials(t, amax, n_tiles, rowwise=self.recipe.rowwise_for(o.role))
+            results.append(t)
+        return results
+
+
+def _inputs(decl: Declaration, g: Gemm) -> tuple:
+    """The call's input values for the kernels: a :class:`Tile` through :func:`kernels.coda.align.aligned` (itself
+    when in the row layout, else a copy in it), the others as given."""
+    return tuple(aligned(v) if isinstance(i, Tile) else v for i, v in zip(decl.inputs, g.inputs))
+
+
+def _returned(results: list[Any]) -> Any:
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
+               finish: Callable[..., tuple] | None) -> Any:
+    asked = _Asked.of(decl, named)
+    gemm = FusedGemm(g.a, g.b, g.recipe)
+    M, N = gemm.M, gemm.N
+    outs = asked.outputs(decl, g, M, N, gemm.device,
+                         [named[o.like].dtype if o.like else gemm.out_dtype for o in decl.outputs], {})
+    # an output not asked for: a placeholder never written (another output, else the row scale or an input)
+    inputs = _inputs(decl, g)
+    live = next(t for t in (*outs, g.row_scale, *inputs) if isinstance(t, torch.Tensor))
+    args = {f"{decl.row_scale}_ptr": g.row_scale} if decl.row_scale else {}
+    for i, v in zip(decl.inputs, inputs):
+        args.update({f"{i.name}_ptr": v, f"stride_{i.name}": v.stride(0)} if isinstance(i, Tile) else {i: v})
+    args.update({f"{o.name}_ptr": live if t is None else t for o, t in zip(decl.outputs, outs)})
+    args.update({f"stride_{o.name}": 0 if t is None else t.stride(0) for o, t in zip(decl.outputs, outs)})
+    ss = row_partials(kernel, M, N, gemm.device) if "ss" in decl.partials else None
+    amax = (row_partials(kernel, M, N, gemm.device) if ss is None else torch.empty_like(ss)) if asked.recipe else None
+    parts = {"ss": ss, "amax": amax}
+    if decl.partials:  # one not asked for points at one that is, else at the row scale (stride 1), else an output
+        spare = next((t for t in (ss, amax, g.row_scale) if t is not None), live)
+        args.update({f"{p}_ptr": spare if parts[p] is None else parts[p] for p in decl.partials})
+        args[f"stride_{decl.partials[0]}"] = spare.stride(0)
+    cs = col_partials(kernel, M, N, gemm.device) if decl.col_sum else None
+    if cs is not None:
+        args.update(cs_ptr=cs, stride_cs=cs.stride(0))
+    vectors = {v: torch.zeros(M, device=gemm.device, dtype=torch.float32) for v in decl.vectors}
+    args.update({f"{v}_ptr": t for v, t in vectors.items()})
+    gemm.launch(kernel, **args, **asked.kernel_flags(decl, g))
+    m_tiles, n_tiles = launched_tiles(kernel, M, N)
+    results = asked.results(decl, outs, amax, n_tiles)
+    return _returned(finish(named, g, results, Partials(ss, n_tiles, cs, m_tiles, vectors)) if finish else results)
+
+
+def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
+               finish: Callable[..., tuple] | None) -> Any:
+    asked = _Asked.of(decl, named)
+    c = split_matmul(g.a, g.b, g.recipe)
+    M, N = c.shape
+    dtypes = [named[o.like].dtype if o.like else c.dtype for o in decl.outputs]
+    inplace = next((i for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))
+                    if o.cols == o.wide == 1 and dt == c.dtype and o.name not in g.outputs), -1)
+    outs = [c if t is None else t  # an output not asked for: the GEMM output, never written
+            for t in asked.outputs(decl, g, M, N, c.device, dtypes, {inplace: c})]
+    ss = torch.empty(M, 1, device=c.device, dtype=torch.float32) if "ss" in decl.partials else None
+    amax = torch.empty(M, 1, device=c.device, dtype=torch.float32) if asked.recipe else None
+    parts = {"ss": ss, "amax": amax}
+    inputs = _inputs(decl, g)
+    tiles = [v for i, v in zip(decl.inputs, inputs) if isinstance(i, Tile)]
+    bm, bn = (16, 32) if INTERPRET else (16, 256)
+    m_tiles = triton.cdiv(M, bm)
+    cs = torch.empty(m_tiles, N, device=c.device, dtype=torch.float32) if decl.col_sum else None
+    vectors = {v: torch.zeros(M, device=c.device, dtype=torch.float32) for v in decl.vectors}
+    kernel[(m_tiles,)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *inputs, *outs,
+                       *(c if parts[p] is None else parts[p] for p in decl.partials), *([cs] if cs is not None else []),
+                       *vectors.values(), *(t.stride(0) for t in tiles + outs),
+                       *([cs.stride(0)] if cs is not None else []),
+                       **asked.kernel_flags(decl, g), BM=bm, BN=bn)
+    results = asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1)
+    return _returned(finish(named, g, results, Partials(ss, 1, cs, m_tiles, vectors)) if finish else results)
+
+
+def register(host: Callable, name: str, implementation: Callable[..., Any] | None = None,
+             binds: Sequence[Binding] | None = None, **registry: Any) -> None:
+    """Registry entries of the implementation ``name`` for every op a declared host function binds (``binds``; or
+    any host function, with the ``binds`` given here):
+    ``implementation(op, run, modes, description)`` makes one (an :class:`codabench.registry.Implementation`; by
+    default a plain function of the cell's inputs, :func:`codabench.registry.register` with ``registry``'s
+    keywords: dtypes, requires, label), ``run`` calling the host function (:meth:`Binding.run`)."""
+    for b in host.binds if binds is None else binds:
+        run = b.run(host)
+        for op in b.ops:
+            if implementation is not None:
+                REGISTRY.add(implementation(op, run, b.modes or OPS[op].modes, b.description))
+            else:
+                function = functools.wraps(run)(lambda run=run, **n: run(n))
+                function.__module__ = host.__module__  # the entry's source: the declaring module
+                register_function(op, name, modes=b.modes, description=b.description, **registry)(function)

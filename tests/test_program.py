@@ -1,0 +1,283 @@
+"""Declared CODA kernels (kernels/coda/program.py): an epilogue declared outside the package gets a fused kernel and a
+split twin that compute the same outputs (optional, fp8, wide and brought outputs, row and column sums, vectors,
+flags and per-tile values as declared), bad declarations fail, and the package's declared kernels launch with the
+tuning keys their shipped tables hold."""
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks import compare_ptx
+from kernels.coda import configs, tuning
+from kernels.coda.epilogue import add_tile, gather_cols, join_pairs, load_cols, load_rows, load_tile
+from kernels.coda.mainloop import subtiled_configs
+from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
+from kernels.coda.reduce import finish_col_sum, finish_row_sum
+from tests.kernel_helpers import DTYPES, check, launches, rand
+from workloads.fp8 import Recipe, quantize
+
+M, K, N = 40, 24, 64
+
+
+@triton.jit
+def shift_square(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(z + c, (z + c)^2 on the even columns): c a column vector."""
+    u = z + load_cols(args[0], off_n, N, BN)[None, :]
+    even, _ = u.reshape(BM, BN // 2, 2).split()
+    return u, even * even
+
+
+@coda(shift_square, outputs=(Output("u", when="keep_u"), Output("sq", cols=2, fp8="sq_fp8")), inputs=("c_ptr",),
+      row_scale="r", configs=subtiled_configs((2, 1)))
+def gemm_shift_square(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, c: torch.Tensor, keep_u: bool,
+                      sq_fp8: Recipe | None = None) -> Gemm:
+    return Gemm(x, w.T, row_scale=r, inputs=(c,))
+
+
+def _reference(x, w, r, c):
+    u = r.double()[:, None] * (x.double() @ w.double().T) + c.double()
+    return u, u[:, 0::2] ** 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_declared_kernel_runs_fused_and_split(dtype, strategy):
+    x, w = rand(M, K, dtype=dtype, seed=1), rand(N, K, dtype=dtype, seed=2, scale=K ** -0.5)
+    r, c = rand(M, seed=3, scale=0.1, mean=1.0), rand(N, dtype=dtype, seed=4)
+    with launches() as names:
+        u, sq = gemm_shift_square(x, w, r, c, keep_u=True)
+        none, sq2 = gemm_shift_square(x, w, r, c, keep_u=False)
+    assert names == [f"gemm_shift_square_{'kernel' if strategy == 'fused' else 'rows_kernel'}"] * 2
+    assert none is None and torch.equal(sq, sq2)
+    u64, sq64 = _reference(x, w, r, c)
+    ut = (r[:, None] * (x.float() @ w.float().T) + c.float()).to(dtype)
+    check("u", u, u64, ut)
+    check("sq", sq, sq64, (ut.float()[:, 0::2] ** 2).to(dtype))
+
+
+def test_an_fp8_output_is_quantized_from_the_epilogues_partials(strategy):
+    x, w = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5)
+    r, c = rand(M, seed=3, scale=0.1, mean=1.0), rand(N, seed=4)
+    for rowwise in (False, True):
+        _, sq = gemm_shift_square(x, w, r, c, keep_u=False)
+        _, q = gemm_shift_square(x, w, r, c, keep_u=False, sq_fp8=Recipe(rowwise=rowwise))
+        want = quantize(sq, rowwise=rowwise)
+        assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(q.scale, want.scale)
+
+
+@triton.jit
+def plus_tile(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """z plus the tile of a matrix (descriptor ``args[1]``), times a scalar ``args[0]``."""
+    return (args[0] * add_tile(z, args[1], off_m, off_n),)
+
+
+@coda(plus_tile, outputs=(Output("out", like="res"),), inputs=("alpha", Tile("res")), configs=subtiled_configs((2,)))
+def gemm_plus_tile(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, alpha: float) -> Gemm:
+    return Gemm(x, w.T, inputs=(alpha, res))
+
+
+def test_a_tile_input_is_read_by_both_paths_in_its_own_dtype(strategy):
+    x, w = rand(M, K, dtype=torch.float16, seed=1), rand(N, K, dtype=torch.float16, seed=2, scale=K ** -0.5)
+    res = rand(M, N, seed=5)
+    out = gemm_plus_tile(x, w, res, 0.5)
+    ref = 0.5 * (x.double() @ w.double().T + res.double())
+    check("out", out, ref, 0.5 * ((x @ w.T).float() + res))  # PyTorch's GEMM rounds to fp16, as the split path's
+
+
+@triton.jit
+def pairs_and_sums(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(t + z on both columns of each pair, z), and the rows' sums of z: t the [M, 2N] tile of ``args[0]``."""
+    t = load_tile(args[0], off_m, 2 * off_n)
+    return t + join_pairs(z, z, BM, 2 * BN), z, tl.sum(z, axis=1)
+
+
+def _sums(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, finish_row_sum(partials.ss, partials.n_tiles))
+
+
+@coda(pairs_and_sums, outputs=(Output("p", wide=2, like="t"), Output("z")), inputs=(Tile("t", wide=2),),
+      row_sum=True, configs=subtiled_configs((2,)), finish=_sums)
+def gemm_pairs(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Gemm:
+    g = Gemm(x, w.T, inputs=(t.contiguous(),))
+    assert t.shape == (g.shape[0], 2 * g.shape[1])
+    return g
+
+
+def test_wide_tiles_and_row_sums_of_the_epilogue_in_both_paths(strategy):
+    """A [M, 2N] input and output (blocks twice as wide as the GEMM's tile) and the rows' sums of a value the
+    epilogue returns, summed over the N tiles by ``finish``."""
+    x, w = rand(M, K, dtype=torch.float16, seed=1), rand(N, K, dtype=torch.float16, seed=2, scale=K ** -0.5)
+    t = rand(M, 2 * N, seed=6)
+    with launches() as names:
+        p, z, s = gemm_pairs(x, w, t)
+    assert names[0] == f"gemm_pairs_{'kernel' if strategy == 'fused' else 'rows_kernel'}"
+    assert p.shape == (M, 2 * N) and p.dtype == torch.float32 and z.dtype == torch.float16 and s.shape == (M,)
+    z64 = x.double() @ w.double().T
+    zt = (x @ w.T).float()  # PyTorch's GEMM rounds to fp16, as the split path's
+    check("p", p, t.double() + z64.repeat_interleave(2, dim=1), t + zt.repeat_interleave(2, dim=1))
+    check("z", z, z64, zt.half())
+    check("s", s, z64.sum(1), zt.sum(1))
+
+
+def _sumsq(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, finish_row_sum(partials.ss, partials.n_tiles))
+
+
+@coda(plus_tile, outputs=(Output("out", sumsq=True),), inputs=("alpha", Tile("res")), configs=subtiled_configs((2,)),
+      finish=_sumsq)
+def gemm_plus_tile_sumsq(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, alpha: float) -> Gemm:
+    return Gemm(x, w.T, inputs=(alpha, res))
+
+
+def test_the_sums_of_squares_of_an_output_in_both_paths(strategy):
+    """A sumsq output without a split path of the declaration's own: the built one keeps the row sums too."""
+    x, w, res = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5), rand(M, N, seed=5)
+    out, ss = gemm_plus_tile_sumsq(x, w, res, 0.5)
+    ref = 0.5 * (x.double() @ w.double().T + res.double())
+    torch_out = 0.5 * (x @ w.T + res)
+    check("out", out, ref, torch_out)
+    check("ss", ss, (ref ** 2).sum(1), (torch_out ** 2).sum(1))
+
+
+@triton.jit
+def _scale_rows(z, args, off_m, M, N, BM: tl.constexpr):
+    """Once per tile: 2 z, and the epilogue's args with the tile's rows of v loaded."""
+    v_ptr, acc, ADD = args
+    return 2.0 * z, (load_rows(v_ptr, off_m, M, BM), acc, ADD)
+
+
+@triton.jit
+def add_into(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(u, u): ``u = z v`` per row, plus the tile of acc with the flag ADD; the second u's column sums are kept."""
+    v, acc, ADD = args
+    u = z * v[:, None]
+    if ADD:
+        u = add_tile(u, acc, off_m, off_n)
+    return u, u
+
+
+def _col_sums(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, finish_col_sum(partials.cs, partials.m_tiles))
+
+
+@coda(add_into, outputs=(Output("out"),), inputs=("v_ptr", Tile("acc")), flags=("ADD",), tile=_scale_rows,
+      col_sum=True, configs=subtiled_configs((2,)), restore=("out",), finish=_col_sums,
+      fuses=lambda arguments: arguments["fuse"])
+def gemm_add_into(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor, acc: torch.Tensor, add: bool,
+                  fuse: bool = True) -> Gemm:
+    return Gemm(x, w.T, inputs=(v, acc), flags={"ADD": add}, outputs={"out": acc})
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_flags_a_tile_hook_column_sums_and_an_output_given_in_place(strategy, add):
+    """A flag of the call, row values loaded once per tile, column sums finished per M tile, and an output the call
+    brings (written in place over an input it reads); ``fuses`` false sends a call to the split path."""
+    x, w = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5)
+    v, acc = rand(M, seed=3, mean=1.0), rand(M, N, seed=4)
+    u64 = 2 * (x.double() @ w.double().T) * v.double()[:, None] + (acc.double() if add else 0)
+    ut = 2 * (x @ w.T) * v[:, None] + (acc if add else 0)
+    with launches() as names:
+        out, cs = gemm_add_into(x, w, v, acc, add)
+    assert out is acc and names[0] == f"gemm_add_into_{'kernel' if strategy == 'fused' else 'rows_kernel'}"
+    check("out", out, u64, ut)
+    check("cs", cs, u64.sum(0), ut.sum(0))
+    with launches() as names:
+        gemm_add_into(x, w, v, acc.clone(), add, fuse=False)
+    assert names[0] == "gemm_add_into_rows_kernel"
+    assert gemm_add_into.kernel.restore_value == ["out_ptr"] and gemm_add_into.kernel.keys[-1] == "ADD"
+
+
+@triton.jit
+def diagonal(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(z,), and each row's z[m, m % N] written into the vector ``args[0]`` by the tile that holds it."""
+    rows = off_m + tl.arange(0, BM)
+    v, hit = gather_cols(z, rows % N, off_n, BN)
+    tl.store(args[0] + rows, v, mask=hit & (rows < M))
+    return (z,)
+
+
+def _diagonal(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:
+    return (*outputs, partials.vectors["d"])
+
+
+@coda(diagonal, outputs=(Output("z"),), vectors=("d",), finish=_diagonal)
+def gemm_diagonal(x: torch.Tensor, w: torch.Tensor) -> Gemm:
+    return Gemm(x, w.T)
+
+
+def test_a_vector_the_epilogue_scatters_into_reaches_finish_in_both_paths(strategy):
+    x, w = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5)
+    z, d = gemm_diagonal(x, w)
+    rows = torch.arange(M)
+    assert d.dtype == torch.float32 and torch.equal(d, z.float()[rows, rows % N])
+
+
+def test_bad_declarations_fail_at_import():
+    with pytest.raises(ValueError, match="1 to 2 outputs"):
+        coda(shift_square, outputs=())
+    with pytest.raises(ValueError, match="go with finish"):
+        coda(pairs_and_sums, outputs=(Output("p", wide=2), Output("z")), row_sum=True)
+    with pytest.raises(ValueError, match="go with finish"):
+        coda(add_into, outputs=(Output("out"),), col_sum=True)
+    with pytest.raises(ValueError, match="go with finish"):
+        coda(diagonal, outputs=(Output("z"),), vectors=("d",))
+    with pytest.raises(ValueError, match="one kind of row sums"):
+        coda(pairs_and_sums, outputs=(Output("p", sumsq=True), Output("z")), row_sum=True, finish=_sums)
+    with pytest.raises(ValueError, match=r"already use: \['a_ptr', 'stride_a'\]"):
+        coda(shift_square, outputs=(Output("a"),))
+
+
+def _tuning_signature(kernel, call) -> str:
+    """The signature (:func:`kernels.coda.configs.split_key`) of the autotuning key ``call`` launches ``kernel``
+    with: its key arguments, then the dtype of every tensor argument in launch order, as the autotuner builds it."""
+    launched = {}
+
+    def run(*args, **kwargs):
+        launched.update(zip(kernel.arg_names, args), **kwargs)
+        raise compare_ptx._Launched
+
+    orig, kernel.run = kernel.run, run
+    try:
+        call()
+    except compare_ptx._Launched:
+        pass
+    finally:
+        kernel.run = orig
+    args = {k: v for k, v in launched.items() if k in kernel.arg_names}
+    return configs.split_key([args[k] for k in kernel.keys] + [str(v.dtype) for v in args.values()
+                                                               if hasattr(v, "dtype")])[0]
+
+
+@pytest.mark.parametrize("case", ["producer-bf16", "scaled_linear-bf16", "swiglu-bf16", "rope-bf16",
+                                  "cross_entropy-bf16", "swiglu_bwd-bf16", "rmsnorm_bwd-bf16"])
+def test_declared_kernels_launch_with_tuning_keys_the_shipped_tables_hold(case):
+    """The key's argument dtypes come in the kernel's launch order: a declaration that moved a tensor parameter would
+    miss every shipped entry of its kernel. Meta-device calls of benchmarks/compare_ptx.py's cases (rmsnorm_bwd: as
+    the training step calls it, without dres and scale)."""
+    C = compare_ptx
+    module, name, call, _ = C.KERNELS[case.rsplit("-", 1)[0]]
+    host = next(v for v in vars(importlib.import_module(module)).values() if getattr(v, "kernel", None)
+                and v.kernel.base_fn.__name__ == name)
+    if case.startswith("rmsnorm_bwd"):
+        def call(_):
+            host(C._t(C.M, C.F), C._t(C.F, C.D), C._t(C.M, C.D), C._rstd(), C._t(C.D), C._rstd())
+    sig = _tuning_signature(host.kernel, lambda: call(False))
+    for gpu in ("NVIDIA-H200", "NVIDIA-H100-80GB-HBM3"):
+        keys = json.loads((tuning.TABLES / f"{gpu}.json").read_text())["kernels"][name]
+        assert any(configs.split_key(json.loads(k))[0] == sig for k in keys), (gpu, sig)
+
+
+def test_a_binding_calls_its_host_with_the_cells_inputs_and_names_its_results():
+    """The op binding: the cell's native inputs reach the host function's parameters of their names (the others
+    left out), ``args`` adds or replaces arguments, the results are named in order and a None result is dropped."""
+    def host(a, b, flag=False, scale=1.0):
+        return a + b * scale, a if flag else None
+
+    run = Binding(("op",), ("sum", "a"), "a test", lambda n: {"flag": n["model"], "b": 10 * n["b"]}).run(host)
+    assert run({"a": 1, "b": 2, "model": False, "unused": 5}) == {"sum": 21}
+    assert run({"a": 1, "b": 2, "model": True}) == {"sum": 21, "a": 1}
+    assert Binding(("op",), (None, "a"), "").run(lambda a, b: (a, b))({"a": 1, "b": 2}) == {"a": 2}
