@@ -337,8 +337,8 @@ def attach(tuner: Autotuner, gpu_name: Callable[[], str]) -> Autotuner:
             load(tuner, path)
             load_table(tuner, table_file(gpu))
         key = tuning_key(tuner, args, kwargs)
-        if key in tuner.cache:  # the common case: a known shape, nothing to tune or store
-            return run(*args, **kwargs)
+        if key in tuner.cache:  # the common case: a known shape, nothing to tune or store (a dry pass may have
+            return run_fitting(tuner, run, key, args, kwargs)  # put a predicted config there, compiled but not loaded)
         if not tuning_on():  # kept in memory only: a tuning run still tunes this key
             tuner.cache[key], _ = predict(tuner, key, args, kwargs, gpu)
             return run_fitting(tuner, run, key, args, kwargs)
