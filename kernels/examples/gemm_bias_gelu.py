@@ -1,6 +1,4 @@
 """Worked example (docs/writing-kernels.md): ``out = gelu_tanh(x W^T + b)`` as one CODA kernel."""
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
