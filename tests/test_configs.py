@@ -290,3 +290,19 @@ def test_triton_specializes_a_plain_integer_only_on_its_divisibility_by_16():
         return native_specialize_impl(BaseBackend, v, False, True, True)
 
     assert spec(2048) == spec(16384) != spec(16381)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_with_no_table_a_key_starts_from_the_shipped_tables_most_frequent_config_of_its_element_size(dtype):
+    """The default config (no tuned neighbour: a GPU without a table) is the first pruning leaves; pruning puts the
+    configs with 128-byte K rows first, so it is the config the shipped tables chose most often for operands of that
+    size (16-bit: 128x256x64, fp8: 128x256x128; in fp8 a 16-bit config cost 20-27% on an H200)."""
+    from kernels.coda.mainloop import GPU_CONFIGS, _prune
+
+    a = torch.empty(0, dtype=dtype)
+    first = cfg(_prune(GPU_CONFIGS, {"M": 16384, "N": 4096, "a": a})[0])
+    fp8 = dtype.itemsize == 1
+    for table in sorted(tuning.TABLES.glob("*.json")):
+        chosen = [json.dumps(r, sort_keys=True) for name, records in json.loads(table.read_text())["kernels"].items()
+                  if not name.startswith("strategy:") for key, r in records.items() if ("float8" in key) == fp8]
+        assert json.dumps(first, sort_keys=True) == max(set(chosen), key=chosen.count), table.name

@@ -102,6 +102,20 @@ def _config(bm, bn, bk, stages, warps, group_m=8) -> triton.Config:
     return triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": group_m}, num_stages=stages, num_warps=warps)
 
 
+# Measured on H100 + Triton 3.6 (bench_mainloop.py --sweep, tmp sweeps of the fused kernels; docs/performance.md):
+# 128x256x64 and 256x128x64 with 8 warps and 3 stages win on every large bf16 shape; 128x128 wins a few small-K
+# weight-gradient shapes. BK = 128: the fp8 configs (128-byte K rows, like bf16's BK = 64); too large for bf16's
+# shared memory, which _prune drops. 64 x 64: only for small problems (GPU tests), see _prune. Dropped after
+# sweeps: 128x256x32 (was for whole-tile epilogues, superseded by sub-tiling), 128x128x128, 128x64, and two
+# programs per SM (128x128 tiles, 2-3 stages: 1.10-3.4x the GEMM against 1.01-1.49x for the best config).
+# 128x256 with 4 stages exceeds shared memory, 64x256 crashes Triton 3.6's wgmma lowering, warp
+# specialization gave wrong results.
+GPU_CONFIGS = [_config(128, 256, 64, 3, 8), _config(256, 128, 64, 3, 8), _config(128, 128, 64, 4, 8),
+               _config(128, 128, 64, 5, 4), _config(128, 256, 128, 3, 8), _config(256, 128, 128, 3, 8),
+               _config(128, 256, 128, 4, 8), _config(64, 64, 64, 3, 4)]
+"""The tile configs of :func:`gemm_configs` on a GPU."""
+
+
 def gemm_configs(min_bn: int = 16) -> list[triton.Config]:
     """The tile configs the autotuner tries; one small config under the interpreter.
 
@@ -110,18 +124,7 @@ def gemm_configs(min_bn: int = 16) -> list[triton.Config]:
     """
     if INTERPRET:
         return [_config(32, max(32, min_bn), 32, 1, 4, group_m=2)]
-    # Measured on H100 + Triton 3.6 (bench_mainloop.py --sweep, tmp sweeps of the fused kernels; docs/performance.md):
-    # 128x256x64 and 256x128x64 with 8 warps and 3 stages win on every large bf16 shape; 128x128 wins a few small-K
-    # weight-gradient shapes. BK = 128: the fp8 configs (128-byte K rows, like bf16's BK = 64); too large for bf16's
-    # shared memory, which _prune drops. 64 x 64: only for small problems (GPU tests), see _prune. Dropped after
-    # sweeps: 128x256x32 (was for whole-tile epilogues, superseded by sub-tiling), 128x128x128, 128x64, and two
-    # programs per SM (128x128 tiles, 2-3 stages: 1.10-3.4x the GEMM against 1.01-1.49x for the best config).
-    # 128x256 with 4 stages exceeds shared memory, 64x256 crashes Triton 3.6's wgmma lowering, warp
-    # specialization gave wrong results.
-    cfgs = [_config(128, 256, 64, 3, 8), _config(256, 128, 64, 3, 8), _config(128, 128, 64, 4, 8),
-            _config(128, 128, 64, 5, 4), _config(128, 256, 128, 3, 8), _config(256, 128, 128, 3, 8),
-            _config(128, 256, 128, 4, 8), _config(64, 64, 64, 3, 4)]
-    return [c for c in cfgs if c.kwargs["BN"] >= min_bn]
+    return [c for c in GPU_CONFIGS if c.kwargs["BN"] >= min_bn]
 
 
 def subtiled_configs(subtiles: Sequence[int] = (2, 4), min_cols: int = 16) -> list[triton.Config]:
@@ -145,7 +148,7 @@ MAINLOOP_SMEM = 200 * 1024
 def _prune(configs, named_args, **kwargs):
     """Drop configs whose operand stages overflow shared memory for the operands' element size, tiles much
     larger than the problem, and the small 64 x 64 tile unless the problem is small too; if nothing is left
-    (tiny test shapes), the smallest tile that fits."""
+    (tiny test shapes), the smallest tile that fits. Those with 128-byte K rows come first."""
     m, n = named_args["M"], named_args["N"]
     elt = next(v for v in named_args.values() if isinstance(v, torch.Tensor)).element_size()
 
@@ -157,6 +160,9 @@ def _prune(configs, named_args, **kwargs):
 
     keep = [c for c in configs if fits(c) and c.kwargs["BM"] <= max(64, triton.next_power_of_2(m))
             and c.kwargs["BN"] <= max(64, triton.next_power_of_2(n)) and (area(c) > 64 * 64 or min(m, n) < 128)]
+    # K rows of 128 bytes first (BK = 64 for 16-bit operands, 128 for fp8): the tuned winner of nearly every shipped
+    # key, so a key no table vouches for (a GPU without one) starts from it, not from a 16-bit config in fp8
+    keep.sort(key=lambda c: c.kwargs["BK"] * elt != 128)
     return keep or [min((c for c in configs if fits(c)), key=area, default=configs[0])]
 
 
