@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default suite on a GPU machine is the quick suite")
 @pytest.mark.slow
+@pytest.mark.long
 def test_default_command_runs_the_smoke_suite_on_the_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TORCHINDUCTOR_CACHE_DIR")}
     out = tmp_path / "reports" / "smoke"

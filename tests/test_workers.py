@@ -15,3 +15,18 @@ def test_each_test_process_takes_its_share_of_the_cores():
     if os.environ["OMP_NUM_THREADS"] != str(share):  # only a value the user set before the run stands
         pytest.skip(f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} set outside the tests")
     assert torch.get_num_threads() == share
+
+
+def test_the_long_tests_are_handed_out_first():
+    """A test marked ``long`` (the smoke suite) comes first in the collection, which pytest-xdist hands out in
+    order, though its file sorts after the others."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-m", "slow",
+                          "-p", "no:cacheprovider", str(tests / "test_benchmarks.py"), str(tests / "test_smoke.py")],
+                         capture_output=True, text=True, cwd=tests.parent, timeout=300)
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    assert len(ids) > 2 and ids[0].startswith("tests/test_smoke.py::"), out.stdout[-2000:]
