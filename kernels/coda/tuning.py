@@ -286,7 +286,7 @@ def _allowed(tuner: Autotuner, args: tuple, kwargs: dict) -> list[triton.Config]
 
 
 def run_fitting(tuner: Autotuner, run: Callable, key: tuple, args: tuple, kwargs: dict) -> Any:
-    """``run`` under the config ``tuner`` holds for ``key`` (one nothing measured), else the next that fits: where a
+    """``run`` under the config ``tuner`` holds for ``key``, else the next that fits: where a
     config's binary needs more shared memory or registers than this GPU has, Triton raises :class:`OutOfResources`
     loading it, before anything runs, and the next config pruning leaves takes its place for the key (pruning
     bounds the mainloop's stages, not the epilogue's buffers: on a GPU with less shared memory than the tables'
