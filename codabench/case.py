@@ -11,6 +11,19 @@ from workloads.models import ModelShape
 from workloads.op import DTYPES, Op
 
 
+@dataclass(frozen=True)
+class Context:
+    """What one call of an implementation knows of its cell besides its inputs (:class:`codabench.registry.Native`):
+    the model shape, the dtype name, the device, the fp8 recipe (None: not fp8) and the GEMMs of the op's PyTorch
+    composition (:attr:`Case.mm`)."""
+
+    model: ModelShape
+    dtype: str
+    device: torch.device
+    recipe: fp8.Recipe | None
+    mm: fp8.TorchGemms
+
+
 @dataclass
 class Case:
     op: Op
@@ -42,6 +55,11 @@ class Case:
         inputs' dtype, or ``torch._scaled_mm`` under the cell's fp8 recipe."""
         recipe = self.recipe
         return fp8.ScaledMMGemms(recipe) if recipe is not None else fp8.TORCH_GEMMS
+
+    @property
+    def context(self) -> Context:
+        """The cell as its calls see it (no inputs: a resident call's context holds no canonical tensor)."""
+        return Context(self.model, self.dtype, self.device, self.recipe, self.mm)
 
     def mm_skip_reason(self) -> str | None:
         """Why :attr:`mm` cannot run here (``torch._scaled_mm`` on a GPU without fp8 tensor cores); None when it can."""

@@ -38,7 +38,7 @@ from codabench.case import Case
 from codabench.eager import TorchEager
 from codabench.execute import CellError, Result, forward_shapes, reference_once, run_once, uses_autograd
 from codabench.metrics import ErrorStats, error_ratio, error_stats, passes
-from codabench.registry import Implementation, Tensors
+from codabench.registry import Implementation, Tensors, prepared
 from workloads.op import Op
 
 CHECK_SEED = 1001
@@ -110,7 +110,7 @@ def build_reference(op: Op, case: Case) -> GroupReference:
     eager = TorchEager(op)
     grad_outputs = None
     if uses_autograd(op, case.mode):
-        grad_outputs = op.grad_outputs(forward_shapes(op, eager, eager.prepare(case)), GRAD_SEED)
+        grad_outputs = op.grad_outputs(forward_shapes(op, eager, prepared(eager, case)), GRAD_SEED)
     torch_res = compared(op, case.mode, run_once(op, eager, case, grad_outputs))
     ref = compared(op, case.mode, reference_once(op, case, grad_outputs))
     stats = {k: error_stats(torch_res[k], ref[k]) for k in ref if k in torch_res}

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from codabench.case import Case
-from codabench.registry import Implementation, Registry, Tensors
+from codabench.registry import Implementation, Native, Registry, Tensors
 from workloads import fp8
 from workloads.ops import OPS, Op
 
@@ -45,10 +45,10 @@ class TorchEager(Implementation):
         return super().skip_reason(case) or case.mm_skip_reason()
 
     def prepare(self, case: Case) -> Tensors:
-        return {**case.quantize(dict(case.inputs)), "model": case.model, "mm": case.mm}
+        return case.quantize(dict(case.inputs))
 
-    def run(self, native: Tensors) -> Tensors:
-        return self.op_def.reference(native, native["model"], native["mm"])
+    def run(self, native: Native) -> Tensors:
+        return self.op_def.reference(native, native.model, native.mm)
 
     def metadata(self):
         return {"torch": torch.__version__}
@@ -74,8 +74,8 @@ class TorchCompile(TorchEager):
             TorchCompile._key = key
         return case.quantize(dict(case.inputs))
 
-    def run(self, native: Tensors) -> Tensors:
-        return self._compiled(native)
+    def run(self, native: Native) -> Tensors:
+        return self._compiled(dict(native))  # a plain dict: what the graph was traced on, without the context
 
     def metadata(self):
         return {"torch": torch.__version__, "compile_mode": COMPILE_MODE}

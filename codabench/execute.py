@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from codabench.case import Case
-from codabench.registry import Implementation, Tensors
+from codabench.registry import Implementation, Native, Tensors, prepared
 from workloads.op import Op
 
 
@@ -38,7 +38,10 @@ def differentiable_keys(op: Op, impl: Implementation, native: Tensors) -> list[s
 
 
 def fresh_leaves(native: Tensors, keys: list[str]) -> Tensors:
-    return {k: (v.detach().requires_grad_(True) if k in keys else v) for k, v in native.items()}
+    """``native`` with the inputs ``keys`` as new autograd leaves sharing their storage (a :class:`Native` keeps its
+    context)."""
+    leaves = {k: (v.detach().requires_grad_(True) if k in keys else v) for k, v in native.items()}
+    return native.with_inputs(leaves) if isinstance(native, Native) else leaves
 
 
 def call_run(impl: Implementation, native: Tensors) -> Tensors:
@@ -170,7 +173,7 @@ class Result:
 
 def run_once(op: Op, impl: Implementation, case: Case, grad_outputs: Tensors | None) -> Result:
     """Prepare and run ``impl`` once on ``case`` in its mode; ``grad_outputs`` canonical (autograd modes)."""
-    return run_native(op, impl, impl.prepare(case), case.mode, grad_outputs)
+    return run_native(op, impl, prepared(impl, case), case.mode, grad_outputs)
 
 
 def run_native(op: Op, impl: Implementation, native: Tensors, mode: str, grad_outputs: Tensors | None) -> Result:

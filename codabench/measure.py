@@ -48,7 +48,7 @@ from codabench.execute import (CellError, Timed, check_outputs, forward_shapes, 
                                 uses_autograd)
 from codabench.matrix import SPEED_BASELINE, Cell
 from codabench.profile import profile_call
-from codabench.registry import Implementation, Registry, Tensors
+from codabench.registry import Implementation, Registry, Tensors, prepared
 from codabench.sweep import Member
 from codabench.timing import CUDA_GRAPH, first_call, graph_sets, measure, per_round
 from codabench import sweep, verify
@@ -309,7 +309,7 @@ class Measurer:
         gradients (autograd modes, else None) and the call."""
         op = OPS[cell.op]
         grads = self._timing_grads(group, case) if uses_autograd(op, cell.mode) else None
-        native = impl.prepare(case)
+        native = prepared(impl, case)
         grads_native = impl.grad_outputs_to_native(grads, native) if grads is not None else None
         return native, grads, timed_call(op, impl, native, cell.mode, grads_native)
 
@@ -337,7 +337,7 @@ class Measurer:
         sets = []
         for i in range(k):
             c = replace(case, inputs=case.op.inputs(case.model, case.dtype, self.device, TIMING_SEED + i))
-            sets.append((c, impl.prepare(c)))
+            sets.append((c, prepared(impl, c)))
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.no_grad(), torch.cuda.stream(side):
@@ -474,7 +474,7 @@ class Measurer:
         timed = r.timed
 
         def setup(s: int):
-            verify.refill(r.native, impl.prepare(fresh.case(s)))
+            verify.refill(r.native, prepared(impl, fresh.case(s)))
             return timed.setup() if timed.setup is not None else None
 
         def after(s: int, returned) -> None:
@@ -559,7 +559,7 @@ class Measurer:
         under test is not run, or compiled, once more just to learn its shapes)."""
         if group.timing_grads is None:
             eager = TorchEager(case.op)
-            shapes = forward_shapes(case.op, eager, eager.prepare(case))
+            shapes = forward_shapes(case.op, eager, prepared(eager, case))
             group.timing_grads = case.op.grad_outputs(shapes, TIMING_GRAD_SEED)
         return group.timing_grads
 

@@ -2,7 +2,7 @@
 
 An implementation computes one op in its own ("native") layout. The harness calls, per cell::
 
-    native = impl.prepare(case)            # untimed: weight permutation, quantization, tables
+    native = prepared(impl, case)          # untimed: impl.prepare(case) (weight permutation, quantization, tables)
     out    = impl.run(native)              # timed (forward; autograd graph when grads are on)
     impl.outputs_to_canonical(out, native) # untimed, for comparison
     impl.grad_outputs_to_native(dy, native), impl.grads_to_canonical(grads, native)   # untimed
@@ -14,7 +14,9 @@ Register a plain function (it is ``run``, called with the native tensors as keyw
     def my_gemm(x, w):
         return {"out": x @ w.T}
 
-or decorate a subclass of :class:`Implementation` to override any step. :mod:`codabench.discovery` finds the
+or decorate a subclass of :class:`Implementation` to override any step. ``native`` is a :class:`Native`: the dict
+``prepare`` returned, with the cell's :class:`codabench.case.Context` as attributes (``native.model``,
+``native.recipe``, ``native.mm``), so that what a call knows of its cell never rides among its inputs. :mod:`codabench.discovery` finds the
 modules that register them (entry points, ``--plugin`` files); a module that fails to import (or registers an op
 that does not exist) is recorded in ``load_errors``.
 """
@@ -23,11 +25,13 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from codabench.case import Case
+from codabench.case import Case, Context
+from workloads.fp8 import Recipe, TorchGemms
+from workloads.models import ModelShape
 from workloads.ops import OPS
 
 TUNE_ENV = "CODABENCH_TUNE"
@@ -36,7 +40,41 @@ cell's data (autotuning, measured choices) and keep what it learns for later run
 measuring, so that its first result comes fast."""
 
 Tensors = dict[str, Any]
-"""Named tensors; native dicts may also carry plain values (a model shape, eps), which the harness leaves alone."""
+"""Named tensors; an implementation's native dict may also carry values of its own (a built model, a table), which
+the harness leaves alone."""
+
+
+class Native(dict):
+    """The native inputs of one call (what ``prepare`` returned; a dict, as ``run`` always took them) and the cell's
+    :class:`codabench.case.Context` (``context``, and its fields as attributes). The harness builds it
+    (:func:`prepared`); a new dict of the same call's inputs (fresh autograd leaves) keeps the context
+    (:meth:`with_inputs`)."""
+
+    def __init__(self, inputs: Mapping[str, Any], context: Context):
+        super().__init__(inputs)
+        self.context = context
+
+    def with_inputs(self, inputs: Mapping[str, Any]) -> Native:
+        return Native(inputs, self.context)
+
+    @property
+    def model(self) -> ModelShape:
+        return self.context.model
+
+    @property
+    def recipe(self) -> Recipe | None:
+        """The cell's fp8 recipe (None: not an fp8 cell)."""
+        return self.context.recipe
+
+    @property
+    def mm(self) -> TorchGemms:
+        """The GEMMs of the op's PyTorch composition in this cell (:attr:`codabench.case.Case.mm`)."""
+        return self.context.mm
+
+
+def prepared(impl: Implementation, case: Case) -> Native:
+    """``impl.prepare(case)`` with the cell's context: what ``run`` is called with."""
+    return Native(impl.prepare(case), case.context)
 
 
 class FirstCalls:

@@ -32,7 +32,7 @@ from codabench.case import Case
 from codabench.correctness import compared
 from codabench.execute import CellError, Timed, run_native
 from codabench.metrics import FLOOR, rel_err
-from codabench.registry import Implementation, Tensors
+from codabench.registry import Implementation, Tensors, prepared
 from codabench import guard
 from workloads.op import Op
 
@@ -127,7 +127,7 @@ def check_refilled(op: Op, impl: Implementation, native: Tensors, mode: str, gra
     """Check 2: the timed buffers refilled in place with the native form of ``expected.case``'s inputs; on the GPU the
     outputs as they stand on the calling stream when the call returns."""
     synchronize = guard.private_clocks().synchronize
-    refill(native, impl.prepare(expected.case))
+    refill(native, prepared(impl, expected.case))
     device = expected.case.device
     if device.type == "cuda":
         synchronize(device)  # the refill is done before the call starts
@@ -148,7 +148,7 @@ def check_refilled(op: Op, impl: Implementation, native: Tensors, mode: str, gra
 def check_new_buffers(op: Op, impl: Implementation, mode: str, grads: Tensors | None, expected: Expected,
                       allowed: dict[str, float]) -> str | None:
     """Check 3: a fresh ``prepare`` on ``expected.case``'s inputs."""
-    native = impl.prepare(expected.case)
+    native = prepared(impl, expected.case)
     bad = mismatch(op, mode, compared(op, mode, run_native(op, impl, native, mode, grads)), expected, allowed)
     return f"outputs are wrong on new input buffers: {bad}" if bad else None
 

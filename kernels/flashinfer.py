@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 
 from codabench.case import Case
-from codabench.registry import REGISTRY, Implementation, Tensors
+from codabench.registry import REGISTRY, Implementation, Native, Tensors
 from kernels import layouts
 from workloads import fp8
 from workloads import reference as R
@@ -113,40 +113,40 @@ def _rope_qkv_(qkv: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, 
                                                      model.head_dim, cache, is_neox=True)
 
 
-def _producer(n: Tensors, w: str, gamma: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _producer(n: Native, w: str, gamma: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, x)``: the projection, residual add and RMSNorm (residual cloned: see the module docstring)."""
-    h, x = n["mm"].linear(n["a"], n[w]), n["residual"].clone()
-    _add_rmsnorm_(h, x, n[gamma], n["model"].eps)
+    h, x = n.mm.linear(n["a"], n[w]), n["residual"].clone()
+    _add_rmsnorm_(h, x, n[gamma], n.model.eps)
     return h, x
 
 
-# ---- the ops (``n["mm"]``: the GEMMs, ``F.linear`` or (fp8) ``torch._scaled_mm``) ----------------
+# ---- the ops (``n.mm``: the GEMMs, ``F.linear`` or (fp8) ``torch._scaled_mm``) ----------------
 
-def _rmsnorm_linear(n: Tensors) -> Tensors:
+def _rmsnorm_linear(n: Native) -> Tensors:
     h, x = _producer(n, "w_o", "gamma")
-    return {"x": x, "z": n["mm"].linear(h, n["w_c"])}
+    return {"x": x, "z": n.mm.linear(h, n["w_c"])}
 
 
-def _rmsnorm_swiglu(n: Tensors) -> Tensors:
+def _rmsnorm_swiglu(n: Native) -> Tensors:
     h, x = _producer(n, "w_o", "gamma")
-    return {"x": x, "y": _fi().activation.silu_and_mul(n["mm"].linear(h, n["w_gate_up"]))}
+    return {"x": x, "y": _fi().activation.silu_and_mul(n.mm.linear(h, n["w_gate_up"]))}
 
 
-def _rmsnorm_rope(n: Tensors) -> Tensors:
+def _rmsnorm_rope(n: Native) -> Tensors:
     h, x = _producer(n, "w_down", "gamma")
-    qkv = n["mm"].linear(h, n["w_qkv"])
-    _rope_qkv_(qkv, n["positions"], n["cos_sin_cache"], n["model"])
+    qkv = n.mm.linear(h, n["w_qkv"])
+    _rope_qkv_(qkv, n["positions"], n["cos_sin_cache"], n.model)
     return {"x": x, "qkv": qkv}
 
 
-def _block(n: Tensors) -> Tensors:
-    mm = n["mm"]
+def _block(n: Native) -> Tensors:
+    mm = n.mm
     h, x = _producer(n, "w_o", "gamma_mlp")
     y = _fi().activation.silu_and_mul(mm.linear(h, n["w_gate_up"]))
     h2 = mm.linear(y, n["w_down"])
-    _add_rmsnorm_(h2, x, n["gamma_attn"], n["model"].eps)
+    _add_rmsnorm_(h2, x, n["gamma_attn"], n.model.eps)
     qkv = mm.linear(h2, n["w_qkv"])
-    _rope_qkv_(qkv, n["positions"], n["cos_sin_cache"], n["model"])
+    _rope_qkv_(qkv, n["positions"], n["cos_sin_cache"], n.model)
     return {"x": x, "qkv": qkv}
 
 
@@ -210,10 +210,9 @@ class FlashInfer(Implementation):
             native["cos_sin_cache"] = cos_sin_cache(max_pos, case.model.head_dim, case.model.rope_theta,
                                                     case.device)
         native = case.quantize(native, {"w_gate": "w_gate_up", "w_up": "w_gate_up"})
-        native["model"], native["mm"] = case.model, case.mm
         return native
 
-    def run(self, native: Tensors) -> Tensors:
+    def run(self, native: Native) -> Tensors:
         return self._forward(native)
 
     def metadata(self) -> dict[str, Any]:

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from codabench.case import Case
-from codabench.registry import REGISTRY, Implementation, Tensors
+from codabench.registry import REGISTRY, Implementation, Native, Tensors
 from kernels import layouts
 from workloads import fp8
 from workloads import reference as R
@@ -145,11 +145,11 @@ def _linear_ce(h: torch.Tensor, w_lm: torch.Tensor, target: torch.Tensor) -> tor
     return out[0] if isinstance(out, tuple) else out
 
 
-def _lm_head_loss(n: Tensors, h: torch.Tensor) -> torch.Tensor:
+def _lm_head_loss(n: Native, h: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of ``h Wlm^T``: fused linear CE, or (fp8) ``_scaled_mm`` logits + Liger's CE kernel."""
     if not isinstance(n["w_lm"], fp8.Fp8):
         return _linear_ce(h, n["w_lm"], n["target"])
-    logits = n["mm"].linear(h, n["w_lm"]).float()
+    logits = n.mm.linear(h, n["w_lm"]).float()
     return _apply(_ops().cross_entropy, logits, n["target"], None, ignore_index=R.IGNORE_INDEX, reduction="mean")[0]
 
 
@@ -175,42 +175,42 @@ def _rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, model: Mo
 
 # ---- the ops ----------------------------------------------------------------------------------
 
-# ``mm = n["mm"]``: the GEMMs, ``F.linear`` or (fp8) ``torch._scaled_mm`` (codabench.case.Case.mm)
+# ``mm = n.mm``: the GEMMs, ``F.linear`` or (fp8) ``torch._scaled_mm`` (codabench.case.Case.mm)
 
-def _rmsnorm_linear(n: Tensors) -> Tensors:
-    mm = n["mm"]
-    h, x = _add_rmsnorm(mm.linear(n["a"], n["w_o"]), n["residual"], n["gamma"], n["model"].eps)
+def _rmsnorm_linear(n: Native) -> Tensors:
+    mm = n.mm
+    h, x = _add_rmsnorm(mm.linear(n["a"], n["w_o"]), n["residual"], n["gamma"], n.model.eps)
     return {"x": x, "z": mm.linear(h, n["w_c"])}
 
 
-def _rmsnorm_swiglu(n: Tensors) -> Tensors:
-    mm = n["mm"]
-    h, x = _add_rmsnorm(mm.linear(n["a"], n["w_o"]), n["residual"], n["gamma"], n["model"].eps)
+def _rmsnorm_swiglu(n: Native) -> Tensors:
+    mm = n.mm
+    h, x = _add_rmsnorm(mm.linear(n["a"], n["w_o"]), n["residual"], n["gamma"], n.model.eps)
     return {"x": x, "y": _ops().gate_up_swiglu.apply(mm.linear(h, n["w_gate_up"]))}
 
 
-def _rmsnorm_rope(n: Tensors) -> Tensors:
-    mm = n["mm"]
-    h, x = _add_rmsnorm(mm.linear(n["a"], n["w_down"]), n["residual"], n["gamma"], n["model"].eps)
-    return {"x": x, "qkv": _rope_qkv(mm.linear(h, n["w_qkv"]), n["cos"], n["sin"], n["model"])}
+def _rmsnorm_rope(n: Native) -> Tensors:
+    mm = n.mm
+    h, x = _add_rmsnorm(mm.linear(n["a"], n["w_down"]), n["residual"], n["gamma"], n.model.eps)
+    return {"x": x, "qkv": _rope_qkv(mm.linear(h, n["w_qkv"]), n["cos"], n["sin"], n.model)}
 
 
-def _rmsnorm_ce(n: Tensors) -> Tensors:
-    h, x = _add_rmsnorm(n["mm"].linear(n["a"], n["w_down"]), n["residual"], n["gamma"], n["model"].eps)
+def _rmsnorm_ce(n: Native) -> Tensors:
+    h, x = _add_rmsnorm(n.mm.linear(n["a"], n["w_down"]), n["residual"], n["gamma"], n.model.eps)
     return {"x": x, "loss": _lm_head_loss(n, h)}
 
 
-def _lm_head_ce(n: Tensors) -> Tensors:
-    h = _apply(_ops().rms_norm, n["x"], n["gamma"], n["model"].eps, casting_mode="llama", in_place=False)
+def _lm_head_ce(n: Native) -> Tensors:
+    h = _apply(_ops().rms_norm, n["x"], n["gamma"], n.model.eps, casting_mode="llama", in_place=False)
     return {"loss": _lm_head_loss(n, h)}
 
 
-def _block(n: Tensors) -> Tensors:
-    eps, mm = n["model"].eps, n["mm"]
+def _block(n: Native) -> Tensors:
+    eps, mm = n.model.eps, n.mm
     h1, x1 = _add_rmsnorm(mm.linear(n["a"], n["w_o"]), n["residual"], n["gamma_mlp"], eps)
     y = _ops().gate_up_swiglu.apply(mm.linear(h1, n["w_gate_up"]))
     h2, x = _add_rmsnorm(mm.linear(y, n["w_down"]), x1, n["gamma_attn"], eps)
-    return {"x": x, "qkv": _rope_qkv(mm.linear(h2, n["w_qkv"]), n["cos"], n["sin"], n["model"])}
+    return {"x": x, "qkv": _rope_qkv(mm.linear(h2, n["w_qkv"]), n["cos"], n["sin"], n.model)}
 
 
 class Liger(Implementation):
@@ -240,13 +240,12 @@ class Liger(Implementation):
             native["cos"], native["sin"] = rope_tables(case.inputs["positions"], case.model.head_dim,
                                                        case.model.rope_theta)
         native = case.quantize(native, {"w_gate": "w_gate_up", "w_up": "w_gate_up"})
-        native["model"], native["mm"] = case.model, case.mm
         return native
 
-    def run(self, native: Tensors) -> Tensors:
+    def run(self, native: Native) -> Tensors:
         return self._forward(native)
 
-    def grads_to_canonical(self, grads: Tensors, native: Tensors) -> Tensors:
+    def grads_to_canonical(self, grads: Tensors, native: Native) -> Tensors:
         return split_gate_up_grads(grads)
 
     def metadata(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 from codabench.case import Case
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.metrics import rel_err
-from codabench.registry import REGISTRY
+from codabench.registry import REGISTRY, prepared
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda import fp8
@@ -200,7 +200,7 @@ def test_the_cells_recipe_reaches_every_launch_as_its_accumulation_mode(op_name,
     op, impl = OPS[op_name], REGISTRY.get(op_name, "coda-triton")
     model = get_model("tiny")
     case = Case(op, model, op.modes[0], "fp8", torch.device(DEV), op.inputs(model, "fp8", DEV, CHECK_SEED), accum)
-    native = impl.prepare(case)
+    native = prepared(impl, case)
     seen: list[bool] = []
     cls = type(rstd_kernel)
     orig = cls.run

@@ -2,8 +2,8 @@
 import torch
 
 from codabench.case import Case
-from codabench.execute import differentiable_keys, run_once, timed_call
-from codabench.registry import Implementation
+from codabench.execute import differentiable_keys, fresh_leaves, run_once, timed_call
+from codabench.registry import Implementation, Native, prepared
 from harness_helpers import CPU
 from workloads.models import PRESETS
 from workloads.ops import OPS
@@ -76,3 +76,23 @@ def test_run_once_returns_canonical_gradients():
     res = run_once(OP, Counting(), case, _grad_outputs(case.inputs))
     assert set(res.grads) == {"grad_a", "grad_residual", "grad_w_o", "grad_w_c"}
     assert set(res.outputs) == {"x", "z", "rstd"} and not res.outputs["z"].requires_grad
+
+
+def test_a_call_gets_its_cells_context_beside_its_inputs_not_among_them():
+    """The native inputs the harness hands ``run`` are what ``prepare`` returned, with the cell's model, recipe and
+    GEMMs as attributes; fresh autograd leaves (the timed fwd_bwd call's) keep them."""
+    seen = []
+
+    class Reads(Counting):
+        def run(self, native):
+            seen.append((sorted(native), native.model, native.recipe, native.mm))
+            return super().run(native)
+
+    case = Case(OP, TINY, "fwd_bwd", "fp32", CPU, _native())
+    run_once(OP, Reads(), case, _grad_outputs(_native()))
+    (keys, model, recipe, mm), = seen
+    assert keys == sorted(case.inputs) and model == TINY and recipe is None and mm is case.mm
+    native = prepared(Reads(), case)
+    leaves = fresh_leaves(native, ["a"])
+    assert isinstance(leaves, Native) and leaves.context is native.context and leaves["a"].requires_grad
+    assert fresh_leaves(dict(native), ["a"]).keys() == native.keys()  # a plain dict stays one

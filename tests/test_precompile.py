@@ -139,6 +139,7 @@ def test_each_prepared_cell_starts_with_one_dry_pass_over_what_the_harness_diffe
     a ``prepare`` of new inputs at the same shape (the harness prepares before every timed call); a new shape does."""
     from codabench.case import Case
     from codabench.execute import fresh_leaves
+    from codabench.registry import prepared
     from kernels import hf_train
     from kernels.coda import plugin
     from workloads.models import get_model
@@ -156,7 +157,7 @@ def test_each_prepared_cell_starts_with_one_dry_pass_over_what_the_harness_diffe
     model = get_model("tiny")
     op, impl = OPS["block"], plugin.REGISTRY.get("block", "coda-triton")
     case = Case(op, model, "fwd_bwd", "fp32", torch.device("cpu"), op.make_inputs(model, torch.float32, "cpu", 0))
-    native = fresh_leaves(impl.prepare(case), ["a", "residual", "w_o"])
+    native = fresh_leaves(prepared(impl, case), ["a", "residual", "w_o"])
     impl.run(native)
     impl.run(native)
     (outputs, leaves, device), = passes
@@ -167,7 +168,7 @@ def test_each_prepared_cell_starts_with_one_dry_pass_over_what_the_harness_diffe
     assert len(passes) == 1
     wider = model.with_(tokens=2 * model.tokens)
     other = Case(op, wider, "fwd_bwd", "fp32", torch.device("cpu"), op.make_inputs(wider, torch.float32, "cpu", 1))
-    impl.run(fresh_leaves(impl.prepare(other), ["a", "residual", "w_o"]))
+    impl.run(fresh_leaves(prepared(impl, other), ["a", "residual", "w_o"]))
     assert len(passes) == 2
 
     pytest.importorskip("transformers")
@@ -178,7 +179,7 @@ def test_each_prepared_cell_starts_with_one_dry_pass_over_what_the_harness_diffe
     op, hf = OPS["train_step"], hf_train.HFCoda()
     small = get_model("tiny").with_(layers=1)
     case = Case(op, small, "fwd_bwd", "fp32", torch.device("cpu"), op.make_inputs(small, torch.float32, "cpu", 0))
-    native = hf.prepare(case)
+    native = prepared(hf, case)
     native = fresh_leaves(native, op.differentiable(case.inputs))
     hf.run(native)
     hf.run(native)

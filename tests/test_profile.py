@@ -11,6 +11,7 @@ from torch.autograd import DeviceType
 
 import codabench.measure as measure
 from codabench import results as tables
+from codabench.registry import prepared
 from codabench.cli import main
 from codabench.case import Case
 from codabench.eager import TorchEager
@@ -109,8 +110,8 @@ def test_a_backward_cells_profile_holds_the_backward_not_its_forward():
     op, model, cpu = OPS["rmsnorm_swiglu"], get_model("tiny"), torch.device("cpu")
     eager = TorchEager(op)
     case = Case(op, model, "bwd", "fp32", cpu, op.inputs(model, "fp32", cpu, 0))
-    native = eager.prepare(case)
-    grads = op.grad_outputs(forward_shapes(op, eager, eager.prepare(case)), 7)
+    native = prepared(eager, case)
+    grads = op.grad_outputs(forward_shapes(op, eager, prepared(eager, case)), 7)
     p = profile_call(timed_call(op, eager, native, "bwd", grads), cpu, calls=2)
     names = [k.name for k in p.kernels]
     assert p.calls == 2 and "MmBackward0" in names and "MulBackward0" in names, names

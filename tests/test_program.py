@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from codabench.case import Case
+from codabench.registry import Native
 from benchmarks import compare_ptx
 from kernels.coda import configs, tuning
 from kernels.coda.epilogue import add_tile, gather_cols, join_pairs, load_cols, load_rows, load_tile
@@ -19,7 +21,10 @@ from kernels.coda.mainloop import subtiled_configs
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_col_sum, finish_row_sum
 from tests.kernel_helpers import DTYPES, check, launches, rand
+from workloads import fp8
 from workloads.fp8 import Recipe, quantize
+from workloads.models import get_model
+from workloads.ops import OPS
 
 M, K, N = 40, 24, 64
 
@@ -273,11 +278,20 @@ def test_declared_kernels_launch_with_tuning_keys_the_shipped_tables_hold(case):
 
 def test_a_binding_calls_its_host_with_the_cells_inputs_and_names_its_results():
     """The op binding: the cell's native inputs reach the host function's parameters of their names (the others
-    left out), ``args`` adds or replaces arguments, the results are named in order and a None result is dropped."""
-    def host(a, b, flag=False, scale=1.0):
-        return a + b * scale, a if flag else None
+    left out), ``args`` adds or replaces arguments from the inputs and the cell's context, a ``recipe`` parameter
+    gets the cell's fp8 recipe, the results are named in order and a None result is dropped."""
+    def host(a, b, flag=False, scale=1.0, recipe=None):
+        return a + b * scale, a if flag else None, recipe
 
-    run = Binding(("op",), ("sum", "a"), "a test", lambda n: {"flag": n["model"], "b": 10 * n["b"]}).run(host)
-    assert run({"a": 1, "b": 2, "model": False, "unused": 5}) == {"sum": 21}
-    assert run({"a": 1, "b": 2, "model": True}) == {"sum": 21, "a": 1}
-    assert Binding(("op",), (None, "a"), "").run(lambda a, b: (a, b))({"a": 1, "b": 2}) == {"a": 2}
+    def native(inputs: dict, model, dtype: str = "bf16") -> Native:
+        case = Case(OPS["gemm_out"], model, "fwd", dtype, torch.device("cpu"), {})
+        return Native(inputs, case.context)
+
+    tiny = get_model("tiny")
+    run = Binding(("op",), ("sum", "a", "recipe"), "a test",
+                  lambda n: {"flag": n.model.layers > 1, "b": 10 * n["b"]}).run(host)
+    assert run(native({"a": 1, "b": 2, "unused": 5}, tiny.with_(layers=1))) == {"sum": 21}
+    assert run(native({"a": 1, "b": 2}, tiny.with_(layers=2))) == {"sum": 21, "a": 1}
+    fp8_cell = run(native({"a": 1, "b": 2}, tiny.with_(layers=1), "fp8"))
+    assert fp8_cell["recipe"] == fp8.recipe("fp8", "fast") and "recipe" not in run(native({"a": 1, "b": 2}, tiny))
+    assert Binding(("op",), (None, "a"), "").run(lambda a, b: (a, b))(native({"a": 1, "b": 2}, tiny)) == {"a": 2}

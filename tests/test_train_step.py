@@ -19,6 +19,7 @@ from codabench.case import Case
 from codabench.cli import run_config, run_parser
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.execute import differentiable_keys, fresh_leaves
+from codabench.registry import prepared
 from codabench.matrix import Selection
 from codabench.results import load_run
 from codabench.report import finalize
@@ -170,7 +171,7 @@ def test_hf_compile_traces_once_per_shape(monkeypatch):
     def step(shape: ModelShape) -> int:
         """One call on new leaves and its backward; the number of graphs compiled so far."""
         inputs = OP.inputs(shape, "fp32", CPU, 5)
-        native = impl.prepare(Case(OP, shape, "fwd_bwd", "fp32", CPU, inputs))
+        native = prepared(impl, Case(OP, shape, "fwd_bwd", "fp32", CPU, inputs))
         keys = differentiable_keys(OP, impl, native)
         leaves = fresh_leaves(native, keys)
         impl.run(leaves)["loss"].backward()

@@ -52,7 +52,7 @@ import torch
 import triton
 
 from codabench.case import Case
-from codabench.registry import REGISTRY, FirstCalls, Implementation, Tensors
+from codabench.registry import REGISTRY, FirstCalls, Implementation, Native, Tensors
 from kernels import layouts
 from kernels.coda.align import aligned
 from kernels.coda.functions import (FP8_FORWARD, CrossEntropy, Linear, RoPE, SwiGLU, block, norm_consumer,
@@ -79,58 +79,58 @@ def _qkv_args(model: ModelShape) -> tuple[int, int, int]:
     return model.heads, model.kv_heads, model.head_dim
 
 
-def _rope(n: Tensors) -> RoPE:
-    model = n["model"]
+def _rope(n: Native) -> RoPE:
+    model = n.model
     return RoPE(n["positions"], *_qkv_args(model), model.rope_theta)
 
 
 # ---- compositions (native layouts) ------------------------------------------------------------
 
-def _compose(n: Tensors, composition: Callable, *args) -> tuple[torch.Tensor, ...]:
+def _compose(n: Native, composition: Callable, *args) -> tuple[torch.Tensor, ...]:
     """``composition(*args)``, or its fp8 forward under the cell's recipe."""
-    if n["recipe"] is not None:
-        return FP8_FORWARD[composition](n["recipe"], *args)
+    if n.recipe is not None:
+        return FP8_FORWARD[composition](n.recipe, *args)
     return composition(*args)
 
 
-def _producer_consumer(n: Tensors, w_p: str, w: str, consumer) -> tuple[torch.Tensor, ...]:
-    return _compose(n, producer_consumer, n["a"], n["residual"], n[w_p], n["gamma"], n[w], consumer, n["model"].eps)
+def _producer_consumer(n: Native, w_p: str, w: str, consumer) -> tuple[torch.Tensor, ...]:
+    return _compose(n, producer_consumer, n["a"], n["residual"], n[w_p], n["gamma"], n[w], consumer, n.model.eps)
 
 
-def rmsnorm_linear_run(n: Tensors) -> Tensors:
+def rmsnorm_linear_run(n: Native) -> Tensors:
     x, z, rstd = _producer_consumer(n, "w_o", "w_c", Linear())
     return {"x": x, "z": z, "rstd": rstd}
 
 
-def rmsnorm_swiglu_run(n: Tensors) -> Tensors:
+def rmsnorm_swiglu_run(n: Native) -> Tensors:
     x, y, rstd = _producer_consumer(n, "w_o", "w_gu", SwiGLU())
     return {"x": x, "y": y, "rstd": rstd}
 
 
-def rmsnorm_rope_run(n: Tensors) -> Tensors:
+def rmsnorm_rope_run(n: Native) -> Tensors:
     x, qkv, rstd = _producer_consumer(n, "w_down", "w_qkv", _rope(n))
     return {"x": x, "qkv": qkv, "rstd": rstd}
 
 
-def rmsnorm_ce_run(n: Tensors) -> Tensors:
+def rmsnorm_ce_run(n: Native) -> Tensors:
     x, loss, rstd, lse = _producer_consumer(n, "w_down", "w_lm", CrossEntropy(n["target"]))
     return {"x": x, "loss": loss, "rstd": rstd, "lse": lse}
 
 
-def lm_head_ce_run(n: Tensors) -> Tensors:
+def lm_head_ce_run(n: Native) -> Tensors:
     loss, rstd, lse = _compose(n, norm_consumer, n["x"], n["gamma"], n["w_lm"], CrossEntropy(n["target"]),
-                               n["model"].eps)
+                               n.model.eps)
     return {"loss": loss, "rstd": rstd, "lse": lse}
 
 
-def block_run(n: Tensors) -> Tensors:
+def block_run(n: Native) -> Tensors:
     x, qkv, rstd_mlp, rstd_attn = _compose(n, block, n["a"], n["residual"], n["w_o"], n["gamma_mlp"], n["w_gu"],
-                                           n["w_down"], n["gamma_attn"], n["w_qkv"], _rope(n), n["model"].eps)
+                                           n["w_down"], n["gamma_attn"], n["w_qkv"], _rope(n), n.model.eps)
     return {"x": x, "qkv": qkv, "rstd_mlp": rstd_mlp, "rstd_attn": rstd_attn}
 
 
-def gemm_run(n: Tensors) -> Tensors:
-    return {"out": linear(n["x"], n["w"], recipe=n["recipe"])}
+def gemm_run(n: Native) -> Tensors:
+    return {"out": linear(n["x"], n["w"], recipe=n.recipe)}
 
 
 # ---- the implementation -----------------------------------------------------------------------
@@ -182,11 +182,10 @@ class CodaTriton(Implementation):
             if k in case.inputs:
                 native[k] = layouts.qkv_cols_to_adjacent(case.inputs[k], *_qkv_args(case.model))
         native = {k: _row_layout(v) for k, v in case.quantize(native, {"w_gate": "w_gu", "w_up": "w_gu"}).items()}
-        native["model"], native["recipe"] = case.model, case.recipe
         self._first_calls.arm((case.model, case.dtype, case.device, case.recipe), case.device)
         return native
 
-    def run(self, native: Tensors) -> Tensors:
+    def run(self, native: Native) -> Tensors:
         device = self._first_calls.take()
         if device is not None:  # the shape's first call: its kernels (and the backward's) compiled first
             compared = OPS[self.op].outputs  # the outputs the harness's backward starts from
@@ -195,33 +194,33 @@ class CodaTriton(Implementation):
         RECORDER.start()
         return self._forward(native)
 
-    def describe(self, native: Tensors) -> str:
+    def describe(self, native: Native) -> str:
         return summary(RECORDER.launches())
 
-    def outputs_to_canonical(self, outputs: Tensors, native: Tensors) -> Tensors:
+    def outputs_to_canonical(self, outputs: Tensors, native: Native) -> Tensors:
         out = dict(outputs)
         if "qkv" in out:
-            out["qkv"] = layouts.qkv_cols_to_halfsplit(out["qkv"], *_qkv_args(native["model"]))
+            out["qkv"] = layouts.qkv_cols_to_halfsplit(out["qkv"], *_qkv_args(native.model))
         if "dz_pre" in out:
             out["dgate"], out["dup"] = layouts.deinterleave_cols(out.pop("dz_pre"))
         if "z_pre" in out:
             out["gate"], out["up"] = layouts.deinterleave_cols(out.pop("z_pre"))
         if "dqkv" in native:  # rope_bwd: dz, the gradient of the pre-RoPE qkv, has adjacent pairs too
-            out["dz"] = layouts.qkv_cols_to_halfsplit(out["dz"], *_qkv_args(native["model"]))
+            out["dz"] = layouts.qkv_cols_to_halfsplit(out["dz"], *_qkv_args(native.model))
         return out
 
-    def grad_outputs_to_native(self, grad_outputs: Tensors, native: Tensors) -> Tensors:
+    def grad_outputs_to_native(self, grad_outputs: Tensors, native: Native) -> Tensors:
         out = dict(grad_outputs)
         if "qkv" in out:
-            out["qkv"] = layouts.qkv_cols_to_adjacent(out["qkv"], *_qkv_args(native["model"]))
+            out["qkv"] = layouts.qkv_cols_to_adjacent(out["qkv"], *_qkv_args(native.model))
         return out
 
-    def grads_to_canonical(self, grads: Tensors, native: Tensors) -> Tensors:
+    def grads_to_canonical(self, grads: Tensors, native: Native) -> Tensors:
         out = dict(grads)
         if "w_gu" in out:
             out["w_gate"], out["w_up"] = layouts.deinterleave_rows(out.pop("w_gu"))
         if "w_qkv" in out:
-            out["w_qkv"] = layouts.qkv_rows_to_halfsplit(out["w_qkv"], *_qkv_args(native["model"]))
+            out["w_qkv"] = layouts.qkv_rows_to_halfsplit(out["w_qkv"], *_qkv_args(native.model))
         return out
 
     def metadata(self) -> dict[str, str]:

@@ -14,12 +14,13 @@ Gluon path, on Hopper: the warp-specialized kernel of :mod:`kernels.coda.produce
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from codabench.registry import Native
 from kernels.coda.align import aligned, empty_rows, meets_rule
 from kernels.coda.epilogue import add_tile, cast, load_tile, row_absmax, row_sumsq, scale_cols, store_tile
 from kernels.coda.fp8 import quantize_from_partials
@@ -111,9 +112,9 @@ def gluon_applies(arguments: dict) -> bool:
             and all(meets_rule(n, a.element_size()) for n in (a.shape[1], w.shape[0])))
 
 
-def model_eps(n: Mapping[str, Any]) -> dict[str, Any]:
-    """The RMSNorm epsilon of a cell's model (``n["model"]``), as a Binding's args."""
-    return {"eps": n["model"].eps}
+def model_eps(n: Native) -> dict[str, Any]:
+    """The RMSNorm epsilon of a cell's model (``n.model``), as a Binding's args."""
+    return {"eps": n.model.eps}
 
 
 def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> tuple:

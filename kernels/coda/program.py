@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codabench.registry import REGISTRY, register as register_function
+from codabench.registry import REGISTRY, Implementation, Native
 from kernels.coda.align import aligned, empty_rows
 from kernels.coda.epilogue import cast, col_subtile, col_sum_partial, dequant, dequant_scale, load_rows, load_tile, \
     row_absmax, row_sumsq, store_row_partial, store_tile
@@ -147,22 +147,24 @@ class Binding:
     """Ops of the catalogue (:mod:`workloads.ops`) that a declared host function implements alone, one call a cell:
     ``ops`` their names; ``results`` the names of the host function's results, in order (a result that is None, not
     asked for, is left out; a None name: never an output); ``args(n)``: the call's arguments that are not the
-    cell's native inputs of their names (a constant flag, a model's size, a weight seen another way), from those
-    inputs ``n`` (``n["model"]`` the cell's :class:`workloads.models.ModelShape`, ``n["recipe"]`` its fp8 recipe);
-    ``modes``: the modes it runs (None: the op's); ``description``: the registry's line."""
+    cell's native inputs of their names (a constant flag, a model's size, a weight seen another way), from the
+    call's :class:`codabench.registry.Native` inputs ``n`` (``n.model`` the cell's model shape); ``modes``: the modes
+    it runs (None: the op's); ``description``: the registry's line. A host function's ``recipe`` argument gets the
+    cell's fp8 recipe (``n.recipe``)."""
 
     ops: tuple[str, ...]
     results: tuple[str | None, ...]
     description: str
-    args: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda n: {}
+    args: Callable[[Native], dict[str, Any]] = lambda n: {}
     modes: tuple[str, ...] | None = None
 
-    def run(self, host: Callable) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    def run(self, host: Callable) -> Callable[[Native], dict[str, Any]]:
         """The function of a cell's native inputs that calls ``host`` and names its results."""
         params = list(inspect.signature(host).parameters)
 
-        def run(n: Mapping[str, Any]) -> dict[str, Any]:
-            out = host(**{**{p: n[p] for p in params if p in n}, **self.args(n)})
+        def run(n: Native) -> dict[str, Any]:
+            recipe = {"recipe": n.recipe} if "recipe" in params else {}
+            out = host(**{**{p: n[p] for p in params if p in n}, **recipe, **self.args(n)})
             out = out if isinstance(out, tuple) else (out,)
             return {k: v for k, v in zip(self.results, out) if k is not None and v is not None}
 
@@ -606,19 +608,32 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     return _returned(finish(named, g, results, Partials(ss, 1, cs, m_tiles, vectors)) if finish else results)
 
 
+class Entry(Implementation):
+    """A host function as one op's implementation: ``run`` calls it on the cell's native inputs (a
+    :class:`Binding`'s run); ``name``, ``op``, ``modes``, ``description``, ``source`` (the declaring module) and
+    ``registry``'s attributes (dtypes, requires, label) as given."""
+
+    def __init__(self, name: str, op: str, run: Callable[[Native], dict[str, Any]], modes: tuple[str, ...],
+                 description: str, source: str, **registry: Any):
+        self.name, self.op, self._run, self.modes, self.description, self.source = (name, op, run, modes,
+                                                                                    description, source)
+        for attr, value in registry.items():
+            setattr(self, attr, tuple(value) if isinstance(value, (list, tuple)) else value)
+
+    def run(self, native: Native) -> dict[str, Any]:
+        return self._run(native)
+
+
 def register(host: Callable, name: str, implementation: Callable[..., Any] | None = None,
              binds: Sequence[Binding] | None = None, **registry: Any) -> None:
     """Registry entries of the implementation ``name`` for every op a declared host function binds (``binds``; or
     any host function, with the ``binds`` given here):
     ``implementation(op, run, modes, description)`` makes one (an :class:`codabench.registry.Implementation`; by
-    default a plain function of the cell's inputs, :func:`codabench.registry.register` with ``registry``'s
-    keywords: dtypes, requires, label), ``run`` calling the host function (:meth:`Binding.run`)."""
+    default an :class:`Entry` with ``registry``'s keywords: dtypes, requires, label), ``run`` calling the host
+    function (:meth:`Binding.run`)."""
     for b in host.binds if binds is None else binds:
         run = b.run(host)
         for op in b.ops:
-            if implementation is not None:
-                REGISTRY.add(implementation(op, run, b.modes or OPS[op].modes, b.description))
-            else:
-                function = functools.wraps(run)(lambda run=run, **n: run(n))
-                function.__module__ = host.__module__  # the entry's source: the declaring module
-                register_function(op, name, modes=b.modes, description=b.description, **registry)(function)
+            modes = b.modes or OPS[op].modes
+            REGISTRY.add(implementation(op, run, modes, b.description) if implementation is not None else
+                         Entry(name, op, run, modes, b.description, host.__module__, **registry))

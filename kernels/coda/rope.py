@@ -15,12 +15,13 @@ same angle computation (:func:`kernels.coda.epilogue.rope_cos_sin`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from codabench.registry import Native
 from kernels.coda.epilogue import rope_cos_sin, rotate_pairs
 from kernels.coda.mainloop import subtiled_configs
 from kernels.coda.program import Binding, Gemm, Output, coda
@@ -63,9 +64,9 @@ def _freq(n: int, heads: int, kv_heads: int, head_dim: int, theta: float, device
     return rope_freq_table(heads, kv_heads, head_dim, float(theta), device, inv_freq)
 
 
-def model_rope(n: Mapping[str, Any]) -> dict[str, Any]:
-    """The RoPE arguments of a cell's model (``n["model"]``): heads, kv_heads, head_dim, theta (a Binding's args)."""
-    model = n["model"]
+def model_rope(n: Native) -> dict[str, Any]:
+    """The RoPE arguments of a cell's model (``n.model``): heads, kv_heads, head_dim, theta (a Binding's args)."""
+    model = n.model
     return {"heads": model.heads, "kv_heads": model.kv_heads, "head_dim": model.head_dim, "theta": model.rope_theta}
 
 
