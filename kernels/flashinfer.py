@@ -38,15 +38,19 @@ Fairness decisions:
   - The norm kernels run on the CUDA JIT module, or on CuTe-DSL kernels when ``nvidia-cutlass-dsl``
     is importable; ``metadata()`` records which.
 
-JIT: each kernel is compiled on first use (nvcc + ninja, seconds to a minute). ``prepare`` calls
-each kernel the op needs once on a few rows of the cell's dtype and widths, outside any timed
-region, and ``metadata()["jit_warmup_s"]`` reports the seconds per (kernel, dtype), measured once
-per process (later calls find the compiled module in ``~/.cache/flashinfer``).
+JIT: each kernel runs on a module compiled at its first use (nvcc + ninja, seconds to a minute;
+later processes find it in ``~/.cache/flashinfer``). The first ``prepare`` of a process starts the
+builds of all three modules at once, one thread each (:func:`build_modules`: the compilers run as
+subprocesses, so the builds overlap, where one after the other they took about 95 s on an H100 node),
+and they go on while the run does other cells; ``prepare`` then calls each kernel the op needs once
+on a few rows of the cell's dtype and widths, outside any timed region (waiting for its module), and
+``metadata()["jit_warmup_s"]`` reports the seconds per (kernel, dtype), measured once per process.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -62,6 +66,13 @@ from workloads.models import ModelShape
 JIT_WARMUP_S: dict[str, float] = {}
 """Seconds of the first (compiling) call, per ``kernel/dtype``, in this process."""
 WARMUP_ROWS = 8
+JIT_MODULES: dict[str, Callable[[Any], Any]] = {
+    "fused_add_rmsnorm": lambda fi: fi.norm.gen_norm_module(),
+    "silu_and_mul": lambda fi: fi.activation.gen_act_and_mul_module("silu"),
+    "rope": lambda fi: fi.rope.gen_rope_module(),
+}
+"""Each kernel's JIT module (a FlashInfer ``JitSpec``, from the flashinfer module ``fi``)."""
+_BUILDS: dict[str, Future] = {}
 
 
 def _version(dist: str) -> str:
@@ -152,11 +163,32 @@ def _block(n: Native) -> Tensors:
 
 # ---- JIT warm-up ------------------------------------------------------------------------------
 
+def build_modules() -> None:
+    """Start building every kernel's JIT module (:data:`JIT_MODULES`), all at once, in threads of their own; once
+    per process. Best effort: a build that fails here is done again, its error raised, by the kernel's first call."""
+    if _BUILDS:
+        return
+    fi = _fi()  # imported here, not in the threads
+    pool = ThreadPoolExecutor(max_workers=len(JIT_MODULES), thread_name_prefix="flashinfer-jit")
+    for kernel, spec in JIT_MODULES.items():
+        _BUILDS[kernel] = pool.submit(_build, spec, fi)
+    pool.shutdown(wait=False)
+
+
+def _build(spec: Callable[[Any], Any], fi: Any) -> None:
+    try:
+        spec(fi).build_and_load()
+    except Exception:  # the kernel's first call builds it again and raises
+        pass
+
+
 def _warm(kernel: str, dtype: torch.dtype, device: torch.device, call: Callable[[], Any]) -> None:
     key = f"{kernel}/{str(dtype).removeprefix('torch.')}"
     if key in JIT_WARMUP_S:
         return
     start = time.perf_counter()
+    if kernel in _BUILDS:
+        _BUILDS[kernel].result()  # its module, built in the background
     call()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -164,7 +196,9 @@ def _warm(kernel: str, dtype: torch.dtype, device: torch.device, call: Callable[
 
 
 def warm_up(kernels: tuple[str, ...], case: Case) -> None:
-    """Compile and run each kernel once on ``WARMUP_ROWS`` rows with the cell's dtype and widths."""
+    """Compile and run each kernel once on ``WARMUP_ROWS`` rows with the cell's dtype and widths (the modules of
+    all of them built at once, :func:`build_modules`)."""
+    build_modules()
     m, dev, dt = case.model, case.device, case.torch_dtype
 
     def rows(width: int) -> torch.Tensor:

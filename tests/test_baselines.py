@@ -18,6 +18,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -230,6 +232,7 @@ def _fake_flashinfer() -> SimpleNamespace:
 def test_flashinfer_compositions_with_standins(monkeypatch, op):
     monkeypatch.setattr(KF, "_fi", _fake_flashinfer)
     monkeypatch.setattr(KF, "JIT_WARMUP_S", {})
+    monkeypatch.setattr(KF, "_BUILDS", {})
     errors = check_against_reference(REGISTRY.get(op, "flashinfer"), make_case(op, "fwd"))
     assert errors and all(e < 1e-5 for e in errors.values()), errors
     kernels = {"fused_add_rmsnorm/float32"} | ({"silu_and_mul/float32"} if "swiglu" in op or op == "block" else set()) \
@@ -238,12 +241,56 @@ def test_flashinfer_compositions_with_standins(monkeypatch, op):
     assert REGISTRY.get(op, "flashinfer").metadata()["jit_warmup_s"].keys() == kernels
 
 
+def test_flashinfer_builds_its_jit_modules_at_once_and_each_kernel_waits_for_its_own(monkeypatch):
+    """The first prepare starts the three modules' builds together (each in a thread: every build has started
+    before any has ended); a kernel's first call comes after its module is built; a build that fails in the
+    background leaves the kernel to its own first call, which runs."""
+    log: list[tuple[str, str, float]] = []
+    lock = threading.Lock()
+
+    def spec(name: str, fails: bool = False):
+        def build_and_load():
+            with lock:
+                log.append((name, "start", time.perf_counter()))
+            time.sleep(0.3)
+            with lock:
+                log.append((name, "end", time.perf_counter()))
+            if fails:
+                raise RuntimeError("nvcc failed")
+        return SimpleNamespace(build_and_load=build_and_load)
+
+    fake = _fake_flashinfer()
+    fake.norm.gen_norm_module = lambda: spec("norm")
+    fake.activation.gen_act_and_mul_module = lambda act: spec(f"act-{act}", fails=True)
+    fake.rope.gen_rope_module = lambda: spec("rope")
+    fused_add_rmsnorm = fake.norm.fused_add_rmsnorm
+
+    def traced(*args, **kwargs):
+        log.append(("call", "fused_add_rmsnorm", time.perf_counter()))
+        return fused_add_rmsnorm(*args, **kwargs)
+
+    fake.norm.fused_add_rmsnorm = traced
+    monkeypatch.setattr(KF, "_fi", lambda: fake)
+    monkeypatch.setattr(KF, "JIT_WARMUP_S", {})
+    monkeypatch.setattr(KF, "_BUILDS", {})
+    errors = check_against_reference(REGISTRY.get("rmsnorm_swiglu", "flashinfer"), make_case("rmsnorm_swiglu", "fwd"))
+    assert errors and all(e < 1e-5 for e in errors.values()), errors  # silu_and_mul ran despite its failed build
+    for future in KF._BUILDS.values():
+        future.result()
+    starts = [t for _, what, t in log if what == "start"]
+    ends = {name: t for name, what, t in log if what == "end"}
+    assert len(starts) == 3 and max(starts) < min(ends.values())  # all three under way at once
+    first_call = next(t for name, _, t in log if name == "call")
+    assert first_call >= ends["norm"] and KF.JIT_WARMUP_S["fused_add_rmsnorm/float32"] >= 0.25
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "fp8-row"])
 @pytest.mark.parametrize("op", ["rmsnorm_swiglu", "block"])
 def test_flashinfer_fp8_cells_with_standins(monkeypatch, op, dtype):
     """_scaled_mm GEMMs + FlashInfer's kernels (stand-ins) pass the harness's fp8 error rule."""
     monkeypatch.setattr(KF, "_fi", _fake_flashinfer)
     monkeypatch.setattr(KF, "JIT_WARMUP_S", {})
+    monkeypatch.setattr(KF, "_BUILDS", {})
     o = OPS[op]
     case = Case(o, TINY, "fwd", dtype, CPU, o.inputs(TINY, dtype, CPU, CHECK_SEED))
     impl = REGISTRY.get(op, "flashinfer")
