@@ -719,3 +719,23 @@ def test_a_training_step_does_not_synchronize_the_host_gpu():
         loss_and_grads(model, input_ids=ids, labels=ids)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_transformers_version_outside_the_followed_range_is_refused_in_one_line(monkeypatch):
+    """apply_coda reproduces the model classes' forward of one transformers major version: another version (the
+    GPU image's 4.x raised a TypeError deep in a forward) is refused at once, naming the range, which is
+    pyproject's [hf] extra."""
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    from kernels.coda.hf import TRANSFORMERS_RANGE
+
+    lo, hi = TRANSFORMERS_RANGE
+    extra = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert f"transformers>={lo},<{hi}" in extra["optional-dependencies"]["hf"]
+    model = tiny()
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")  # the module imported now
+    with pytest.raises(CodaUnsupportedError, match=rf"transformers 4.57.1 is not supported .*>={lo},<{hi}"):
+        apply_coda(model)
+    assert getattr(model, "_coda_plan", None) is None

@@ -92,6 +92,9 @@ from workloads.reference import IGNORE_INDEX, shifted_targets
 SILU_NAMES = ("silu", "swish")
 """``hidden_act`` values that Hugging Face computes as silu (its ACT2FN maps "swish" to the same SiLU)."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+TRANSFORMERS_RANGE = ("5.24", "6")
+"""The transformers versions the drop-in follows (>= the first, < the second: the model classes' forward, outputs and
+checkpointing it reproduces change between major versions); pyproject.toml's ``[hf]`` extra says the same."""
 """RoPE types whose cos/sin are exactly those of ``pos * inv_freq``: no attention factor, no dynamic update."""
 
 # Each architecture -> the sliding window of a layer (the config, the layer's attention module) as its model uses it.
@@ -197,8 +200,10 @@ def apply_coda(model: nn.Module) -> nn.Module:
     quantized layers), norms that are not the model's RMSNorm, RoPE types other than the three above (dynamic,
     yarn, longrope, ...) or a partial rotary factor, a custom ``loss_function``, a model split across devices.
     By a forward: LoRA variants (DoRA, ...), ``lora_bias``, lora_dropout > 0 in training on the LM head,
-    ``output_attentions``/``output_hidden_states``, ``return_dict=False``, any other keyword.
+    ``output_attentions``/``output_hidden_states``, ``return_dict=False``, any other keyword. Refused too: a
+    transformers version outside :data:`TRANSFORMERS_RANGE`.
     """
+    _check_transformers()
     target = _causal_lm(model)
     if getattr(target, "_coda_plan", None) is not None:
         return model
@@ -265,6 +270,16 @@ apply_coda_to_qwen2 = _alias("Qwen2ForCausalLM")
 
 def _refuse(reason: str) -> CodaUnsupportedError:
     return CodaUnsupportedError(f"apply_coda: {reason}")
+
+
+def _check_transformers() -> None:
+    import transformers
+    from packaging.version import Version
+
+    lo, hi = TRANSFORMERS_RANGE
+    if not Version(lo) <= Version(transformers.__version__) < Version(hi):
+        raise _refuse(f"transformers {transformers.__version__} is not supported (the drop-in follows >={lo},<{hi}: "
+                      "pip install -c constraints.txt -e '.[hf]')")
 
 
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
