@@ -43,10 +43,20 @@ def pytest_configure(config) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked ``long`` first: pytest-xdist hands out test files in this order (``--dist loadfile``), so the
-    longest one starts at once beside the others instead of after them (the smoke suite, ~5 of the slow run's ~9
-    minutes, came last alphabetically)."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    """The files with a test marked ``long`` first, then the others by their number of tests, most first: with
+    ``--no-loadscope-reorder`` (pyproject's addopts) pytest-xdist hands out test files in this order (``--dist
+    loadfile``), so the longest one starts at once beside the others instead of after them. xdist's own reorder
+    sorts by the number of tests alone, which put the smoke suite's file (one test, ~6 of the slow run's ~10
+    minutes) last."""
+    count: dict[str, int] = {}
+    long_files = set()
+    for item in items:
+        count[item.nodeid.split("::")[0]] = count.get(item.nodeid.split("::")[0], 0) + 1
+        if item.get_closest_marker("long") is not None:
+            long_files.add(item.nodeid.split("::")[0])
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (item.nodeid.split("::")[0] not in long_files, -count[item.nodeid.split("::")[0]],
+                                 item.nodeid.split("::")[0], order[id(item)]))
 
 
 def pytest_report_header(config) -> str:

@@ -18,8 +18,10 @@ def test_each_test_process_takes_its_share_of_the_cores():
 
 
 def test_the_long_tests_are_handed_out_first():
-    """A test marked ``long`` (the smoke suite) comes first in the collection, which pytest-xdist hands out in
-    order, though its file sorts after the others."""
+    """A test marked ``long`` (the smoke suite) comes first in the collection, though its file sorts after the others
+    and holds the fewest tests, then the files with more tests; pytest-xdist hands files out in that order because
+    the project's options turn its own reorder (by number of tests alone: the smoke suite last) off."""
+    import tomllib
     import subprocess
     import sys
     from pathlib import Path
@@ -30,3 +32,11 @@ def test_the_long_tests_are_handed_out_first():
                          capture_output=True, text=True, cwd=tests.parent, timeout=300)
     ids = [line for line in out.stdout.splitlines() if "::" in line]
     assert len(ids) > 2 and ids[0].startswith("tests/test_smoke.py::"), out.stdout[-2000:]
+    addopts = tomllib.loads((tests.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "--dist loadfile" in addopts and "--no-loadscope-reorder" in addopts
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider",
+                          str(tests / "test_stats.py"), str(tests / "test_layouts.py"), str(tests / "test_models.py")],
+                         capture_output=True, text=True, cwd=tests.parent, timeout=300)
+    files = [line.split("::")[0] for line in out.stdout.splitlines() if "::" in line]
+    runs = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
+    assert len(runs) == 3 and [files.count(f) for f in runs] == sorted((files.count(f) for f in runs), reverse=True)
