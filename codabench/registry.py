@@ -16,8 +16,8 @@ Register a plain function (it is ``run``, called with the native tensors as keyw
 
 or decorate a subclass of :class:`Implementation` to override any step. ``native`` is a :class:`Native`: the dict
 ``prepare`` returned, with the cell's :class:`codabench.case.Context` as attributes (``native.model``,
-``native.recipe``, ``native.mm``), so that what a call knows of its cell never rides among its inputs. :mod:`codabench.discovery` finds the
-modules that register them (entry points, ``--plugin`` files); a module that fails to import (or registers an op
+``native.recipe``, ``native.mm``), so that what a call knows of its cell never rides among its inputs.
+:mod:`codabench.discovery` finds the modules that register them (entry points, ``--plugin`` files); a module that fails to import (or registers an op
 that does not exist) is recorded in ``load_errors``.
 """
 from __future__ import annotations
