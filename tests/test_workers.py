@@ -27,16 +27,13 @@ def test_the_long_tests_are_handed_out_first():
     from pathlib import Path
 
     tests = Path(__file__).parent
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-m", "slow",
-                          "-p", "no:cacheprovider", str(tests / "test_benchmarks.py"), str(tests / "test_smoke.py")],
-                         capture_output=True, text=True, cwd=tests.parent, timeout=300)
-    ids = [line for line in out.stdout.splitlines() if "::" in line]
-    assert len(ids) > 2 and ids[0].startswith("tests/test_smoke.py::"), out.stdout[-2000:]
-    addopts = tomllib.loads((tests.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
-    assert "--dist loadfile" in addopts and "--no-loadscope-reorder" in addopts
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider",
-                          str(tests / "test_stats.py"), str(tests / "test_layouts.py"), str(tests / "test_models.py")],
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-m", "slow or not slow",
+                          "-p", "no:cacheprovider", *(str(tests / f"test_{n}.py") for n in ("layouts", "models", "smoke",
+                                                                                               "stats"))],
                          capture_output=True, text=True, cwd=tests.parent, timeout=300)
     files = [line.split("::")[0] for line in out.stdout.splitlines() if "::" in line]
     runs = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
-    assert len(runs) == 3 and [files.count(f) for f in runs] == sorted((files.count(f) for f in runs), reverse=True)
+    assert len(runs) == 4 and runs[0] == "tests/test_smoke.py", out.stdout[-2000:]
+    assert [files.count(f) for f in runs[1:]] == sorted((files.count(f) for f in runs[1:]), reverse=True)
+    addopts = tomllib.loads((tests.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "--dist loadfile" in addopts and "--no-loadscope-reorder" in addopts
