@@ -474,7 +474,7 @@ class Measurer:
         timed = r.timed
 
         def setup(s: int):
-            verify.refill(r.native, prepared(impl, fresh.case(s)))
+            verify.refill(r.native, impl.prepare(fresh.case(s)))  # the inputs alone: r.native keeps its context
             return timed.setup() if timed.setup is not None else None
 
         def after(s: int, returned) -> None:

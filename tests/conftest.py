@@ -48,15 +48,16 @@ def pytest_collection_modifyitems(config, items) -> None:
     loadfile``), so the longest one starts at once beside the others instead of after them. xdist's own reorder
     sorts by the number of tests alone, which put the smoke suite's file (one test, ~6 of the slow run's ~10
     minutes) last."""
+    def file_of(item) -> str:
+        return item.nodeid.split("::")[0]
+
     count: dict[str, int] = {}
-    long_files = set()
     for item in items:
-        count[item.nodeid.split("::")[0]] = count.get(item.nodeid.split("::")[0], 0) + 1
-        if item.get_closest_marker("long") is not None:
-            long_files.add(item.nodeid.split("::")[0])
+        count[file_of(item)] = count.get(file_of(item), 0) + 1
+    long_files = {file_of(item) for item in items if item.get_closest_marker("long") is not None}
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (item.nodeid.split("::")[0] not in long_files, -count[item.nodeid.split("::")[0]],
-                                 item.nodeid.split("::")[0], order[id(item)]))
+    items.sort(key=lambda item: (file_of(item) not in long_files, -count[file_of(item)], file_of(item),
+                                 order[id(item)]))
 
 
 def pytest_report_header(config) -> str:
