@@ -38,7 +38,7 @@ ARCHS = {
 }
 
 
-FUSED = {"norm_rows_kernel", "gemm_rope_kernel", "gemm_residual_norm_kernel", "gemm_swiglu_kernel",  # forward
+FUSED = {"norm_input_kernel", "gemm_rope_kernel", "gemm_residual_norm_kernel", "gemm_swiglu_kernel",  # forward
          "gemm_cross_entropy_kernel", "dgrad_rmsnorm_kernel", "dgrad_swiglu_kernel", "rope_bwd_kernel"}  # backward
 
 

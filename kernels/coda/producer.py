@@ -9,7 +9,7 @@ squares of the fp32 x (before rounding); :func:`kernels.coda.reduce.finish_rstd`
 operands the epilogue first dequantizes, and can write absmax partials of h so that h is quantized for the next fp8
 GEMM.
 :func:`norm_input` does the same for an x that no GEMM produces (the first layer's input, the LM head's input).
-Split path (:mod:`kernels.coda.strategy`): the plain GEMM c = a @ w^T, then that same row pass on x = residual + c.
+Split path (:mod:`kernels.coda.strategy`): the plain GEMM c = a @ w^T, then the same epilogue over c's tiles.
 Gluon path, on Hopper: the warp-specialized kernel of :mod:`kernels.coda.producer_gluon` (h from the rounded x).
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from codabench.registry import Native
 from kernels.coda.align import aligned, empty_rows, meets_rule
 from kernels.coda.epilogue import add_tile, cast, load_tile, row_absmax, row_sumsq, scale_cols, store_tile
 from kernels.coda.fp8 import quantize_from_partials
-from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import subtiled_configs, tile_desc
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_rstd
@@ -45,23 +44,17 @@ def residual_norm(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexp
 
 
 @triton.jit
-def norm_rows_kernel(x_ptr, res_ptr, xo_ptr, gamma_ptr, h_ptr, rstd_ptr, amax_ptr, M, N, stride_x, stride_res,
-                     stride_xo, stride_h, eps, RESIDUAL: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr):
-    """Rows [pid BM, pid BM + BM): with RESIDUAL first ``x = x + residual`` (stored into xo), then ``h = x * gamma``,
-    ``rstd = (mean_j x_j^2 + eps)^(-1/2)`` (and ``max_j |h_j|``); one pass over the rows."""
+def norm_input_kernel(x_ptr, gamma_ptr, h_ptr, rstd_ptr, amax_ptr, M, N, stride_x, stride_h, eps,
+                      AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Rows [pid BM, pid BM + BM) of x: ``h = x * gamma``, ``rstd = (mean_j x_j^2 + eps)^(-1/2)`` (and
+    ``max_j |h_j|``); one pass over the rows."""
     off_m = tl.program_id(0) * BM
     x_desc = tile_desc(x_ptr, M, N, stride_x, BM, BN)
-    res_desc = tile_desc(res_ptr, M, N, stride_res, BM, BN)
-    xo_desc = tile_desc(xo_ptr, M, N, stride_xo, BM, BN)
     h_desc = tile_desc(h_ptr, M, N, stride_h, BM, BN)
     ss = tl.zeros((BM,), dtype=tl.float32)
     amax = tl.zeros((BM,), dtype=tl.float32)
     for off_n in range(0, N, BN):
         x = load_tile(x_desc, off_m, off_n)
-        if RESIDUAL:
-            x = add_tile(x, res_desc, off_m, off_n)
-            store_tile(xo_desc, off_m, off_n, x)
         ss += row_sumsq(x)
         h = cast(scale_cols(x, gamma_ptr, off_n, N, BN), h_desc.dtype)
         store_tile(h_desc, off_m, off_n, h)
@@ -71,34 +64,6 @@ def norm_rows_kernel(x_ptr, res_ptr, xo_ptr, gamma_ptr, h_ptr, rstd_ptr, amax_pt
     tl.store(rstd_ptr + rows, tl.rsqrt(ss / N + eps), mask=rows < M)
     if AMAX:
         tl.store(amax_ptr + rows, amax, mask=rows < M)
-
-
-def _norm_rows(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, eps: float,
-               h_fp8: Recipe | None) -> tuple[torch.Tensor, torch.Tensor | Fp8, torch.Tensor]:
-    """``(x', h, rstd)`` by :func:`norm_rows_kernel`: x' = x + residual (in residual's dtype; x itself without a
-    residual), h = x' gamma in x''s dtype (quantized under ``h_fp8`` by a second pass, from the row maxima)."""
-    x, gamma = aligned(x), gamma.contiguous()
-    M, N = x.shape
-    xo = empty_rows(M, N, residual.dtype, x.device) if residual is not None else x
-    res = aligned(residual) if residual is not None else x
-    h = empty_rows(M, N, xo.dtype, x.device)
-    rstd = torch.empty(M, device=x.device, dtype=torch.float32)
-    amax = torch.empty(M, 1, device=x.device, dtype=torch.float32) if h_fp8 else rstd
-    bm, bn = 16, min(256, triton.next_power_of_2(N))
-    norm_rows_kernel[(triton.cdiv(M, bm),)](x, res, xo, gamma, h, rstd, amax, M, N, x.stride(0), res.stride(0),
-                                            xo.stride(0), h.stride(0), eps, RESIDUAL=residual is not None,
-                                            AMAX=h_fp8 is not None, BM=bm, BN=bn)
-    if h_fp8:
-        h = quantize_from_partials(h, amax, 1, rowwise=h_fp8.rowwise_for("act"))
-    return xo, h, rstd
-
-
-def gemm_residual_norm_split(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: torch.Tensor,
-                             gamma: torch.Tensor, eps: float, recipe: Recipe | None = None, h_fp8: Recipe | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor | Fp8, torch.Tensor]:
-    """:func:`gemm_residual_norm` split: ``c = a @ w.T`` (:func:`kernels.coda.gemm.split_matmul`), then one pass
-    over the rows of c and residual writing x, h and rstd (:func:`norm_rows_kernel`)."""
-    return _norm_rows(split_matmul(a, w.T, recipe), residual, gamma, eps, h_fp8)
 
 
 def gluon_applies(arguments: dict) -> bool:
@@ -123,7 +88,6 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 
 @coda(residual_norm, outputs=(Output("x", like="residual", sumsq=True), Output("h", like="residual", fp8="h_fp8")),
       inputs=(Tile("res"), "gamma_ptr"), configs=subtiled_configs((2, 1, 4)), finish=_finish,
-      split=gemm_residual_norm_split,
       gluon=gemm_residual_norm_gluon and Gluon(gemm_residual_norm_gluon, gluon_applies),
       binds=(Binding(("producer_out", "producer_down"), ("x", "h", "rstd"),
                      "gemm_residual_norm: GEMM + residual + gamma + sum-of-squares partials", model_eps),))
@@ -139,7 +103,17 @@ def gemm_residual_norm(a: torch.Tensor | Fp8, w: torch.Tensor | Fp8, residual: t
 
 def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Recipe | None = None
                ) -> tuple[torch.Tensor | Fp8, torch.Tensor]:
-    """``(h, rstd)`` of an x no GEMM produced: ``h = x * gamma`` (x's dtype), rstd fp32 [M]; one pass over x.
-    ``h_fp8``: h quantized to e4m3 under that recipe by a second pass, from row maxima of the first."""
-    _, h, rstd = _norm_rows(x, None, gamma, eps, h_fp8)
+    """``(h, rstd)`` of an x no GEMM produced: ``h = x * gamma`` (x's dtype), rstd fp32 [M]; one pass over x
+    (:func:`norm_input_kernel`). ``h_fp8``: h quantized to e4m3 under that recipe by a second pass, from row maxima
+    of the first."""
+    x, gamma = aligned(x), gamma.contiguous()
+    M, N = x.shape
+    h = empty_rows(M, N, x.dtype, x.device)
+    rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+    amax = torch.empty(M, 1, device=x.device, dtype=torch.float32) if h_fp8 else rstd
+    bm, bn = 16, min(256, triton.next_power_of_2(N))
+    norm_input_kernel[(triton.cdiv(M, bm),)](x, gamma, h, rstd, amax, M, N, x.stride(0), h.stride(0), eps,
+                                             AMAX=h_fp8 is not None, BM=bm, BN=bn)
+    if h_fp8:
+        h = quantize_from_partials(h, amax, 1, rowwise=h_fp8.rowwise_for("act"))
     return h, rstd

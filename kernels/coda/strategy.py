@@ -9,10 +9,10 @@ has that rounding too, and an fp32 output would double the bytes the split path 
 overlapped with the next tile's mainloop (docs/performance.md: small K, large epilogue traffic) the split path can be
 faster::
 
-    def gemm_residual_norm_split(a, w, residual, gamma, eps, recipe=None, h_fp8=None): ...
+    def dgrad_swiglu_split(dx, w_down, z_pre, recipe=None, overwrite=False): ...
 
-    @with_split(gemm_residual_norm_split)
-    def gemm_residual_norm(a, w, residual, gamma, eps, recipe=None, h_fp8=None): ...   # the fused path
+    @with_split(dgrad_swiglu_split)
+    def dgrad_swiglu(dx, w_down, z_pre, recipe=None, overwrite=False): ...   # the fused path
 
 For a plain GEMM (:func:`kernels.coda.gemm.mm`) the fused path is the mainloop and the split path is cuBLAS, with
 no epilogue kernel at all. A host function may also have a *Gluon* path (:class:`Gluon`): a warp-specialized
