@@ -219,18 +219,26 @@ def register(op: str | Iterable[str], name: str, *, modes: Iterable[str] | None 
         for o in ops:
             is_class = isinstance(obj, type) and issubclass(obj, Implementation)
             impl = obj() if is_class else FunctionImplementation(obj, prepare)
-            impl.op, impl.name = o, name
-            impl.source = getattr(obj, "__module__", "") or ""
-            impl.description = description or impl.description or (obj.__doc__ or "").strip().split("\n")[0]
-            for attr, value in (("modes", modes), ("dtypes", dtypes), ("requires", requires)):
-                if value is not None:
-                    setattr(impl, attr, tuple(value))
-            if label is not None:
-                impl.label = label
-            REGISTRY.add(impl)
+            REGISTRY.add(entry(impl, o, name, getattr(obj, "__module__", "") or "",
+                               description or impl.description or (obj.__doc__ or "").strip().split("\n")[0],
+                               modes=modes, dtypes=dtypes, requires=requires, label=label))
         return obj
 
     return deco
+
+
+def entry(impl: Implementation, op: str, name: str, source: str, description: str, *,
+          modes: Iterable[str] | None = None, dtypes: Iterable[str] | None = None,
+          requires: Iterable[str] | None = None, label: str | None = None) -> Implementation:
+    """``impl`` named as the registry's entry ``(op, name)`` from module ``source``, with its description and the
+    modes, dtypes, requirements and label given (None: its own)."""
+    impl.op, impl.name, impl.source, impl.description = op, name, source, description
+    for attr, value in (("modes", modes), ("dtypes", dtypes), ("requires", requires)):
+        if value is not None:
+            setattr(impl, attr, tuple(value))
+    if label is not None:
+        impl.label = label
+    return impl
 
 
 INTERPRETER_NO_BF16 = "skipped: the Triton interpreter has no bf16 math; run bf16 on a GPU"

@@ -92,10 +92,10 @@ from workloads.reference import IGNORE_INDEX, shifted_targets
 SILU_NAMES = ("silu", "swish")
 """``hidden_act`` values that Hugging Face computes as silu (its ACT2FN maps "swish" to the same SiLU)."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+"""RoPE types whose cos/sin are exactly those of ``pos * inv_freq``: no attention factor, no dynamic update."""
 TRANSFORMERS_RANGE = ("5.24", "6")
 """The transformers versions the drop-in follows (>= the first, < the second: the model classes' forward, outputs and
 checkpointing it reproduces change between major versions); pyproject.toml's ``[hf]`` extra says the same."""
-"""RoPE types whose cos/sin are exactly those of ``pos * inv_freq``: no attention factor, no dynamic update."""
 
 # Each architecture -> the sliding window of a layer (the config, the layer's attention module) as its model uses it.
 _WINDOW: dict[str, Callable[[Any, nn.Module], int | None]] = {

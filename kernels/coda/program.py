@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codabench.registry import REGISTRY, Implementation, Native
+from codabench.registry import REGISTRY, Implementation, Native, entry
 from kernels.coda.align import aligned, empty_rows
 from kernels.coda.epilogue import cast, col_subtile, col_sum_partial, dequant, dequant_scale, load_rows, load_tile, \
     row_absmax, row_sumsq, store_row_partial, store_tile
@@ -609,19 +609,14 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
 
 
 class Entry(Implementation):
-    """A host function as one op's implementation: ``run`` calls it on the cell's native inputs (a
-    :class:`Binding`'s run); ``name``, ``op``, ``modes``, ``description``, ``source`` (the declaring module) and
-    ``registry``'s attributes (dtypes, requires, label) as given."""
+    """A host function as one op's implementation: ``run`` calls ``call`` (a :class:`Binding`'s run) on the cell's
+    native inputs."""
 
-    def __init__(self, name: str, op: str, run: Callable[[Native], dict[str, Any]], modes: tuple[str, ...],
-                 description: str, source: str, **registry: Any):
-        self.name, self.op, self._run, self.modes, self.description, self.source = (name, op, run, modes,
-                                                                                    description, source)
-        for attr, value in registry.items():
-            setattr(self, attr, tuple(value) if isinstance(value, (list, tuple)) else value)
+    def __init__(self, call: Callable[[Native], dict[str, Any]]):
+        self.call = call
 
     def run(self, native: Native) -> dict[str, Any]:
-        return self._run(native)
+        return self.call(native)
 
 
 def register(host: Callable, name: str, implementation: Callable[..., Any] | None = None,
@@ -629,11 +624,11 @@ def register(host: Callable, name: str, implementation: Callable[..., Any] | Non
     """Registry entries of the implementation ``name`` for every op a declared host function binds (``binds``; or
     any host function, with the ``binds`` given here):
     ``implementation(op, run, modes, description)`` makes one (an :class:`codabench.registry.Implementation`; by
-    default an :class:`Entry` with ``registry``'s keywords: dtypes, requires, label), ``run`` calling the host
-    function (:meth:`Binding.run`)."""
+    default an :class:`Entry` named by :func:`codabench.registry.entry` with ``registry``'s keywords: dtypes,
+    requires, label; its source the declaring module), ``run`` calling the host function (:meth:`Binding.run`)."""
     for b in host.binds if binds is None else binds:
         run = b.run(host)
         for op in b.ops:
             modes = b.modes or OPS[op].modes
             REGISTRY.add(implementation(op, run, modes, b.description) if implementation is not None else
-                         Entry(name, op, run, modes, b.description, host.__module__, **registry))
+                         entry(Entry(run), op, name, host.__module__, b.description, modes=modes, **registry))
