@@ -177,16 +177,18 @@ def test_a_new_key_is_measured_once_chosen_by_the_lower_median_and_cached(gpu):
     with S.Recorder() as rec:
         assert dispatch(x, 3, inplace=True) == "split"
     assert gpu["log"] == ["fused", "split"] * S.ROUNDS  # interleaved rounds (after one untimed launch of each)
-    assert seen == [{"x": x, "n": 3, "inplace": True, "eps": 1e-5}]  # measured on the safe arguments
+    # keyed and measured on the safe arguments
+    assert seen == [{"x": x, "n": 3, "inplace": True, "eps": 1e-5}] * 2
     assert rec.launches() == [("_fused", "split")]
     assert dispatch(x, 3, inplace=True) == "split" and len(gpu["log"]) == 2 * S.ROUNDS  # known: not measured again
+    assert dispatch(x, 3, inplace=False) == "split" and len(gpu["log"]) == 2 * S.ROUNDS  # in place or not: one key
     stored = json.loads(tuning.cache_file("Test GPU").read_text())
     (entry, records), = stored.items()
     assert entry == dispatch.chooser.entry and entry.startswith("strategy:_fused:")
-    assert records == {S.call_key({"x": x, "n": 3, "inplace": True, "eps": 1e-5}):
+    assert records == {S.call_key({"x": x, "n": 3, "inplace": False, "eps": 1e-5}):
                        {"strategy": "split", "fused_ms": 1.0, "split_ms": 0.9}}
     again = S.Chooser(_fused, _split, dict)  # another process: the file's choice, no timing
-    assert again.choose({"x": x, "n": 3, "inplace": True, "eps": 1e-5}) == "split" and len(gpu["log"]) == 2 * S.ROUNDS
+    assert again.choose({"x": x, "n": 3, "inplace": False, "eps": 1e-5}) == "split" and len(gpu["log"]) == 2 * S.ROUNDS
     gpu["times"] = {"fused": [1.0] * 3, "split": [0.99] * 3}  # another shape; split 1% faster: a tie, fused
     assert dispatch(torch.zeros(16, 4), 3) == "fused"
     assert len(json.loads(tuning.cache_file("Test GPU").read_text())[entry]) == 2

@@ -323,11 +323,13 @@ class Chooser:
         return memo[key]
 
     def _call_facts(self, arguments: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
-        """(:func:`call_key`, :meth:`strategies`) of a call, computed once per :func:`shape_key`."""
+        """(:func:`call_key`, :meth:`strategies`) of a call, computed once per :func:`shape_key`. The key is that of
+        the call as measured (``safe``'s arguments): a call in place and one that is not cost the same and read the
+        same choice."""
         fast = shape_key(arguments)
         facts = self._facts.get(fast)
         if facts is None:
-            facts = self._facts[fast] = (call_key(arguments), self.strategies(arguments))
+            facts = self._facts[fast] = (call_key(self.safe(arguments)), self.strategies(arguments))
         return facts
 
     def _known(self, gpu: str) -> dict[str, dict[str, Any]]:
@@ -396,8 +398,8 @@ def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]]
                gluon: Gluon | None = None, fuses: Callable[[dict[str, Any]], bool] = always
                ) -> Callable:
     """Decorate a fused host function: each call runs it, ``split`` or ``gluon`` (same signature, same results), by
-    :class:`Chooser`. ``safe`` maps a call's arguments to ones a measurement may repeat (no input written in place);
-    ``fuses`` whether the fused kernel can take a call at all (else split).
+    :class:`Chooser`. ``safe`` maps a call's arguments to ones a measurement may repeat (no input written in place;
+    the same shapes and dtypes, and no work launched: the call's key is read from them); ``fuses`` whether the fused kernel can take a call at all (else split).
     The decorated function keeps the first two as ``.fused`` and ``.split``, and its chooser as ``.chooser``."""
 
     def deco(fused: Callable) -> Callable:
