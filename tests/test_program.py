@@ -295,3 +295,105 @@ def test_a_binding_calls_its_host_with_the_cells_inputs_and_names_its_results():
     fp8_cell = run(native({"a": 1, "b": 2}, tiny.with_(layers=1), "fp8"))
     assert fp8_cell["recipe"] == fp8.recipe("fp8", "fast") and "recipe" not in run(native({"a": 1, "b": 2}, tiny))
     assert Binding(("op",), (None, "a"), "").run(lambda a, b: (a, b))(native({"a": 1, "b": 2}, tiny)) == {"a": 2}
+
+
+DECLARED = {"producer": "kernels.coda.producer:gemm_residual_norm", "scaled_linear": "kernels.coda.scaled_linear:scaled_linear",
+            "swiglu": "kernels.coda.swiglu:gemm_swiglu", "rope": "kernels.coda.rope:gemm_rope",
+            "cross_entropy": "kernels.coda.cross_entropy:gemm_cross_entropy",
+            "rmsnorm_bwd": "kernels.coda.rmsnorm_bwd:dgrad_rmsnorm", "swiglu_bwd": "kernels.coda.swiglu_bwd:dgrad_swiglu",
+            "example": "kernels.examples.gemm_bias_gelu:gemm_bias_gelu"}
+
+
+def _host(case: str):
+    module, name = DECLARED[case].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_every_declared_kernel_gets_a_gluon_variant_where_it_applies(monkeypatch):
+    """Built from the declaration (:mod:`kernels.coda.gluon_program`): each declared kernel has a Gluon kernel, and it
+    is the Gluon path of those that bring no hand-written one; it applies on Hopper to bf16 / fp16 operands (B
+    row-major or transposed) and fp8 ones (B transposed, fast accumulation), as TMA can address them."""
+    from kernels.coda import program
+    from workloads.fp8 import E4M3, Fp8
+    for case in DECLARED:
+        host = _host(case)
+        assert host.gluon_kernel is not None, case
+        if case not in ("producer", "swiglu_bwd"):
+            assert host.chooser.gluon.function is host.built_gluon, case
+    monkeypatch.setattr(program, "hopper", lambda device: True)
+    a, w = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(48, 32, dtype=torch.bfloat16)
+    one = torch.ones(())
+    fa, fw = Fp8(torch.empty(64, 32, dtype=E4M3), torch.ones(64, 1)), Fp8(torch.empty(48, 32, dtype=E4M3), one)
+    assert program.gluon_applies(Gemm(a, w.T)) and program.gluon_applies(Gemm(a, w.T.contiguous()))
+    assert program.gluon_applies(Gemm(a.half(), w.half().T)) and program.gluon_applies(Gemm(fa, fw.T, Recipe(rowwise=True)))
+    assert not program.gluon_applies(Gemm(a.float(), w.float().T))  # no fp32 wgmma here
+    assert not program.gluon_applies(Gemm(a, w.half().T))  # mixed
+    assert not program.gluon_applies(Gemm(fa, fw.T, Recipe(rowwise=True, accum="promoted")))
+    assert not program.gluon_applies(Gemm(fa, Fp8(torch.empty(32, 48, dtype=E4M3), one)))  # fp8 B row-major
+    odd = torch.empty(64, 33, dtype=torch.bfloat16)[:, :31]  # rows of 66 bytes: no descriptor without a copy
+    assert not program.gluon_applies(Gemm(odd, torch.empty(48, 31, dtype=torch.bfloat16).T))
+    monkeypatch.setattr(program, "hopper", lambda device: False)
+    assert not program.gluon_applies(Gemm(a, w.T))
+
+
+def _gluon_case(case: str, fp8: str | None, M: int, D: int, F: int, V: int) -> tuple[tuple, dict]:
+    """Seeded GPU arguments of one declared host function's call; ``fp8``: None, "row" or "tensor" (the forward
+    kernels' operands under that recipe; the dgrads' per tensor, as the recipes give them)."""
+    from workloads.fp8 import quantize_as
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(M + D)
+    r = lambda *s, sc=1.0: (torch.randn(*s, device=dev, generator=g) * sc).to(torch.bfloat16)  # noqa: E731
+    rec, per_tensor = (Recipe(rowwise=fp8 == "row"), Recipe(rowwise=False)) if fp8 else (None, None)
+    act = (lambda t: quantize_as(t.float(), "act", rec)) if fp8 else (lambda t: t)  # noqa: E731
+    weight = (lambda t: quantize_as(t.float(), "weight", rec)) if fp8 else (lambda t: t)  # noqa: E731
+    grad = (lambda t: quantize_as(t.float(), "grad", per_tensor)) if fp8 else (lambda t: t)  # noqa: E731
+    weight_bwd = (lambda t: quantize_as(t.float(), "weight_bwd", per_tensor).T) if fp8 else (lambda t: t)  # noqa: E731
+    rstd = torch.rand(M, device=dev, generator=g) + 0.5
+    if case == "producer":
+        return (act(r(M, F)), weight(r(D, F, sc=F ** -.5)), r(M, D), r(D, sc=.1) + 1, 1e-5, rec), {}
+    if case == "scaled_linear":
+        return (act(r(M, D)), weight(r(D, D, sc=D ** -.5)), rstd, rec), {}
+    if case == "swiglu":
+        return (act(r(M, D)), weight(r(2 * F, D, sc=D ** -.5)), rstd, True, rec), {}
+    if case == "rope":
+        return (act(r(M, D)), weight(r(3 * D, D, sc=D ** -.5)), rstd, torch.arange(M, device=dev) % 4096, D // 128,
+                D // 128, 128, 500000.0), {"recipe": rec}
+    if case == "cross_entropy":
+        target = torch.randint(0, V, (M,), device=dev, generator=g)
+        return (act(r(M, D)), weight(r(V, D, sc=D ** -.5)), rstd, target), {"with_grad": True, "recipe": rec}
+    if case == "rmsnorm_bwd":
+        return ((grad(r(M, F)), weight_bwd(r(F, D, sc=F ** -.5)), r(M, D), rstd, r(D, sc=.1) + 1,
+                 torch.randn(M, device=dev, generator=g)), {"dres": r(M, D), "recipe": per_tensor})
+    if case == "swiglu_bwd":
+        return (grad(r(M, D)), weight_bwd(r(D, F, sc=D ** -.5)), r(M, 2 * F)), {"recipe": per_tensor}
+    return (r(M, D), r(F, D, sc=D ** -.5), r(F)), {}
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    return [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
+
+
+gpu_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                                reason="needs a Hopper GPU (sm_90): the Gluon variants are written for it")
+
+
+@gpu_hopper
+@pytest.mark.parametrize("shape", [(4096, 2048, 8192, 32000), (1000, 776, 1544, 5003)])
+@pytest.mark.parametrize("fp8", [None, "row", "tensor"])
+@pytest.mark.parametrize("case", list(DECLARED))
+def test_the_gluon_variant_of_a_declared_kernel_equals_its_fused_kernel_on_hopper(case, fp8, shape):
+    """Each declared kernel's built Gluon variant against its fused Triton kernel (the CPU-tested reference), bf16
+    and fp8 operands, at a preset-like shape and at one with partial tiles at every edge: every output bit for bit
+    (the same fp32 tile, the same epilogue, rounded once), the finished sums (rstd, zdz, log-sum-exps, dgamma) to the
+    order of their additions."""
+    if (case == "rope" and shape[1] % 128) or (case == "example" and fp8):
+        pytest.skip("rope needs whole 128-wide heads; the example kernel takes plain operands")
+    host = _host(case)
+    args, kwargs = _gluon_case(case, fp8, *shape)
+    ours, ref = _tensors(host.built_gluon(*args, **kwargs)), _tensors(host.fused(*args, **kwargs))
+    assert [(t.shape, t.dtype) for t in ours] == [(t.shape, t.dtype) for t in ref]
+    for i, (x, y) in enumerate(zip(ours, ref)):
+        if x.dtype == torch.float32 and x.dim() == 1:  # finished from partials of other tile shapes
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-5), (case, i)
+        else:
+            assert torch.equal(x, y), (case, i, (x.double() - y.double()).abs().max().item())

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.coda.align import is_aligned
-from kernels.coda.epilogue import gather_cols, tile_lse
+from kernels.coda.epilogue import arange, gather_cols, tile_lse
 from kernels.coda.fp8 import result_dtype
 from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET
@@ -38,7 +38,7 @@ def cross_entropy(logits, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.con
     pointers); returns the logits and the tile's per-row log-sum-exp."""
     target_ptr, tgt_logit_ptr = args
     lse = tile_lse(logits, off_n, N, BN)
-    rows = off_m + tl.arange(0, BM)
+    rows = off_m + arange(0, BM)
     target = tl.load(target_ptr + rows, mask=rows < M, other=-1)
     tgt_logit, hit = gather_cols(logits, target, off_n, BN)
     tl.store(tgt_logit_ptr + rows, tgt_logit, mask=hit & (rows < M))

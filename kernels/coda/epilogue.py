@@ -45,19 +45,64 @@ SCALING_NONE, SCALING_PER_TENSOR, SCALING_ROWWISE = tl.constexpr(0), tl.constexp
 one per column of the output (channel)."""
 
 
+# ---- 0. index and constant tiles, in a Triton kernel or a Gluon one ---------------------------
+
+def _layout(semantic) -> tuple:
+    """The layout argument Gluon's semantic takes for a new tile (None: Gluon's AutoLayout, which its uses
+    decide); Triton's takes none."""
+    return (None,) if "Gluon" in type(semantic).__name__ else ()
+
+
+@tl.core.builtin
+def arange(start, end, _semantic=None):
+    """``tl.arange(start, end)``, which the primitives also need inside a Gluon kernel (:mod:`kernels.coda.
+    gluon_program`), where a new tile takes the layout that its uses give it."""
+    start, end = tl.core._unwrap_if_constexpr(start), tl.core._unwrap_if_constexpr(end)
+    return _semantic.arange(start, end, *_layout(_semantic))
+
+
+@tl.core.builtin
+def full(shape, value, dtype, _semantic=None):
+    """``tl.full(shape, value, dtype)`` in a Triton kernel or a Gluon one (as :func:`arange`)."""
+    shape = [tl.core._unwrap_if_constexpr(n) for n in tl.core._unwrap_if_constexpr(shape)]
+    value, dtype = tl.core._unwrap_if_constexpr(value), tl.core._unwrap_if_constexpr(dtype)
+    return _semantic.full(shape, value, dtype, *_layout(_semantic))
+
+
+
+@tl.core.builtin
+def like(x, y, _semantic=None):
+    """x in the layout of y, a tile of x's shape: in a Gluon kernel, a layout conversion where they differ (the
+    Triton compiler converts by itself)."""
+    if _layout(_semantic) and x.type.layout != y.type.layout:
+        return _semantic.convert_layout(x, y.type.layout)
+    return x
+
+
+if INTERPRET:  # the interpreter runs no Gluon, and puts its own semantic into tl's builtins only: call those
+    def arange(start, end):  # noqa: F811
+        return tl.arange(start, end)
+
+    def full(shape, value, dtype):  # noqa: F811
+        return tl.full(shape, value, dtype)
+
+    def like(x, y):  # noqa: F811
+        return x
+
+
 # ---- 1-2. scales and vector loads -------------------------------------------------------------
 
 @triton.jit
 def load_rows(vec_ptr, off_m, M, BM: tl.constexpr):
     """``v[off_m + i]`` for i < BM as fp32 (0 past M): a per-row vector of the tile."""
-    rows = off_m + tl.arange(0, BM)
+    rows = off_m + arange(0, BM)
     return tl.load(vec_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def load_cols(vec_ptr, off_n, N, BN: tl.constexpr):
     """``v[off_n + j]`` for j < BN as fp32 (0 past N): a per-column vector of the tile."""
-    cols = off_n + tl.arange(0, BN)
+    cols = off_n + arange(0, BN)
     return tl.load(vec_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
 
 
@@ -88,7 +133,7 @@ def dequant_scale(acc, row, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr
 def dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr, SCALING: tl.constexpr):
     """:func:`dequant_scale` for a GEMM without a row scale: ``acc`` itself when SCALING is SCALING_NONE."""
     if SCALING != SCALING_NONE:
-        acc = dequant_scale(acc, tl.full((BM,), 1.0, tl.float32), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN,
+        acc = dequant_scale(acc, full((BM,), 1.0, tl.float32), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN,
                             SCALING)
     return acc
 
@@ -116,7 +161,7 @@ def store_tile(desc, off_m, off_n, val):
 @triton.jit
 def _block_ptrs(ptr, stride, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     """The pointers and in-bounds mask of the (BM, BN) block at (off_m, off_n) of a row-major [M, N] matrix."""
-    rows, cols = off_m + tl.arange(0, BM), off_n + tl.arange(0, BN)
+    rows, cols = off_m + arange(0, BM), off_n + arange(0, BN)
     return (ptr + rows[:, None].to(tl.int64) * stride + cols[None, :],
             (rows < M)[:, None] & (cols < N)[None, :])
 
@@ -177,7 +222,7 @@ def round_to_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr):
 @triton.jit
 def store_row_partial(part_ptr, val, off_m, off_n, M, stride_p, BM: tl.constexpr, BN: tl.constexpr):
     """``part[off_m + i, off_n // BN] = val[i]``: one (row, N-tile) partial; ``part`` has row stride ``stride_p``."""
-    rows = off_m + tl.arange(0, BM)
+    rows = off_m + arange(0, BM)
     tl.store(part_ptr + rows.to(tl.int64) * stride_p + off_n // BN, val, mask=rows < M)
 
 
@@ -202,7 +247,7 @@ def row_absmax(x):
 @triton.jit
 def col_sum_partial(part_ptr, x, off_m, off_n, N, stride_p, BM: tl.constexpr, BN: tl.constexpr):
     """Column partials ``part[off_m // BM, n] = sum_{i in tile} x_in`` (e.g. dgamma); row stride ``stride_p``."""
-    cols = off_n + tl.arange(0, BN)
+    cols = off_n + arange(0, BN)
     tl.store(part_ptr + (off_m // BM).to(tl.int64) * stride_p + cols, tl.sum(x, axis=0), mask=cols < N)
 
 
@@ -211,7 +256,7 @@ def col_sum_partial(part_ptr, x, off_m, off_n, N, stride_p, BM: tl.constexpr, BN
 @triton.jit
 def tile_lse(logits, off_n, N, BN: tl.constexpr):
     """Per-row log-sum-exp over the tile's columns < N: ``max_j l_j + log sum_j exp(l_j - max_j l_j)``."""
-    cols = off_n + tl.arange(0, BN)
+    cols = off_n + arange(0, BN)
     masked = tl.where((cols < N)[None, :], logits, float("-inf"))
     row_max = tl.max(masked, axis=1)
     return row_max + tl.log(tl.sum(tl.exp(masked - row_max[:, None]), axis=1))
@@ -223,7 +268,7 @@ def gather_cols(x, idx, off_n, BN: tl.constexpr):
 
     ``hit_i`` is whether the tile holds column ``idx_i``; the value is 0 where it does not.
     """
-    cols = off_n + tl.arange(0, BN)
+    cols = off_n + arange(0, BN)
     val = tl.sum(tl.where(cols[None, :] == idx[:, None], x, 0.0), axis=1)
     return val, (idx >= off_n) & (idx < off_n + BN)
 
@@ -268,10 +313,10 @@ def rope_cos_sin(pos_ptr, freq_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl
     < 1e-6 (:func:`cos_sin_reduced`).
     """
     P = N // 2
-    pairs = off_n // 2 + tl.arange(0, BN // 2)
+    pairs = off_n // 2 + arange(0, BN // 2)
     f_hi = tl.load(freq_ptr + pairs, mask=pairs < P, other=0.0)
     f_lo = tl.load(freq_ptr + P + pairs, mask=pairs < P, other=0.0)
-    rows = off_m + tl.arange(0, BM)
+    rows = off_m + arange(0, BM)
     pos = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.float32)[:, None]
     a_hi = pos * f_hi[None, :]
     a_lo = pos * f_lo[None, :]

@@ -26,8 +26,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from kernels.coda.align import aligned
 from kernels.coda.epilogue import SCALING_NONE, SCALING_ROWWISE
-from kernels.coda.fp8 import dequant_args
-from kernels.coda.mainloop import persistent_grid
+from kernels.coda.fp8 import dequant_args, result_dtype
+from kernels.coda.mainloop import operand, persistent_grid
 from kernels.coda.producer_gluon import (handoff_barriers, local_tiles, ring_barriers, thread_barrier, tile_coords,
                                          tma_desc, tma_load)
 from workloads.fp8 import Fp8
@@ -126,21 +126,26 @@ def ws_buffers(a_desc, b_desc, S: gl.constexpr, B_NK: gl.constexpr):
 
 class WsGemm:
     """``C[M, N] = A @ B`` set up for a kernel of this schedule, the counterpart of :class:`kernels.coda.launch.
-    FusedGemm`: ``a`` (M, K) and ``b`` (K, N) bf16, or fp8 (:class:`workloads.fp8.Fp8`) with per-tensor scales, b's
-    data the transposed view of its K-major (N, K) copy; ``what`` names the kernel in the error a rowwise-scaled
-    operand gets. ``M``, ``N``, ``device`` and ``out_dtype`` (bf16) size the epilogue's outputs."""
+    FusedGemm`: ``a`` (M, K) row-major and ``b`` (K, N) row-major or the transposed view of an (N, K) tensor, bf16 or
+    fp16, or fp8 (:class:`workloads.fp8.Fp8`) with per-tensor scales, b's data the transposed view of its K-major
+    (N, K) copy (``rowwise``: or rowwise ones, for a kernel whose epilogue dequantizes them); ``what`` names the
+    kernel in the errors. The launch's ``SCALED`` is the scaling mode (:data:`kernels.coda.epilogue.SCALING_NONE`,
+    0, for plain operands). ``M``, ``N``, ``device`` and ``out_dtype`` (the operands'
+    dtype, bf16 for fp8) size the epilogue's outputs."""
 
-    def __init__(self, a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, what: str) -> None:
-        a, b, self.sa, self.sb, scaling = dequant_args(a, b)  # sa, sb: placeholders for plain operands
-        if scaling == SCALING_ROWWISE.value:
+    def __init__(self, a: torch.Tensor | Fp8, b: torch.Tensor | Fp8, what: str, rowwise: bool = False) -> None:
+        a, b, self.sa, self.sb, self.scaling = dequant_args(a, b)  # sa, sb: placeholders for plain operands
+        if self.scaling == SCALING_ROWWISE.value and not rowwise:
             raise ValueError(f"the Gluon {what} takes fp8 operands with per-tensor scales, not rowwise ones")
-        self.scaled = self.b_nk = scaling != SCALING_NONE.value  # fp8: B (N, K), K-major; bf16: B (K, N) as given
-        self.a = aligned(a)
-        self.b = aligned(b.T) if self.b_nk else aligned(b)
+        self.scaled = self.scaling != SCALING_NONE.value
+        b, self.b_nk = operand(b)  # b = W.T: B staged (N, K), K-major, as fp8 wgmma needs
+        if self.scaled and not self.b_nk:
+            raise ValueError(f"the Gluon {what} takes fp8 b as the transposed view of a K-major (N, K) tensor")
+        self.a, self.b = aligned(a), aligned(b)
         self.M, self.K = self.a.shape
         self.N = self.b.shape[0] if self.b_nk else self.b.shape[1]
         self.device = self.a.device
-        self.out_dtype = torch.bfloat16
+        self.out_dtype = result_dtype(a)
 
     def empty(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """An uninitialised (M, N) output in ``dtype`` (default: :attr:`out_dtype`)."""
@@ -153,6 +158,6 @@ class WsGemm:
         bk = K_BYTES // self.a.element_size()
         grid = persistent_grid(self.M, self.N, self.device)({"BM": BM, "BN": BN})
         kernel[grid](tma_desc(self.a, [BM, bk]), tma_desc(self.b, [BN, bk] if self.b_nk else [bk, BN]), self.sa,
-                     self.sb, self.M, self.N, self.K, *epilogue, B_NK=self.b_nk, SCALED=self.scaled,
+                     self.sb, self.M, self.N, self.K, *epilogue, B_NK=self.b_nk, SCALED=self.scaling,
                      INSTR_K=32 // self.a.element_size(), S=n_stages or stages(self.K * self.a.element_size()),
                      GROUP_M=GROUP_M, MMA_W=MMA_WARPS, num_warps=EPI_WARPS, maxnreg=MAXNREG, **constexprs)

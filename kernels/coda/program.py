@@ -54,21 +54,31 @@ import triton
 import triton.language as tl
 
 from codabench.registry import REGISTRY, Implementation, Native, entry
-from kernels.coda.align import aligned, empty_rows
+from kernels.coda.align import aligned, empty_rows, is_aligned
 from kernels.coda.epilogue import cast, col_subtile, col_sum_partial, dequant, dequant_scale, load_rows, load_tile, \
     row_absmax, row_sumsq, store_row_partial, store_tile
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import MAINLOOP_PARAMS, FusedGemm
-from kernels.coda.mainloop import INTERPRET, coda_autotune, mainloop, num_tiles, operand_descs, tile_coords, \
-    tile_desc
+from kernels.coda.mainloop import INTERPRET, coda_autotune, mainloop, num_tiles, operand, operand_descs, \
+    tile_coords, tile_desc
 from kernels.coda.reduce import col_partials, launched_tiles, row_partials
-from kernels.coda.strategy import Gluon, always, binder, with_split
-from workloads.fp8 import Fp8, Recipe
+from kernels.coda.strategy import Gluon, always, binder, hopper, with_split
+from workloads.fp8 import Fp8, Recipe, promoted
 from workloads.ops import OPS
+
+try:  # the Gluon variants need Triton's Gluon (its Hopper API); without it, the fused and split paths only
+    from kernels.coda.gluon_program import SUB_M, Block, gluon_program
+    from kernels.coda.mainloop_gluon import BN as GLUON_BN, WsGemm
+    HAS_GLUON = True
+except ImportError:
+    HAS_GLUON = False
 
 MAX_OUTPUTS = 2
 """Outputs an epilogue may declare (the programs below spell each one out)."""
+GLUON_STAGES = 4
+"""Operand ring stages of a Gluon variant: the epilogue partition's layout conversions take shared memory that a
+fifth stage leaves too little of (H200: 233600 of 232448 bytes for the RMSNorm dgrad's)."""
 RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "cs_ptr", "stride_ss", "stride_amax", "stride_cs",
             "EPI_SUB", "AMAX", "BM", "BN")
 """Parameter names of the built kernels besides the mainloop block, which no input, output or flag may take."""
@@ -384,18 +394,19 @@ class Declaration:
                                                                          "BM: tl.constexpr"], ["return z, args"], {}))
         return {"EPILOGUE": self.epilogue, "INPUTS": self.inputs_fn(f"{kernel}_inputs"), "TILE": tile}
 
-    def inputs_fn(self, name: str) -> Callable:
+    def inputs_fn(self, name: str, tile: Callable = tile_desc) -> Callable:
         """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's inputs, declared flags
-        and vectors, a :class:`Tile`'s pointer replaced by its descriptor (blocks (BM, BN * wide); its row stride
-        the next of ``strides``)."""
+        and vectors, a :class:`Tile`'s pointer replaced by its descriptor (``tile``: or a Gluon program's
+        :class:`kernels.coda.gluon_program.Block`; blocks (BM, BN * wide); its row stride the next of
+        ``strides``)."""
         items, t = [], 0
         for k, i in enumerate((*self.inputs, *self.call_flags, *self.vectors)):
             wide = f"{i.wide} * " if isinstance(i, Tile) and i.wide > 1 else ""
-            items.append(f"tile_desc(args[{k}], M, {wide}N, strides[{t}], BM, {wide}BN)" if isinstance(i, Tile)
+            items.append(f"TILE_INPUT(args[{k}], M, {wide}N, strides[{t}], BM, {wide}BN)" if isinstance(i, Tile)
                          else f"args[{k}]")
             t += isinstance(i, Tile)
         return triton.jit(self._compile(name, ["args", "strides", "M", "N", "BM: tl.constexpr", "BN: tl.constexpr"],
-                                        [f"return {_tuple(items)}"], {}))
+                                        [f"return {_tuple(items)}"], {"TILE_INPUT": tile}))
 
     def fused_kernel(self, name: str, configs: list[triton.Config] | None, restore: Sequence[str]) -> Callable:
         """The fused kernel: :data:`MAINLOOP_PARAMS`, then the declaration's parameters; its body
@@ -421,6 +432,22 @@ class Declaration:
         body = self._body("rows_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr",
                           f"{ptr['ss']}, {ptr['amax']}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
         return triton.jit(self._compile(name, params, body, {"rows_program": rows_program, **self._scope(name)}))
+
+    def gluon_kernel(self, name: str) -> Callable:
+        """The Gluon variant (:mod:`kernels.coda.gluon_program`): the schedule's operands (descriptors), scales and
+        sizes, the declaration's parameters, the schedule's constexprs; its body :func:`kernels.coda.gluon_program.
+        gluon_program`."""
+        from triton.experimental import gluon
+        head, consts = "a_desc, b_desc, sa_ptr, sb_ptr, M, N, K", "B_NK, SCALED, INSTR_K, S, GROUP_M, MMA_W, SUB_M"
+        params = [*head.split(", "), *self._params(True), *(f"{c}: tl.constexpr" for c in consts.split(", ")),
+                  "num_warps: tl.constexpr"]
+        ptr = {p: f"{p}_ptr" if p in self.partials else "sa_ptr" for p in ("ss", "amax")}
+        stride = f"stride_{self.partials[0]}" if self.partials else "0"
+        cs = "cs_ptr, stride_cs" if self.col_sum else "sa_ptr, 0"
+        tail = f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, {consts}, num_warps"
+        body = self._body("gluon_program", head, "sa_ptr", tail)
+        scope = {**self._scope(name), "INPUTS": self.inputs_fn(f"{name}_inputs", Block), "gluon_program": gluon_program}
+        return gluon.jit(self._compile(name, params, body, scope))
 
     def _compile(self, name: str, params: list[str], body: list[str], scope: dict[str, Any]) -> Callable:
         src = f"def {name}({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
@@ -489,10 +516,19 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
             named = bind(args, kwargs)
             return _run_split(decl, rows_kernel, host(**named), named, finish)
 
+        gluon_kernel = decl.gluon_kernel(f"{host.__name__}_gluon_kernel") if HAS_GLUON else None
+
+        @functools.wraps(host)
+        def built_gluon(*args: Any, **kwargs: Any) -> Any:
+            named = bind(args, kwargs)
+            return _run_gluon(decl, gluon_kernel, host(**named), named, finish)
+
         signature = inspect.signature(host).replace(return_annotation=Any)  # the outputs, not the declared Gemm
-        fused.__signature__ = built_split.__signature__ = signature
-        dispatch = with_split(split or built_split, safe=safe, gluon=gluon, fuses=fuses)(fused)
+        fused.__signature__ = built_split.__signature__ = built_gluon.__signature__ = signature
+        built = gluon_kernel and Gluon(built_gluon, lambda arguments: gluon_applies(host(**arguments)))
+        dispatch = with_split(split or built_split, safe=safe, gluon=gluon or built, fuses=fuses)(fused)
         dispatch.kernel, dispatch.rows_kernel, dispatch.binds = fused_kernel, rows_kernel, tuple(binds)
+        dispatch.gluon_kernel, dispatch.built_gluon = gluon_kernel, built_gluon
         return dispatch
 
     return deco
@@ -547,10 +583,50 @@ def _returned(results: list[Any]) -> Any:
     return results[0] if len(results) == 1 else tuple(results)
 
 
+def gluon_applies(g: Gemm) -> bool:
+    """Where a declared kernel's Gluon variant takes a call: a Hopper GPU; a row-major A and a B row-major or the
+    transposed view of an (N, K) tensor, both bf16 or fp16 of one dtype, or both fp8 (scales per tensor or per
+    row), B transposed, accumulated in the fast mode; both as a TMA descriptor can address them (no copy)."""
+    a, b = g.a, g.b
+    fp8 = isinstance(a, Fp8) and isinstance(b, Fp8)
+    if fp8:
+        if promoted(g.recipe):
+            return False
+        a, b = a.data, b.data
+    elif not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+              and a.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if a.dim() != 2 or b.dim() != 2 or a.stride(-1) != 1 or (b.stride(-1) != 1 and b.stride(0) != 1):
+        return False
+    storage, b_nk = operand(b)
+    return (b_nk or not fp8) and is_aligned(a) and is_aligned(storage) and hopper(a.device)
+
+
 def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
                finish: Callable[..., tuple] | None) -> Any:
-    asked = _Asked.of(decl, named)
     gemm = FusedGemm(g.a, g.b, g.recipe)
+    return _run_gemm(decl, g, named, finish, gemm, lambda: row_partials(kernel, gemm.M, gemm.N, gemm.device),
+                     lambda: col_partials(kernel, gemm.M, gemm.N, gemm.device),
+                     lambda args: gemm.launch(kernel, **args), lambda: launched_tiles(kernel, gemm.M, gemm.N))
+
+
+def _run_gluon(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
+               finish: Callable[..., tuple] | None) -> Any:
+    gemm = WsGemm(g.a, g.b, kernel.__name__, rowwise=True)
+    m_tiles, n_tiles = triton.cdiv(gemm.M, SUB_M), triton.cdiv(gemm.N, GLUON_BN)
+    empty = functools.partial(torch.empty, device=gemm.device, dtype=torch.float32)
+    return _run_gemm(decl, g, named, finish, gemm, lambda: empty(gemm.M, n_tiles), lambda: empty(m_tiles, gemm.N),
+                     lambda args: gemm.launch(kernel, **args, n_stages=GLUON_STAGES, SUB_M=SUB_M), lambda: (m_tiles, n_tiles))
+
+
+def _run_gemm(decl: Declaration, g: Gemm, named: dict[str, Any], finish: Callable[..., tuple] | None, gemm: Any,
+              rows: Callable[[], torch.Tensor], cols: Callable[[], torch.Tensor],
+              launch: Callable[[dict[str, Any]], None], tiles: Callable[[], tuple[int, int]]) -> Any:
+    """One call of a kernel with the GEMM in it (``gemm``: its operands set up, ``M``, ``N``, ``device``,
+    ``out_dtype``): the outputs, partials (``rows()``: new row partials [M, >= n_tiles], ``cols()``: column ones)
+    and vectors allocated, ``launch(args)`` with the declaration's parameters by name, then the results from the
+    (m_tiles, n_tiles) that ``tiles()`` gives after the launch."""
+    asked = _Asked.of(decl, named)
     M, N = gemm.M, gemm.N
     outs = asked.outputs(decl, g, M, N, gemm.device,
                          [named[o.like].dtype if o.like else gemm.out_dtype for o in decl.outputs], {})
@@ -562,20 +638,20 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
         args.update({f"{i.name}_ptr": v, f"stride_{i.name}": v.stride(0)} if isinstance(i, Tile) else {i: v})
     args.update({f"{o.name}_ptr": live if t is None else t for o, t in zip(decl.outputs, outs)})
     args.update({f"stride_{o.name}": 0 if t is None else t.stride(0) for o, t in zip(decl.outputs, outs)})
-    ss = row_partials(kernel, M, N, gemm.device) if "ss" in decl.partials else None
-    amax = (row_partials(kernel, M, N, gemm.device) if ss is None else torch.empty_like(ss)) if asked.recipe else None
+    ss = rows() if "ss" in decl.partials else None
+    amax = (rows() if ss is None else torch.empty_like(ss)) if asked.recipe else None
     parts = {"ss": ss, "amax": amax}
     if decl.partials:  # one not asked for points at one that is, else at the row scale (stride 1), else an output
         spare = next((t for t in (ss, amax, g.row_scale) if t is not None), live)
         args.update({f"{p}_ptr": spare if parts[p] is None else parts[p] for p in decl.partials})
         args[f"stride_{decl.partials[0]}"] = spare.stride(0)
-    cs = col_partials(kernel, M, N, gemm.device) if decl.col_sum else None
+    cs = cols() if decl.col_sum else None
     if cs is not None:
         args.update(cs_ptr=cs, stride_cs=cs.stride(0))
     vectors = {v: torch.zeros(M, device=gemm.device, dtype=torch.float32) for v in decl.vectors}
     args.update({f"{v}_ptr": t for v, t in vectors.items()})
-    gemm.launch(kernel, **args, **asked.kernel_flags(decl, g))
-    m_tiles, n_tiles = launched_tiles(kernel, M, N)
+    launch({**args, **asked.kernel_flags(decl, g)})
+    m_tiles, n_tiles = tiles()
     results = asked.results(decl, outs, amax, n_tiles)
     return _returned(finish(named, g, results, Partials(ss, n_tiles, cs, m_tiles, vectors)) if finish else results)
 

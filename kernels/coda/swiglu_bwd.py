@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.coda.align import aligned, empty_rows, meets_rule
-from kernels.coda.epilogue import join_pairs, load_block, load_tile, silu_mul_pairs_bwd, split_pairs, store_block, \
+from kernels.coda.epilogue import join_pairs, like, load_block, load_tile, silu_mul_pairs_bwd, split_pairs, store_block, \
     store_row_partial
 from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET, subtiled_configs
@@ -47,6 +47,7 @@ def swiglu_bwd_tile(dy, z, BM: tl.constexpr, BN: tl.constexpr):
     """The SwiGLU backward of a (BM, BN) tile dy, given the (BM, 2 BN) interleaved pre-activation tile z: the
     interleaved ``(dgate, dup)`` tile, y, and the tile's row sums of ``gate dgate + up dup``."""
     gate, up = split_pairs(z, BM, 2 * BN)
+    gate, up = like(gate, dy), like(up, dy)
     dgate, dup, y = silu_mul_pairs_bwd(dy, gate, up)
     return join_pairs(dgate, dup, BM, 2 * BN), y, tl.sum(gate * dgate + up * dup, axis=1)
 

@@ -1,0 +1,139 @@
+"""The Gluon variant of a declared CODA kernel (:mod:`kernels.coda.program`), for Hopper (sm_90): the declared
+epilogue in the epilogue partition of the warp-specialized schedule of :mod:`kernels.coda.mainloop_gluon` (a loader
+warp, an MMA warpgroup, the accumulator handed over in shared memory), so that one tile's epilogue runs beside the
+next tile's mainloop.
+
+The epilogue partition takes each (BM, BN) accumulator in row sub-tiles of ``SUB_M`` rows, the whole tile wide: per
+sub-tile the dequantization (with the row scale), the declaration's ``tile`` function and its epilogue, exactly as
+the fused Triton kernel runs them, then the outputs stored by pointers (:func:`kernels.coda.epilogue.store_block`)
+and the partials: the row sums per N tile (whole-width sub-tiles: complete per tile), the column sums per sub-tile
+(``m_tiles`` = M / SUB_M). A :class:`Tile` input is a :class:`Block` here, which the epilogue reads with
+``load_tile`` as it reads a descriptor in the Triton kernels. The primitives' new tiles take the layout of the
+accumulator they meet (:func:`kernels.coda.epilogue.arange`).
+
+Gluon has no interpreter: the fused Triton kernel is this variant's CPU-tested reference, and the Hopper tests
+check the two against each other on an H100 or H200.
+"""
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from kernels.coda.epilogue import cast, col_sum_partial, dequant, dequant_scale, like, load_rows, \
+    row_absmax, row_sumsq, store_block, store_row_partial
+from kernels.coda.mainloop_gluon import EPI_WARPS, MMA_REGS, loader, mma, ws_buffers
+from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords
+
+SUB_M = 32
+"""Rows of an epilogue sub-tile."""
+LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [EPI_WARPS, 1], [1, 0]))
+"""The epilogue partition's layout of a sub-tile: each warp a row at a time, 16-byte accesses of fp32 along it."""
+
+
+@tl.core._aggregate
+class Block:  # (no `from __future__ import annotations` here: an aggregate checks its fields' types)
+    """A row-major [M, N] matrix read in (BM, BN) blocks by pointers: what a :class:`kernels.coda.program.Tile`
+    input is to an epilogue in a Gluon program (``load_tile(block, off_m, off_n)``, as of a descriptor)."""
+
+    ptr: tl.tensor
+    stride: tl.tensor | tl.constexpr
+    M: tl.tensor | tl.constexpr
+    N: tl.tensor | tl.constexpr
+    BM: tl.constexpr
+    BN: tl.constexpr
+
+    @triton.constexpr_function  # a JIT callable, as a kernel may reference; its arguments come unwrapped
+    def __init__(self, ptr, M, N, stride, BM, BN):  # as kernels.coda.mainloop.tile_desc
+        self.ptr, self.BM, self.BN = ptr, tl.constexpr(BM), tl.constexpr(BN)
+        self.M, self.N, self.stride = (v if isinstance(v, tl.tensor) else tl.constexpr(v) for v in (M, N, stride))
+
+    @gluon.jit
+    def load(self, offsets):
+        """The (BM, BN) block at ``offsets`` (row, column) in :data:`LAYOUT`, zero outside the matrix (in its dtype,
+        as a descriptor's load)."""
+        rows = offsets[0] + gl.arange(0, self.BM, layout=gl.SliceLayout(1, LAYOUT))
+        cols = offsets[1] + gl.arange(0, self.BN, layout=gl.SliceLayout(0, LAYOUT))
+        mask = (rows < self.M)[:, None] & (cols < self.N)[None, :]
+        return gl.load(self.ptr + rows.to(gl.int64)[:, None] * self.stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store(ptr, stride, off_m, off_n, M, N, COLS: tl.constexpr, WIDE: tl.constexpr, val, amax, part_ptr,
+           stride_part, ABSMAX: tl.constexpr, SUMSQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Store output tile ``val`` [BM, BN * WIDE / COLS] at (off_m, off_n * WIDE / COLS); with SUMSQ its row sums of
+    squares (fp32) at ``part[:, off_n / BN]``; with ABSMAX, ``amax`` maxed with the row absmax of what was stored."""
+    store_block(ptr, stride, off_m, off_n * WIDE // COLS, M, N * WIDE // COLS, val, BM, BN * WIDE // COLS)
+    if SUMSQ:
+        store_row_partial(part_ptr, row_sumsq(val), off_m, off_n, M, stride_part, BM, BN)
+    if ABSMAX:
+        amax = tl.maximum(amax, like(row_absmax(cast(val, ptr.dtype.element_ty)), amax))
+    return amax
+
+
+@gluon.jit
+def epilogue_partition(acc_buf, acc_ready, acc_empty, sa_ptr, sb_ptr, M, N, row_ptr, args, in_strides, outs,
+                       strides, ss_ptr, amax_ptr, stride_part, cs_ptr, stride_cs, INPUTS: gl.constexpr,
+                       EPILOGUE: gl.constexpr, TILE: gl.constexpr, ROW_SCALE: gl.constexpr, NOUT: gl.constexpr,
+                       COLS: gl.constexpr, WIDE: gl.constexpr, STORE: gl.constexpr, SUMSQ_OF: gl.constexpr,
+                       ROW_SUM: gl.constexpr, COL_SUM: gl.constexpr, AMAX_OF: gl.constexpr, AMAX: gl.constexpr,
+                       SCALING: gl.constexpr, GROUP_M: gl.constexpr, SUB_M: gl.constexpr, num_warps: gl.constexpr):
+    """Per tile of this program, per row sub-tile of the accumulator: what :func:`kernels.coda.program.
+    fused_program` does per column sub-tile, the partials stored per sub-tile."""
+    TM: gl.constexpr = acc_buf.type.shape[0]
+    TN: gl.constexpr = acc_buf.type.shape[1]
+    n_m = gl.cdiv(M, TM)
+    n_n = gl.cdiv(N, TN)
+    args = INPUTS(args, in_strides, M, N, SUB_M, TN)
+    for i in range(local_tiles(n_m, n_n)):
+        pid_m, pid_n = tile_coords(i, n_m, n_n, GROUP_M)
+        off_n = pid_n * TN
+        mbarrier.wait(acc_ready, i & 1)
+        for r in gl.static_range(TM // SUB_M):
+            off_m = pid_m * TM + r * SUB_M
+            acc = acc_buf.slice(r * SUB_M, SUB_M).load(LAYOUT)
+            if ROW_SCALE:
+                z = dequant_scale(acc, load_rows(row_ptr, off_m, M, SUB_M), sa_ptr, sb_ptr, off_m, off_n, M, N,
+                                  SUB_M, TN, SCALING)
+            else:
+                z = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, SUB_M, TN, SCALING)
+            z, tile_args = TILE(z, args, off_m, M, N, SUB_M)
+            res = EPILOGUE(z, tile_args, off_m, off_n, M, N, SUB_M, TN)
+            amax = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, LAYOUT))
+            if STORE[0]:
+                amax = _store(outs[0], strides[0], off_m, off_n, M, N, COLS[0], WIDE[0], res[0], amax, ss_ptr,
+                              stride_part, AMAX and AMAX_OF == 0, SUMSQ_OF == 0, SUB_M, TN)
+            if NOUT > 1:
+                if STORE[1]:
+                    amax = _store(outs[1], strides[1], off_m, off_n, M, N, COLS[1], WIDE[1], res[1], amax, ss_ptr,
+                                  stride_part, AMAX and AMAX_OF == 1, SUMSQ_OF == 1, SUB_M, TN)
+            if AMAX:
+                store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_part, SUB_M, TN)
+            if ROW_SUM:
+                store_row_partial(ss_ptr, res[NOUT], off_m, off_n, M, stride_part, SUB_M, TN)
+            if COL_SUM >= 0:
+                col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_n, N, stride_cs, SUB_M, TN)
+        thread_barrier()  # every warp has read the accumulator
+        mbarrier.arrive(acc_empty)
+
+
+@gluon.jit
+def gluon_program(a_desc, b_desc, sa_ptr, sb_ptr, M, N, K, row_ptr, args, in_strides, outs, strides, ss_ptr,
+                  amax_ptr, stride_part, cs_ptr, stride_cs, INPUTS: gl.constexpr, EPILOGUE: gl.constexpr,
+                  TILE: gl.constexpr, ROW_SCALE: gl.constexpr, NOUT: gl.constexpr, COLS: gl.constexpr,
+                  WIDE: gl.constexpr, STORE: gl.constexpr, SUMSQ_OF: gl.constexpr, ROW_SUM: gl.constexpr,
+                  COL_SUM: gl.constexpr, AMAX_OF: gl.constexpr, AMAX: gl.constexpr, B_NK: gl.constexpr,
+                  SCALED: gl.constexpr, INSTR_K: gl.constexpr, S: gl.constexpr, GROUP_M: gl.constexpr,
+                  MMA_W: gl.constexpr, SUB_M: gl.constexpr, num_warps: gl.constexpr):
+    """The persistent warp-specialized kernel: :func:`kernels.coda.mainloop_gluon.loader` and
+    :func:`kernels.coda.mainloop_gluon.mma` beside :func:`epilogue_partition` (the kernel's own warps); SCALED: the
+    operands' scaling mode (:class:`kernels.coda.mainloop_gluon.WsGemm`)."""
+    a_bufs, b_bufs, ready, empty, acc_buf, acc_ready, acc_empty = ws_buffers(a_desc, b_desc, S, B_NK)
+    gl.warp_specialize([
+        (epilogue_partition, (acc_buf, acc_ready, acc_empty, sa_ptr, sb_ptr, M, N, row_ptr, args, in_strides, outs,
+                              strides, ss_ptr, amax_ptr, stride_part, cs_ptr, stride_cs, INPUTS, EPILOGUE, TILE,
+                              ROW_SCALE, NOUT, COLS, WIDE, STORE, SUMSQ_OF, ROW_SUM, COL_SUM, AMAX_OF, AMAX,
+                              SCALED, GROUP_M, SUB_M, num_warps)),
+        (mma, (a_bufs, b_bufs, ready, empty, acc_buf, acc_ready, acc_empty, M, N, K, B_NK, INSTR_K, MMA_W)),
+        (loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_NK, GROUP_M)),
+    ], [MMA_W, 1], [MMA_REGS, LOADER_REGS])
