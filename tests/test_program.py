@@ -383,9 +383,10 @@ gpu_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
 @pytest.mark.parametrize("case", list(DECLARED))
 def test_the_gluon_variant_of_a_declared_kernel_equals_its_fused_kernel_on_hopper(case, fp8, shape):
     """Each declared kernel's built Gluon variant against its fused Triton kernel (the CPU-tested reference), bf16
-    and fp8 operands, at a preset-like shape and at one with partial tiles at every edge: every output bit for bit
-    (the same fp32 tile, the same epilogue, rounded once), the finished sums (rstd, zdz, log-sum-exps, dgamma) to the
-    order of their additions."""
+    and fp8 operands, at a preset-like shape and at one with partial tiles at every edge: every output the epilogue
+    stores bit for bit (the same fp32 tile, the same epilogue, rounded once), the finished sums (rstd, zdz,
+    log-sum-exps) to the order of their additions, and what is rounded from them (dlogits, dgamma) to one
+    rounding."""
     if (case == "rope" and shape[1] % 128) or (case == "example" and fp8):
         pytest.skip("rope needs whole 128-wide heads; the example kernel takes plain operands")
     host = _host(case)
@@ -393,7 +394,9 @@ def test_the_gluon_variant_of_a_declared_kernel_equals_its_fused_kernel_on_hoppe
     ours, ref = _tensors(host.built_gluon(*args, **kwargs)), _tensors(host.fused(*args, **kwargs))
     assert [(t.shape, t.dtype) for t in ours] == [(t.shape, t.dtype) for t in ref]
     for i, (x, y) in enumerate(zip(ours, ref)):
-        if x.dtype == torch.float32 and x.dim() == 1:  # finished from partials of other tile shapes
-            assert torch.allclose(x, y, rtol=1e-5, atol=1e-5), (case, i)
+        if x.dtype == torch.float32:  # finished from partials of other tile shapes: sums in another order
+            assert ((x.double() - y.double()).norm() / y.double().norm()).item() <= 1e-5, (case, i)
+        elif (case, i) in (("cross_entropy", 2), ("rmsnorm_bwd", 2)):  # dlogits, dgamma: from those sums, rounded
+            assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=0), (case, i)
         else:
             assert torch.equal(x, y), (case, i, (x.double() - y.double()).abs().max().item())
