@@ -52,6 +52,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from codabench.registry import REGISTRY, Implementation, Native, entry
 from kernels.coda.align import aligned, empty_rows, is_aligned
@@ -69,16 +70,13 @@ from workloads.ops import OPS
 
 try:  # the Gluon variants need Triton's Gluon (its Hopper API); without it, the fused and split paths only
     from kernels.coda.gluon_program import SUB_M, Block, gluon_program
-    from kernels.coda.mainloop_gluon import BN as GLUON_BN, WsGemm
+    from kernels.coda.mainloop_gluon import BN as GLUON_BN, WsGemm, stages as gluon_stages
     HAS_GLUON = True
 except ImportError:
     HAS_GLUON = False
 
 MAX_OUTPUTS = 2
 """Outputs an epilogue may declare (the programs below spell each one out)."""
-GLUON_STAGES = 4
-"""Operand ring stages of a Gluon variant: the epilogue partition's layout conversions take shared memory that a
-fifth stage leaves too little of (H200: 233600 of 232448 bytes for the RMSNorm dgrad's)."""
 RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "cs_ptr", "stride_ss", "stride_amax", "stride_cs",
             "EPI_SUB", "AMAX", "BM", "BN")
 """Parameter names of the built kernels besides the mainloop block, which no input, output or flag may take."""
@@ -616,7 +614,28 @@ def _run_gluon(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     m_tiles, n_tiles = triton.cdiv(gemm.M, SUB_M), triton.cdiv(gemm.N, GLUON_BN)
     empty = functools.partial(torch.empty, device=gemm.device, dtype=torch.float32)
     return _run_gemm(decl, g, named, finish, gemm, lambda: empty(gemm.M, n_tiles), lambda: empty(m_tiles, gemm.N),
-                     lambda args: gemm.launch(kernel, **args, n_stages=GLUON_STAGES, SUB_M=SUB_M), lambda: (m_tiles, n_tiles))
+                     lambda args: _launch_gluon(gemm, kernel, args), lambda: (m_tiles, n_tiles))
+
+
+_STAGES: dict[tuple, int] = {}
+"""Per Gluon kernel and launch (K's bytes, the operands' dtype, the flags): the ring stages that fit, once found."""
+
+
+def _launch_gluon(gemm: Any, kernel: Callable, args: dict[str, Any]) -> None:
+    """Launch a Gluon variant with the schedule's ring stages for its K (:func:`kernels.coda.mainloop_gluon.stages`),
+    or fewer where the epilogue partition's layout conversions leave too little shared memory (found at the first
+    compile of such a launch, then remembered)."""
+    k_bytes = gemm.K * gemm.a.element_size()
+    key = (kernel, k_bytes, gemm.a.dtype, tuple(sorted((k, v) for k, v in args.items() if isinstance(v, bool))))
+    for n in range(_STAGES.get(key, gluon_stages(k_bytes)), 1, -1):
+        try:
+            gemm.launch(kernel, **args, n_stages=n, SUB_M=SUB_M)
+        except OutOfResources:
+            if n == 2:
+                raise
+            continue
+        _STAGES[key] = n
+        return
 
 
 def _run_gemm(decl: Declaration, g: Gemm, named: dict[str, Any], finish: Callable[..., tuple] | None, gemm: Any,
