@@ -72,7 +72,7 @@ def test_dgrad_swiglu(dtype, strategy, overwrite):
     z_pre = L.interleave_cols(inp["gate"], inp["up"])
     with launches() as names:
         dz_pre, y, zdz = dgrad_swiglu(inp["dx"], inp["w_down"], z_pre, overwrite=overwrite)
-    first = {"fused": "dgrad_swiglu_kernel", "split": "swiglu_bwd_kernel"}[strategy]
+    first = {"fused": "dgrad_swiglu_kernel", "split": "dgrad_swiglu_rows_kernel"}[strategy]
     assert names == [first, "row_sum_kernel"]  # either way, the kernel's zdz partials are then summed
     assert (dz_pre.data_ptr() == z_pre.data_ptr()) == overwrite
     dgate, dup = L.deinterleave_cols(dz_pre)

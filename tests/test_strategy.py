@@ -609,9 +609,9 @@ def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(dtype, m, f, d):
 
 
 def test_a_gluon_path_is_bound_with_its_kernel_and_missing_where_gluon_cannot_be_imported():
-    """The producer and the SwiGLU dgrad bind their Gluon functions directly; where those modules cannot be imported
-    (a Triton without Gluon: here made so in a fresh process) the kernels still import, with no Gluon path, and a
-    call has the fused and split paths only, forced gluon running fused."""
+    """The producer and the SwiGLU dgrad bind their Gluon functions directly (the other declared kernels, their built
+    variants); with a Triton without Gluon (here made so in a fresh process) the kernels still import, with no Gluon
+    path, and a call has the fused and split paths only, forced gluon running fused."""
     import subprocess
     import sys
     from kernels.coda.producer_gluon import gemm_residual_norm_gluon
@@ -620,10 +620,12 @@ def test_a_gluon_path_is_bound_with_its_kernel_and_missing_where_gluon_cannot_be
     assert dgrad_swiglu.chooser.gluon.function is dgrad_swiglu_gluon
     script = (
         "import sys, torch\n"
-        "sys.modules['kernels.coda.producer_gluon'] = sys.modules['kernels.coda.swiglu_bwd_gluon'] = None\n"
+        "sys.modules['triton.experimental.gluon'] = None\n"
         "from kernels.coda.producer import gemm_residual_norm\n"
         "from kernels.coda.swiglu_bwd import dgrad_swiglu\n"
+        "from kernels.coda.swiglu import gemm_swiglu\n"
         "assert gemm_residual_norm.chooser.gluon is None and dgrad_swiglu.chooser.gluon is None\n"
+        "assert gemm_swiglu.chooser.gluon is None and gemm_swiglu.gluon_kernel is None\n"
         "a, w = torch.randn(8, 16), torch.randn(16, 16)\n"
         "args = dict(a=a, w=w, residual=torch.randn(8, 16), gamma=torch.ones(16), eps=1e-5, recipe=None, h_fp8=None)\n"
         "assert gemm_residual_norm.chooser.strategies(args) == ('fused', 'split')\n"

@@ -20,7 +20,6 @@ destination dtype only when stored. The five kinds (coda-spec.md):
    :func:`join_pairs`, :func:`silu_mul_pairs`, :func:`silu_mul_pairs_bwd`, :func:`rotate_pairs`,
    :func:`rope_cos_sin` (+ :func:`cos_sin_reduced`)
 """
-from __future__ import annotations
 
 import triton
 import triton.language as tl
@@ -179,6 +178,38 @@ def store_block(ptr, stride, off_m, off_n, M, N, val, BM: tl.constexpr, BN: tl.c
     """:func:`store_tile` by pointer accesses: ``val`` cast to the matrix's dtype (elements outside it dropped)."""
     ptrs, mask = _block_ptrs(ptr, stride, off_m, off_n, M, N, BM, BN)
     tl.store(ptrs, cast(val, ptr.dtype.element_ty), mask=mask)
+
+
+@tl.core._aggregate
+class Block:  # (no `from __future__ import annotations` in this module: an aggregate checks its fields' types)
+    """A row-major [M, N] matrix read in (BM, BN) blocks by pointers (:func:`load_block`): a
+    :class:`kernels.coda.program.Tile` input of a split kernel, which its epilogue reads with :func:`load_tile` as it
+    reads a descriptor in the fused kernel (a descriptor's blocks are at most 256 elements wide; these are not)."""
+
+    ptr: tl.tensor
+    M: tl.tensor | tl.constexpr
+    N: tl.tensor | tl.constexpr
+    stride: tl.tensor | tl.constexpr
+    BM: tl.constexpr
+    BN: tl.constexpr
+
+    @triton.constexpr_function  # a JIT callable, as a kernel may reference; its arguments come unwrapped
+    def __init__(self, ptr, M, N, stride, BM, BN):  # as kernels.coda.mainloop.tile_desc
+        self.ptr, self.BM, self.BN = ptr, tl.constexpr(BM), tl.constexpr(BN)
+        self.M, self.N, self.stride = (v if isinstance(v, tl.tensor) else tl.constexpr(v) for v in (M, N, stride))
+
+    @triton.jit
+    def load(self, offsets):
+        return load_block(self.ptr, self.stride, offsets[0], offsets[1], self.M, self.N, self.BM, self.BN)
+
+
+if INTERPRET:  # the interpreter's jit functions are plain callables, which an aggregate does not take as methods
+    class Block:  # noqa: F811
+        def __init__(self, ptr, M, N, stride, BM, BN):
+            self.ptr, self.M, self.N, self.stride, self.BM, self.BN = ptr, M, N, stride, BM, BN
+
+        def load(self, offsets):
+            return load_block(self.ptr, self.stride, offsets[0], offsets[1], self.M, self.N, self.BM, self.BN)
 
 
 @triton.jit

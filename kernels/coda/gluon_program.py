@@ -20,10 +20,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from kernels.coda.epilogue import cast, col_sum_partial, dequant, dequant_scale, like, load_rows, \
-    row_absmax, row_sumsq, store_block, store_row_partial
+from kernels.coda.epilogue import dequant, dequant_scale, load_rows
 from kernels.coda.mainloop_gluon import EPI_WARPS, MMA_REGS, loader, mma, ws_buffers
 from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords
+from kernels.coda.tile_programs import tile_epilogue
 
 SUB_M = 32
 """Rows of an epilogue sub-tile."""
@@ -58,19 +58,6 @@ class Block:  # (no `from __future__ import annotations` here: an aggregate chec
         return gl.load(self.ptr + rows.to(gl.int64)[:, None] * self.stride + cols[None, :], mask=mask, other=0.0)
 
 
-@triton.jit
-def _store(ptr, stride, off_m, off_n, M, N, COLS: tl.constexpr, WIDE: tl.constexpr, val, amax, part_ptr,
-           stride_part, ABSMAX: tl.constexpr, SUMSQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Store output tile ``val`` [BM, BN * WIDE / COLS] at (off_m, off_n * WIDE / COLS); with SUMSQ its row sums of
-    squares (fp32) at ``part[:, off_n / BN]``; with ABSMAX, ``amax`` maxed with the row absmax of what was stored."""
-    store_block(ptr, stride, off_m, off_n * WIDE // COLS, M, N * WIDE // COLS, val, BM, BN * WIDE // COLS)
-    if SUMSQ:
-        store_row_partial(part_ptr, row_sumsq(val), off_m, off_n, M, stride_part, BM, BN)
-    if ABSMAX:
-        amax = tl.maximum(amax, like(row_absmax(cast(val, ptr.dtype.element_ty)), amax))
-    return amax
-
-
 @gluon.jit
 def epilogue_partition(acc_buf, acc_ready, acc_empty, sa_ptr, sb_ptr, M, N, row_ptr, args, in_strides, outs,
                        strides, ss_ptr, amax_ptr, stride_part, cs_ptr, stride_cs, INPUTS: gl.constexpr,
@@ -97,22 +84,9 @@ def epilogue_partition(acc_buf, acc_ready, acc_empty, sa_ptr, sb_ptr, M, N, row_
                                   SUB_M, TN, SCALING)
             else:
                 z = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, SUB_M, TN, SCALING)
-            z, tile_args = TILE(z, args, off_m, M, N, SUB_M)
-            res = EPILOGUE(z, tile_args, off_m, off_n, M, N, SUB_M, TN)
-            amax = gl.zeros([SUB_M], gl.float32, gl.SliceLayout(1, LAYOUT))
-            if STORE[0]:
-                amax = _store(outs[0], strides[0], off_m, off_n, M, N, COLS[0], WIDE[0], res[0], amax, ss_ptr,
-                              stride_part, AMAX and AMAX_OF == 0, SUMSQ_OF == 0, SUB_M, TN)
-            if NOUT > 1:
-                if STORE[1]:
-                    amax = _store(outs[1], strides[1], off_m, off_n, M, N, COLS[1], WIDE[1], res[1], amax, ss_ptr,
-                                  stride_part, AMAX and AMAX_OF == 1, SUMSQ_OF == 1, SUB_M, TN)
-            if AMAX:
-                store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_part, SUB_M, TN)
-            if ROW_SUM:
-                store_row_partial(ss_ptr, res[NOUT], off_m, off_n, M, stride_part, SUB_M, TN)
-            if COL_SUM >= 0:
-                col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_n, N, stride_cs, SUB_M, TN)
+            tile_epilogue(z, args, off_m, off_n, M, N, outs, strides, ss_ptr, amax_ptr, stride_part, cs_ptr,
+                          stride_cs, EPILOGUE, TILE, NOUT, COLS, WIDE, STORE, SUMSQ_OF, ROW_SUM, COL_SUM, AMAX_OF,
+                          AMAX, SUB_M, TN)
         thread_barrier()  # every warp has read the accumulator
         mbarrier.arrive(acc_empty)
 

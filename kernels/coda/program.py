@@ -24,11 +24,14 @@ Built from it:
   and the ``when`` flags): the mainloop block (:data:`kernels.coda.launch.MAINLOOP_PARAMS`), then the row scale,
   the inputs, the outputs and the partials (pointers), their row strides, the flags, every one a parameter of its
   own, so that the tuning key (the argument dtypes, in that order) is what a hand-written kernel of that signature
-  had. Its body is one call of :func:`fused_program`, the same for every kernel;
-- the split kernel ``<host>_rows_kernel`` (unless the declaration brings its own split path): the plain GEMM
-  (:func:`kernels.coda.gemm.split_matmul`), then :func:`rows_program` over its output, calling the SAME epilogue on
-  each tile and writing the first output of the GEMM output's shape and dtype over it, in place;
-- the host function, under :func:`kernels.coda.strategy.with_split` with both paths (and a Gluon one if declared),
+  had. Its body is one call of :func:`kernels.coda.tile_programs.fused_program`, the same for every kernel;
+- the split kernel ``<host>_rows_kernel`` (the split path unless the declaration brings its own): the plain GEMM
+  (:func:`kernels.coda.gemm.split_matmul`), then :func:`kernels.coda.tile_programs.blocks_program` over its output,
+  one block a program, calling the SAME epilogue on each and writing the first output of the GEMM output's shape and
+  dtype over it, in place;
+- the Gluon kernel ``<host>_gluon_kernel`` (:mod:`kernels.coda.gluon_program`, where Triton has Gluon): the same
+  epilogue beside the next tile's mainloop on Hopper, the Gluon path unless the declaration brings its own;
+- the host function, under :func:`kernels.coda.strategy.with_split` with the three paths,
   and the ops it implements (``binds``): the registry's entries (:func:`register`).
   It returns the outputs (one: the tensor; several: a tuple in the declared order), or what ``finish`` makes of
   them; an output whose ``when`` argument is false is None and not written (all of them may be), one the call
@@ -56,26 +59,28 @@ from triton.runtime.errors import OutOfResources
 
 from codabench.registry import REGISTRY, Implementation, Native, entry
 from kernels.coda.align import aligned, empty_rows, is_aligned
-from kernels.coda.epilogue import cast, col_subtile, col_sum_partial, dequant, dequant_scale, load_rows, load_tile, \
-    row_absmax, row_sumsq, store_row_partial, store_tile
+from kernels.coda.epilogue import Block
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import split_matmul
 from kernels.coda.launch import MAINLOOP_PARAMS, FusedGemm
-from kernels.coda.mainloop import INTERPRET, coda_autotune, mainloop, num_tiles, operand, operand_descs, \
-    tile_coords, tile_desc
+from kernels.coda.mainloop import INTERPRET, coda_autotune, operand, tile_desc
 from kernels.coda.reduce import col_partials, launched_tiles, row_partials
 from kernels.coda.strategy import Gluon, always, binder, hopper, with_split
+from kernels.coda.tile_programs import blocks_program, fused_program
 from workloads.fp8 import Fp8, Recipe, promoted
 from workloads.ops import OPS
 
-try:  # the Gluon variants need Triton's Gluon (its Hopper API); without it, the fused and split paths only
-    from kernels.coda.gluon_program import SUB_M, Block, gluon_program
-    from kernels.coda.mainloop_gluon import BN as GLUON_BN, WsGemm, stages as gluon_stages
+try:  # the Gluon variants (kernels.coda.gluon_program, which builds on this module: imported where one is built or
+    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401  (run) need Triton's Gluon for Hopper
     HAS_GLUON = True
-except ImportError:
+except ImportError:  # without it, the fused and split paths only
     HAS_GLUON = False
 
 MAX_OUTPUTS = 2
+SPLIT_BLOCK = (16, 256)
+"""(BM, BN) of the built split kernel's blocks on the GPU, unless a declaration names its own (``split_block``; the
+interpreter: 16 x 32). Measured on an H200 at M = 16384 (the producer's split path, ms, against the row loop of
+16 x 256 descriptor tiles before it): 0.287 / 0.918 / 3.54 at 1B / 7B / 70B against 0.312 / 0.943 / 3.49."""
 """Outputs an epilogue may declare (the programs below spell each one out)."""
 RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "cs_ptr", "stride_ss", "stride_amax", "stride_cs",
             "EPI_SUB", "AMAX", "BM", "BN")
@@ -179,128 +184,6 @@ class Binding:
         return run
 
 
-# ---- the two programs every declared kernel runs -------------------------------------------------------------
-
-@triton.jit
-def _desc(ptr, stride, M, N, COLS: tl.constexpr, WIDE: tl.constexpr, BM: tl.constexpr, SN: tl.constexpr):
-    return tile_desc(ptr, M, N * WIDE // COLS, stride, BM, SN * WIDE // COLS)
-
-
-@triton.jit
-def _store(desc, off_m, off_n, COLS: tl.constexpr, WIDE: tl.constexpr, val, amax, ss, ABSMAX: tl.constexpr,
-           SUMSQ: tl.constexpr):
-    """Store ``val`` at (off_m, off_n * WIDE / COLS); with SUMSQ, ``ss`` plus the row sums of squares of the fp32
-    ``val``; with ABSMAX, ``amax`` maxed with the row absmax of what was stored."""
-    store_tile(desc, off_m, off_n * WIDE // COLS, val)
-    if SUMSQ:
-        ss += row_sumsq(val)
-    if ABSMAX:
-        amax = tl.maximum(amax, row_absmax(cast(val, desc.dtype)))
-    return amax, ss
-
-
-@triton.jit
-def _stores(d0, d1, res, off_m, off_n, amax, ss, NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr,
-            STORE: tl.constexpr, AMAX: tl.constexpr, AMAX_OF: tl.constexpr, SUMSQ_OF: tl.constexpr):
-    """The epilogue's outputs ``res`` of the tile at (off_m, off_n) stored through d0 and d1 (those STORE asks for;
-    None for the others), by :func:`_store`: ``(amax, ss)`` with the row partials of outputs AMAX_OF and SUMSQ_OF."""
-    if STORE[0]:
-        amax, ss = _store(d0, off_m, off_n, COLS[0], WIDE[0], res[0], amax, ss, AMAX and AMAX_OF == 0, SUMSQ_OF == 0)
-    if NOUT > 1:
-        if STORE[1]:
-            amax, ss = _store(d1, off_m, off_n, COLS[1], WIDE[1], res[1], amax, ss, AMAX and AMAX_OF == 1,
-                              SUMSQ_OF == 1)
-    return amax, ss
-
-
-@triton.jit
-def _sums(res, ss, cs_ptr, off_m, off_n, N, stride_cs, NOUT: tl.constexpr, ROW_SUM: tl.constexpr,
-          COL_SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """``ss`` plus (ROW_SUM) the row values the epilogue returned after its NOUT outputs; the column sums of its
-    result COL_SUM (-1: none) stored at (off_m / BM, off_n)."""
-    if ROW_SUM:
-        ss += res[NOUT]
-    if COL_SUM >= 0:
-        col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_n, N, stride_cs, BM, BN)
-    return ss
-
-
-@triton.jit
-def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
-                  PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, in_strides, outs, strides, ss_ptr,
-                  amax_ptr, stride_part, cs_ptr, stride_cs, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr,
-                  TILE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
-                  WIDE: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr,
-                  COL_SUM: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, EPI_SUB: tl.constexpr):
-    """The persistent fused kernel: for each tile, the mainloop, the dequantization (with the row scale), TILE (the
-    tile and the epilogue's args on it), then EPILOGUE on each of EPI_SUB column sub-tiles, its outputs stored
-    (those STORE asks for) and the column sums of its result COL_SUM (-1: none) stored per M tile; the row partials
-    of the tile: sums of squares of output SUMSQ_OF (-1: none) or (ROW_SUM) sums of the row values EPILOGUE returns
-    after its outputs, and with AMAX the absmax of output AMAX_OF."""
-    a_desc, b_desc = operand_descs(a_ptr, b_ptr, M, N, K, stride_a, stride_b, BM, BN, BK, A_KM, B_KN)
-    SN: tl.constexpr = BN // EPI_SUB
-    args = INPUTS(args, in_strides, M, N, BM, SN)
-    d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, SN) if STORE[0] else None  # stored outputs'
-    d1 = ((_desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, SN) if STORE[1] else None) if NOUT > 1
-          else None)
-    for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
-        off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
-        acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        if ROW_SCALE:
-            z = dequant_scale(acc, load_rows(row_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN,
-                              SCALING)
-        else:
-            z = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
-        z, tile_args = TILE(z, args, off_m, M, N, BM)
-        ss = tl.zeros((BM,), dtype=tl.float32)
-        amax = tl.zeros((BM,), dtype=tl.float32)
-        for i in tl.static_range(EPI_SUB):
-            off_s = off_n + i * SN
-            res = EPILOGUE(col_subtile(z, i, EPI_SUB, BM, BN), tile_args, off_m, off_s, M, N, BM, SN)
-            amax, ss = _stores(d0, d1, res, off_m, off_s, amax, ss, NOUT, COLS, WIDE, STORE, AMAX, AMAX_OF, SUMSQ_OF)
-            ss = _sums(res, ss, cs_ptr, off_m, off_s, N, stride_cs, NOUT, ROW_SUM, COL_SUM, BM, SN)
-        if SUMSQ_OF >= 0 or ROW_SUM:
-            store_row_partial(ss_ptr, ss, off_m, off_n, M, stride_part, BM, BN)
-        if AMAX:
-            store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_part, BM, BN)
-
-
-@triton.jit
-def rows_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strides, ss_ptr, amax_ptr, cs_ptr,
-                 stride_cs, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, TILE: tl.constexpr, ROW_SCALE: tl.constexpr,
-                 NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr, STORE: tl.constexpr,
-                 SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr, COL_SUM: tl.constexpr, AMAX_OF: tl.constexpr,
-                 AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """The split kernel: rows [pid BM, pid BM + BM) of the GEMM output c [M, N], tile by tile, through TILE and
-    EPILOGUE (c times the row scale is its ``z``); the row sums (of squares of output SUMSQ_OF, or with ROW_SUM of
-    the row values EPILOGUE returns) in ``ss[M]``, the column sums of result COL_SUM over these rows in ``cs[pid]``,
-    and with AMAX the row absmax of output AMAX_OF in ``amax[M]``."""
-    off_m = tl.program_id(0) * BM
-    c_desc = tile_desc(c_ptr, M, N, stride_c, BM, BN)
-    args = INPUTS(args, in_strides, M, N, BM, BN)
-    d0 = _desc(outs[0], strides[0], M, N, COLS[0], WIDE[0], BM, BN) if STORE[0] else None  # stored outputs'
-    d1 = ((_desc(outs[1], strides[1], M, N, COLS[1], WIDE[1], BM, BN) if STORE[1] else None) if NOUT > 1
-          else None)
-    if ROW_SCALE:
-        row = load_rows(row_ptr, off_m, M, BM)
-    ss = tl.zeros((BM,), dtype=tl.float32)
-    amax = tl.zeros((BM,), dtype=tl.float32)
-    for off_n in range(0, N, BN):
-        z = load_tile(c_desc, off_m, off_n)
-        if ROW_SCALE:
-            z = z * row[:, None]
-        z, tile_args = TILE(z, args, off_m, M, N, BM)
-        res = EPILOGUE(z, tile_args, off_m, off_n, M, N, BM, BN)
-        amax, ss = _stores(d0, d1, res, off_m, off_n, amax, ss, NOUT, COLS, WIDE, STORE, AMAX, AMAX_OF, SUMSQ_OF)
-        ss = _sums(res, ss, cs_ptr, off_m, off_n, N, stride_cs, NOUT, ROW_SUM, COL_SUM, BM, BN)
-    rows = off_m + tl.arange(0, BM)
-    if SUMSQ_OF >= 0 or ROW_SUM:
-        tl.store(ss_ptr + rows, ss, mask=rows < M)
-    if AMAX:
-        tl.store(amax_ptr + rows, amax, mask=rows < M)
-
-
 # ---- building a declared kernel ------------------------------------------------------------------------------
 
 def _tuple(items: Sequence[str]) -> str:
@@ -322,6 +205,7 @@ class Declaration:
     row_sum: bool
     col_sum: bool
     subtiled: bool
+    split_block: tuple[int, int]
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -366,10 +250,10 @@ class Declaration:
     def _vectors(self) -> list[str]:
         return [f"{v}_ptr" for v in self.vectors]
 
-    def _params(self, partial_stride: bool) -> list[str]:
+    def _params(self) -> list[str]:
         return [*self._pointers(), *(f"{p}_ptr" for p in self.partials), *(["cs_ptr"] if self.col_sum else []),
                 *self._vectors(), *self._strides(),
-                *([f"stride_{self.partials[0]}"] if partial_stride and self.partials else []),
+                *([f"stride_{self.partials[0]}"] if self.partials else []),
                 *(["stride_cs"] if self.col_sum else []), *(f"{f}: tl.constexpr" for f in self.flags),
                 *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
 
@@ -394,9 +278,9 @@ class Declaration:
 
     def inputs_fn(self, name: str, tile: Callable = tile_desc) -> Callable:
         """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's inputs, declared flags
-        and vectors, a :class:`Tile`'s pointer replaced by its descriptor (``tile``: or a Gluon program's
-        :class:`kernels.coda.gluon_program.Block`; blocks (BM, BN * wide); its row stride the next of
-        ``strides``)."""
+        and vectors, a :class:`Tile`'s pointer replaced by its descriptor (``tile``: or a pointer
+        :class:`kernels.coda.epilogue.Block`, or a Gluon program's :class:`kernels.coda.gluon_program.Block`; blocks
+        (BM, BN * wide); its row stride the next of ``strides``)."""
         items, t = [], 0
         for k, i in enumerate((*self.inputs, *self.call_flags, *self.vectors)):
             wide = f"{i.wide} * " if isinstance(i, Tile) and i.wide > 1 else ""
@@ -408,10 +292,11 @@ class Declaration:
 
     def fused_kernel(self, name: str, configs: list[triton.Config] | None, restore: Sequence[str]) -> Callable:
         """The fused kernel: :data:`MAINLOOP_PARAMS`, then the declaration's parameters; its body
-        :func:`fused_program`; autotuned with the outputs ``restore`` restored between runs."""
+        :func:`kernels.coda.tile_programs.fused_program`; autotuned with the outputs ``restore`` restored between
+        runs."""
         first = MAINLOOP_PARAMS.index("SCALING")  # the block's constexprs
         params = [*MAINLOOP_PARAMS[:first], *(f"{p}: tl.constexpr" for p in MAINLOOP_PARAMS[first:]),
-                  *self._params(True), *(["EPI_SUB: tl.constexpr"] if self.subtiled else [])]
+                  *self._params(), *(["EPI_SUB: tl.constexpr"] if self.subtiled else [])]
         ptr = {p: f"{p}_ptr" if p in self.partials else "a_ptr" for p in ("ss", "amax")}
         stride = f"stride_{self.partials[0]}" if self.partials else "0"
         sub = "EPI_SUB" if self.subtiled else "1"
@@ -423,28 +308,33 @@ class Declaration:
                              restore_value=[f"{o}_ptr" for o in restore])(triton.jit(entry))
 
     def rows_kernel(self, name: str) -> Callable:
-        """The split kernel over the GEMM output; its body :func:`rows_program`."""
-        params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(False), "BM: tl.constexpr", "BN: tl.constexpr"]
+        """The split kernel over the GEMM output; its body :func:`kernels.coda.tile_programs.blocks_program`."""
+        params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(), "BM: tl.constexpr", "BN: tl.constexpr"]
         ptr = {p: f"{p}_ptr" if p in self.partials else "gemm_ptr" for p in ("ss", "amax")}
+        stride = f"stride_{self.partials[0]}" if self.partials else "0"
         cs = "cs_ptr, stride_cs" if self.col_sum else "gemm_ptr, 0"
-        body = self._body("rows_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr",
-                          f"{ptr['ss']}, {ptr['amax']}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
-        return triton.jit(self._compile(name, params, body, {"rows_program": rows_program, **self._scope(name)}))
+        body = self._body("blocks_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr",
+                          f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
+        scope = {**self._scope(name), "INPUTS": self.inputs_fn(f"{name}_inputs", Block),
+                 "blocks_program": blocks_program}
+        return triton.jit(self._compile(name, params, body, scope))
 
     def gluon_kernel(self, name: str) -> Callable:
         """The Gluon variant (:mod:`kernels.coda.gluon_program`): the schedule's operands (descriptors), scales and
         sizes, the declaration's parameters, the schedule's constexprs; its body :func:`kernels.coda.gluon_program.
         gluon_program`."""
         from triton.experimental import gluon
+        from kernels.coda.gluon_program import Block as GluonBlock, gluon_program
         head, consts = "a_desc, b_desc, sa_ptr, sb_ptr, M, N, K", "B_NK, SCALED, INSTR_K, S, GROUP_M, MMA_W, SUB_M"
-        params = [*head.split(", "), *self._params(True), *(f"{c}: tl.constexpr" for c in consts.split(", ")),
+        params = [*head.split(", "), *self._params(), *(f"{c}: tl.constexpr" for c in consts.split(", ")),
                   "num_warps: tl.constexpr"]
         ptr = {p: f"{p}_ptr" if p in self.partials else "sa_ptr" for p in ("ss", "amax")}
         stride = f"stride_{self.partials[0]}" if self.partials else "0"
         cs = "cs_ptr, stride_cs" if self.col_sum else "sa_ptr, 0"
         tail = f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, {consts}, num_warps"
         body = self._body("gluon_program", head, "sa_ptr", tail)
-        scope = {**self._scope(name), "INPUTS": self.inputs_fn(f"{name}_inputs", Block), "gluon_program": gluon_program}
+        scope = {**self._scope(name), "INPUTS": self.inputs_fn(f"{name}_inputs", GluonBlock),
+                 "gluon_program": gluon_program}
         return gluon.jit(self._compile(name, params, body, scope))
 
     def _compile(self, name: str, params: list[str], body: list[str], scope: dict[str, Any]) -> Callable:
@@ -459,7 +349,7 @@ class Declaration:
 def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | Tile] = (),
          flags: Sequence[str] = (), vectors: Sequence[str] = (), tile: Callable | None = None,
          row_scale: str | None = None, row_sum: bool = False, col_sum: bool = False,
-         configs: list[triton.Config] | None = None,
+         configs: list[triton.Config] | None = None, split_block: tuple[int, int] = SPLIT_BLOCK,
          restore: Sequence[str] = (), finish: Callable[..., tuple] | None = None, split: Callable | None = None,
          gluon: Gluon | None = None, binds: Sequence[Binding] = (),
          safe: Callable[[dict[str, Any]], dict[str, Any]] = dict, fuses: Callable[[dict[str, Any]], bool] = always
@@ -479,14 +369,15 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
     ``row_sum``: the epilogue returns, after its outputs, an fp32 [BM] vector of its tile whose sums over each row
     are kept (as partials, like a ``sumsq`` output's); ``col_sum``: it returns after those an fp32 tile whose column
     sums are kept, per M tile; ``configs``: the tile configs (``EPI_SUB`` in them: the epilogue runs on column
-    sub-tiles); ``restore``: outputs the fused kernel may read before writing (given in place), restored between
-    the autotuner's runs; ``finish(arguments, gemm, outputs, partials)``: the host function's results from its
-    arguments, its :class:`Gemm`, its outputs and the :class:`Partials`; ``split``: a split path of the host
-    function's signature and results instead of the built one; ``gluon``: its Gluon path; ``binds``: the ops it
+    sub-tiles); ``split_block``: (BM, BN) of the built split kernel's blocks on the GPU; ``restore``: outputs the
+    fused kernel may read before writing (given in place), restored between the autotuner's runs;
+    ``finish(arguments, gemm, outputs, partials)``: the host function's results from its arguments, its
+    :class:`Gemm`, its outputs and the :class:`Partials`; ``split``: a split path of the host function's signature
+    and results instead of the built one; ``gluon``: its Gluon path instead of the built one; ``binds``: the ops it
     implements (:class:`Binding`, as ``.binds``: the registry's entries are built from them, :func:`register`);
     ``safe`` and ``fuses``: :func:`kernels.coda.strategy.with_split`'s."""
     decl = Declaration(epilogue, tuple(outputs), tuple(inputs), tuple(flags), tuple(vectors), tile, row_scale,
-                       row_sum, col_sum, any("EPI_SUB" in c.kwargs for c in configs or ()))
+                       row_sum, col_sum, any("EPI_SUB" in c.kwargs for c in configs or ()), tuple(split_block))
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
         raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
     if decl.sumsq_of >= 0 and row_sum:
@@ -502,7 +393,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
     def deco(host: Callable[..., Gemm]) -> Callable:
         bind = binder(host)
         fused_kernel = decl.fused_kernel(f"{host.__name__}_kernel", configs, restore)
-        rows_kernel = None if split else decl.rows_kernel(f"{host.__name__}_rows_kernel")
+        rows_kernel = decl.rows_kernel(f"{host.__name__}_rows_kernel")
 
         @functools.wraps(host)
         def fused(*args: Any, **kwargs: Any) -> Any:
@@ -526,7 +417,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
         built = gluon_kernel and Gluon(built_gluon, lambda arguments: gluon_applies(host(**arguments)))
         dispatch = with_split(split or built_split, safe=safe, gluon=gluon or built, fuses=fuses)(fused)
         dispatch.kernel, dispatch.rows_kernel, dispatch.binds = fused_kernel, rows_kernel, tuple(binds)
-        dispatch.gluon_kernel, dispatch.built_gluon = gluon_kernel, built_gluon
+        dispatch.gluon_kernel, dispatch.built_gluon, dispatch.built_split = gluon_kernel, built_gluon, built_split
         return dispatch
 
     return deco
@@ -610,8 +501,10 @@ def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
 
 def _run_gluon(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
                finish: Callable[..., tuple] | None) -> Any:
+    from kernels.coda.gluon_program import SUB_M
+    from kernels.coda.mainloop_gluon import BN, WsGemm
     gemm = WsGemm(g.a, g.b, kernel.__name__, rowwise=True)
-    m_tiles, n_tiles = triton.cdiv(gemm.M, SUB_M), triton.cdiv(gemm.N, GLUON_BN)
+    m_tiles, n_tiles = triton.cdiv(gemm.M, SUB_M), triton.cdiv(gemm.N, BN)
     empty = functools.partial(torch.empty, device=gemm.device, dtype=torch.float32)
     return _run_gemm(decl, g, named, finish, gemm, lambda: empty(gemm.M, n_tiles), lambda: empty(m_tiles, gemm.N),
                      lambda args: _launch_gluon(gemm, kernel, args), lambda: (m_tiles, n_tiles))
@@ -625,9 +518,11 @@ def _launch_gluon(gemm: Any, kernel: Callable, args: dict[str, Any]) -> None:
     """Launch a Gluon variant with the schedule's ring stages for its K (:func:`kernels.coda.mainloop_gluon.stages`),
     or fewer where the epilogue partition's layout conversions leave too little shared memory (found at the first
     compile of such a launch, then remembered)."""
+    from kernels.coda.gluon_program import SUB_M
+    from kernels.coda.mainloop_gluon import stages
     k_bytes = gemm.K * gemm.a.element_size()
     key = (kernel, k_bytes, gemm.a.dtype, tuple(sorted((k, v) for k, v in args.items() if isinstance(v, bool))))
-    for n in range(_STAGES.get(key, gluon_stages(k_bytes)), 1, -1):
+    for n in range(_STAGES.get(key, stages(k_bytes)), 1, -1):
         try:
             gemm.launch(kernel, **args, n_stages=n, SUB_M=SUB_M)
         except OutOfResources:
@@ -685,22 +580,24 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
                     if o.cols == o.wide == 1 and dt == c.dtype and o.name not in g.outputs), -1)
     outs = [c if t is None else t  # an output not asked for: the GEMM output, never written
             for t in asked.outputs(decl, g, M, N, c.device, dtypes, {inplace: c})]
-    ss = torch.empty(M, 1, device=c.device, dtype=torch.float32) if "ss" in decl.partials else None
-    amax = torch.empty(M, 1, device=c.device, dtype=torch.float32) if asked.recipe else None
+    bm, bn = (16, 32) if INTERPRET else decl.split_block
+    m_tiles, n_tiles = triton.cdiv(M, bm), triton.cdiv(N, bn)
+    rows = functools.partial(torch.empty, M, n_tiles, device=c.device, dtype=torch.float32)
+    ss = rows() if "ss" in decl.partials else None
+    amax = rows() if asked.recipe else None
     parts = {"ss": ss, "amax": amax}
     inputs = _inputs(decl, g)
     tiles = [v for i, v in zip(decl.inputs, inputs) if isinstance(i, Tile)]
-    bm, bn = (16, 32) if INTERPRET else (16, 256)
-    m_tiles = triton.cdiv(M, bm)
     cs = torch.empty(m_tiles, N, device=c.device, dtype=torch.float32) if decl.col_sum else None
     vectors = {v: torch.zeros(M, device=c.device, dtype=torch.float32) for v in decl.vectors}
-    kernel[(m_tiles,)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *inputs, *outs,
-                       *(c if parts[p] is None else parts[p] for p in decl.partials), *([cs] if cs is not None else []),
-                       *vectors.values(), *(t.stride(0) for t in tiles + outs),
-                       *([cs.stride(0)] if cs is not None else []),
-                       **asked.kernel_flags(decl, g), BM=bm, BN=bn)
-    results = asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, 1)
-    return _returned(finish(named, g, results, Partials(ss, 1, cs, m_tiles, vectors)) if finish else results)
+    spare = next((t for t in (ss, amax) if t is not None), c)  # a partial not asked for points at one that is
+    kernel[(m_tiles, n_tiles)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *inputs, *outs,
+                               *(spare if parts[p] is None else parts[p] for p in decl.partials),
+                               *([cs] if cs is not None else []), *vectors.values(),
+                               *(t.stride(0) for t in tiles + outs), *([spare.stride(0)] if decl.partials else []),
+                               *([cs.stride(0)] if cs is not None else []), **asked.kernel_flags(decl, g), BM=bm, BN=bn)
+    results = asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, n_tiles)
+    return _returned(finish(named, g, results, Partials(ss, n_tiles, cs, m_tiles, vectors)) if finish else results)
 
 
 class Entry(Implementation):

@@ -9,10 +9,10 @@ has that rounding too, and an fp32 output would double the bytes the split path 
 overlapped with the next tile's mainloop (docs/performance.md: small K, large epilogue traffic) the split path can be
 faster::
 
-    def dgrad_swiglu_split(dx, w_down, z_pre, recipe=None, overwrite=False): ...
+    def my_kernel_split(a, w, x): ...       # the plain GEMM, then one pass of the epilogue's math over its output
 
-    @with_split(dgrad_swiglu_split)
-    def dgrad_swiglu(dx, w_down, z_pre, recipe=None, overwrite=False): ...   # the fused path
+    @with_split(my_kernel_split)
+    def my_kernel(a, w, x): ...             # the fused path (a declared kernel gets both: kernels/coda/program.py)
 
 For a plain GEMM (:func:`kernels.coda.gemm.mm`) the fused path is the mainloop and the split path is cuBLAS, with
 no epilogue kernel at all. A host function may also have a *Gluon* path (:class:`Gluon`): a warp-specialized

@@ -13,10 +13,9 @@ partials and :func:`kernels.coda.reduce.finish_row_sum`. It is declared as its e
 outputs), which runs on EPI_SUB column sub-tiles (autotuned: 2 or 4), each reading a [BM, 2 * BN / EPI_SUB] tile
 of z_pre. On Hopper it also has a Gluon path
 (:mod:`kernels.coda.swiglu_bwd_gluon`: the epilogue in a warp partition of its own, beside the next tile's
-mainloop), chosen per shape like the split path. :func:`swiglu_bwd` is the
-elementwise kernel for a given dy (one pass over dy in wide, short blocks; zdz from their row partials), the same
-math (:func:`swiglu_bwd_tile`); with y stored too it is :func:`dgrad_swiglu`'s split path
-(:mod:`kernels.coda.strategy`) after the plain GEMM.
+mainloop), chosen per shape like the split path. Its split path is the built one (the plain GEMM, then the
+epilogue over dy in 2 x 1024 blocks, y over dy). :func:`swiglu_bwd` is the elementwise kernel for a given dy (one
+pass over dy in wide, short blocks; zdz from their row partials), the same math (:func:`swiglu_bwd_tile`).
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ import triton.language as tl
 from kernels.coda.align import aligned, empty_rows, meets_rule
 from kernels.coda.epilogue import join_pairs, like, load_block, load_tile, silu_mul_pairs_bwd, split_pairs, store_block, \
     store_row_partial
-from kernels.coda.gemm import split_matmul
 from kernels.coda.mainloop import INTERPRET, subtiled_configs
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_row_sum
@@ -67,64 +65,43 @@ def _check_preact(z_pre: torch.Tensor, M: int, f: int) -> None:
 
 
 @triton.jit
-def swiglu_bwd_kernel(dy_ptr, zp_ptr, dzp_ptr, y_ptr, part_ptr, M, N, stride_dy, stride_zp, stride_dzp, stride_y,
-                      stride_p, STORE_Y: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def swiglu_bwd_kernel(dy_ptr, zp_ptr, dzp_ptr, part_ptr, M, N, stride_dy, stride_zp, stride_dzp, stride_p,
+                      BM: tl.constexpr, BN: tl.constexpr):
     """One (BM, BN) block of dy per program (grid: row blocks x column blocks): :func:`swiglu_bwd_tile`, read and
-    written with pointer accesses (a bandwidth-bound pass: no descriptors, no loop): interleaved (dgate, dup),
-    (STORE_Y) y, and the block's row partials of ``gate dgate + up dup`` into ``part[:, column block]``."""
+    written with pointer accesses (a bandwidth-bound pass: no descriptors, no loop): interleaved (dgate, dup) and
+    the block's row partials of ``gate dgate + up dup`` into ``part[:, column block]``."""
     off_m, off_n = tl.program_id(0) * BM, tl.program_id(1) * BN
     dz, y, part = swiglu_bwd_tile(load_block(dy_ptr, stride_dy, off_m, off_n, M, N, BM, BN),
                                   load_block(zp_ptr, stride_zp, off_m, 2 * off_n, M, 2 * N, BM, 2 * BN), BM, BN)
-    if STORE_Y:
-        store_block(y_ptr, stride_y, off_m, off_n, M, N, y, BM, BN)
     store_block(dzp_ptr, stride_dzp, off_m, 2 * off_n, M, 2 * N, dz, BM, 2 * BN)
     store_row_partial(part_ptr, part, off_m, off_n, M, stride_p, BM, BN)
 
 
 ROW_BLOCK = (2, 1024, 4)
-"""(BM, BN, num_warps) of :func:`swiglu_bwd_kernel` on the GPU. Measured on an H200 (M = 16384, f = 8192 / 11008 /
-28672): 0.437 / 0.594 / 1.509 ms, ~3.7 TB/s, where the earlier loop over 8 x 512 blocks of 8 rows per program took
-0.580 / 0.792 / 2.019 ms; taller blocks (16 x 256, 32 x 256) were slower still."""
-
-
-def _swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor, y: torch.Tensor | None, overwrite: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dz_pre, zdz)`` by :func:`swiglu_bwd_kernel` and a row sum of its partials; the kernel also writes y into
-    ``y`` when given (it may be dy), and dz_pre over z_pre with ``overwrite`` (each block by the program that read
-    it)."""
-    M, N = dy.shape
-    _check_preact(z_pre, M, N)
-    dy, z_pre = aligned(dy), aligned(z_pre)
-    dz_pre = z_pre if overwrite else empty_rows(*z_pre.shape, z_pre.dtype, z_pre.device)
-    out = y if y is not None else dy
-    bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
-    n_tiles = triton.cdiv(N, bn)
-    part = torch.empty(M, n_tiles, device=dy.device, dtype=torch.float32)
-    swiglu_bwd_kernel[(triton.cdiv(M, bm), n_tiles)](dy, z_pre, dz_pre, out, part, M, N, dy.stride(0),
-                                                      z_pre.stride(0), dz_pre.stride(0), out.stride(0),
-                                                      part.stride(0), STORE_Y=y is not None, BM=bm, BN=bn,
-                                                      num_warps=warps)
-    return dz_pre, finish_row_sum(part, n_tiles)
+"""(BM, BN, num_warps) of the SwiGLU backward's blocks on the GPU (:func:`swiglu_bwd_kernel`, and the split kernel of
+:func:`dgrad_swiglu`). Measured on an H200 (M = 16384, f = 8192 / 11008 / 28672): 0.437 / 0.594 / 1.509 ms, ~3.7 TB/s,
+where a loop over 8 x 512 blocks of 8 rows per program took 0.580 / 0.792 / 2.019 ms; taller blocks (16 x 256,
+32 x 256) were slower still. The split path of dgrad_swiglu (GEMM included, ms; 16 x 256 / 2 x 1024 blocks): 1.39 /
+1.24 at 1B, 2.95 / 2.77 at 7B, 13.23 / 12.86 at 70B."""
 
 
 def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dz_pre, zdz)``: SwiGLU backward for a given dy [M, f]; z_pre [M, 2f] interleaved (gate, up).
 
-    dz_pre [M, 2f] (interleaved dgate/dup) is in z_pre's dtype, zdz fp32 [M]. One pass over dy, then the row sum
-    of its partials.
+    dz_pre [M, 2f] (interleaved dgate/dup) is in z_pre's dtype, zdz fp32 [M]. One pass over dy
+    (:func:`swiglu_bwd_kernel`), then the row sum of its partials.
     """
-    return _swiglu_bwd(dy, z_pre, None)
-
-
-def dgrad_swiglu_split(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
-                       recipe: Recipe | None = None, overwrite: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`dgrad_swiglu` split: ``dy = dx @ w_down`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over
-    it (:func:`swiglu_bwd_kernel`: dz_pre, zdz, and y written over dy, each block by the program that read it)."""
-    dy = split_matmul(dx, w_down, recipe)
-    y = dy if dy.dtype == z_pre.dtype else empty_rows(*dy.shape, z_pre.dtype, dy.device)
-    dz_pre, zdz = _swiglu_bwd(dy, z_pre, y, overwrite)
-    return dz_pre, y, zdz
+    M, N = dy.shape
+    _check_preact(z_pre, M, N)
+    dy, z_pre = aligned(dy), aligned(z_pre)
+    dz_pre = empty_rows(*z_pre.shape, z_pre.dtype, z_pre.device)
+    bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
+    n_tiles = triton.cdiv(N, bn)
+    part = torch.empty(M, n_tiles, device=dy.device, dtype=torch.float32)
+    swiglu_bwd_kernel[(triton.cdiv(M, bm), n_tiles)](dy, z_pre, dz_pre, part, M, N, dy.stride(0), z_pre.stride(0),
+                                                      dz_pre.stride(0), part.stride(0), BM=bm, BN=bn,
+                                                      num_warps=warps)
+    return dz_pre, finish_row_sum(part, n_tiles)
 
 
 def gluon_applies(arguments: dict) -> bool:
@@ -159,7 +136,7 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 
 
 @coda(swiglu_dgrad, outputs=(Output("y", like="z_pre"), Output("dzp", wide=2, like="z_pre")), inputs=(Tile("zp", 2),),
-      row_sum=True, configs=subtiled_configs(), restore=("dzp",), finish=_finish, split=dgrad_swiglu_split,
+      row_sum=True, configs=subtiled_configs(), restore=("dzp",), finish=_finish, split_block=ROW_BLOCK[:2],
       safe=_kept_preact, gluon=dgrad_swiglu_gluon and Gluon(dgrad_swiglu_gluon, gluon_applies),
       binds=(Binding(("swiglu_dgrad",), ("dz_pre", "a", "zdz"), "down-proj dgrad GEMM + SwiGLU backward + ZdZ partials",
                      lambda n: {"w_down": dgrad_weight(n["w_down"])}),))
