@@ -5,6 +5,7 @@ tuning keys their shipped tables hold."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 
 import pytest
@@ -194,6 +195,30 @@ def test_flags_a_tile_hook_column_sums_and_an_output_given_in_place(strategy, ad
         gemm_add_into(x, w, v, acc.clone(), add, fuse=False)
     assert names[0] == "gemm_add_into_rows_kernel"
     assert gemm_add_into.kernel.restore_value == ["out_ptr"] and gemm_add_into.kernel.keys[-1] == "ADD"
+
+
+def test_the_split_kernels_results_do_not_depend_on_its_block_shape(monkeypatch):
+    """The built split kernel at the block shape a declaration names (``split_block``; here taken as on a GPU): one
+    block a program, partial blocks at the edges of M = 40 and N = 64, the Tile input, the row values of the tile
+    hook and the column sums per block of rows all as at the interpreter's 16 x 32."""
+    from kernels.coda import program
+    x, w = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5)
+    v, acc = rand(M, seed=3, mean=1.0), rand(M, N, seed=4)
+    results = []
+    for block in ((16, 32), (8, 64), (1, 128), (32, 16)):
+        monkeypatch.setattr(program, "INTERPRET", block == (16, 32))
+        split = coda(add_into, outputs=(Output("out"),), inputs=("v_ptr", Tile("acc")), flags=("ADD",),
+                     tile=_scale_rows, col_sum=True, configs=subtiled_configs((2,)), restore=("out",),
+                     finish=_col_sums, split_block=block)(inspect.unwrap(gemm_add_into)).built_split
+        with launches() as names:
+            out, cs = split(x, w, v, acc.clone(), True)
+        assert names[0] == "gemm_add_into_rows_kernel"
+        results.append((out, cs))
+    (out, cs), *others = results
+    u64 = 2 * (x.double() @ w.double().T) * v.double()[:, None] + acc.double()
+    check("out", out, u64, 2 * (x @ w.T) * v[:, None] + acc)
+    for other_out, other_cs in others:
+        assert torch.equal(other_out, out) and torch.allclose(other_cs, cs, rtol=1e-5, atol=1e-5)
 
 
 @triton.jit
@@ -400,3 +425,34 @@ def test_the_gluon_variant_of_a_declared_kernel_equals_its_fused_kernel_on_hoppe
             assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=0), (case, i)
         else:
             assert torch.equal(x, y), (case, i, (x.double() - y.double()).abs().max().item())
+
+
+def test_a_gluon_variant_launches_with_the_most_ring_stages_that_fit(monkeypatch):
+    """The schedule's stages for K (5 at 4096 bytes a row), one fewer at a time while the compile runs out of shared
+    memory, the stages that fit remembered for the next call of that launch; out of memory at 2 stages: the error."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from triton.runtime.errors import OutOfResources
+    from kernels.coda import program
+    monkeypatch.setattr(program, "_STAGES", {})
+    tried = []
+
+    class Gemm16:  # a launch whose shared memory fits at ``fits`` stages
+        K, a = 2048, torch.empty(1, dtype=torch.bfloat16)
+
+        def __init__(self, fits: int) -> None:
+            self.fits = fits
+
+        def launch(self, kernel, n_stages: int, SUB_M: int, **args) -> None:
+            tried.append(n_stages)
+            if n_stages > self.fits:
+                raise OutOfResources(n_stages, self.fits, "shared memory")
+
+    kernel = object()
+    program._launch_gluon(Gemm16(3), kernel, {"FLAG": True})
+    assert tried == [5, 4, 3]
+    tried.clear()
+    program._launch_gluon(Gemm16(3), kernel, {"FLAG": True})
+    program._launch_gluon(Gemm16(5), kernel, {"FLAG": False})  # another launch of the kernel: its own stages
+    assert tried == [3, 5]
+    with pytest.raises(OutOfResources):
+        program._launch_gluon(Gemm16(1), object(), {})
