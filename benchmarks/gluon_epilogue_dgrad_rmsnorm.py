@@ -42,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from gluon_experiment import FUSED, cli, compile_for_hopper, time_paths, ws_consts, ws_types
 from kernels.coda import mainloop_gluon as WS
-from kernels.coda.mainloop_gluon import BM, MMA_REGS, WsGemm, loader, mma, ws_buffers
-from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords
+from kernels.coda.mainloop_gluon import (BM, LOADER_REGS, MMA_REGS, WsGemm, loader, local_tiles, mma, thread_barrier,
+                                         tile_coords, ws_buffers)
 from kernels.coda.reduce import finish_col_sum
 from kernels.coda.rmsnorm_bwd import norm_bwd_operands, scale_arg
 from workloads.fp8 import Fp8, Recipe, ScaledMMGemms, quantize_as

@@ -38,9 +38,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, swiglu_case, time_paths
-from kernels.coda.producer_gluon import (LOADER_REGS, local_tiles, ring_barriers, thread_barrier, tile_coords, tma_desc,
-                                         tma_load)
 from kernels.coda.mainloop import persistent_grid
+from kernels.coda.mainloop_gluon import (LOADER_REGS, local_tiles, ring_barriers, thread_barrier, tile_coords, tma_desc,
+                                         tma_load)
 from kernels.coda.reduce import finish_row_sum
 from kernels.coda.swiglu_bwd_gluon import swiglu_pairs_bwd
 

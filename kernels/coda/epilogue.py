@@ -78,6 +78,17 @@ def like(x, y, _semantic=None):
     return x
 
 
+
+@tl.core.builtin
+def laid_out(x, layout, _semantic=None):
+    """x, whose layout its uses would decide, in ``layout`` in a Gluon kernel (None: as its uses decide); x in a
+    Triton kernel."""
+    layout = tl.core._unwrap_if_constexpr(layout)
+    if layout is None or not _layout(_semantic):
+        return x
+    return _semantic.set_auto_layout(x, layout)
+
+
 if INTERPRET:  # the interpreter runs no Gluon, and puts its own semantic into tl's builtins only: call those
     def arange(start, end):  # noqa: F811
         return tl.arange(start, end)
@@ -86,6 +97,9 @@ if INTERPRET:  # the interpreter runs no Gluon, and puts its own semantic into t
         return tl.full(shape, value, dtype)
 
     def like(x, y):  # noqa: F811
+        return x
+
+    def laid_out(x, layout):  # noqa: F811
         return x
 
 
@@ -192,20 +206,23 @@ class Block:  # (no `from __future__ import annotations` in this module: an aggr
     stride: tl.tensor | tl.constexpr
     BM: tl.constexpr
     BN: tl.constexpr
+    layout: tl.constexpr
 
     @triton.constexpr_function  # a JIT callable, as a kernel may reference; its arguments come unwrapped
-    def __init__(self, ptr, M, N, stride, BM, BN):  # as kernels.coda.mainloop.tile_desc
-        self.ptr, self.BM, self.BN = ptr, tl.constexpr(BM), tl.constexpr(BN)
+    def __init__(self, ptr, M, N, stride, BM, BN, layout=None):  # as kernels.coda.mainloop.tile_desc (+ layout)
+        self.ptr, self.BM, self.BN, self.layout = ptr, tl.constexpr(BM), tl.constexpr(BN), tl.constexpr(layout)
         self.M, self.N, self.stride = (v if isinstance(v, tl.tensor) else tl.constexpr(v) for v in (M, N, stride))
 
     @triton.jit
     def load(self, offsets):
-        return load_block(self.ptr, self.stride, offsets[0], offsets[1], self.M, self.N, self.BM, self.BN)
+        """The (BM, BN) block at ``offsets`` (row, column), in ``layout`` in a Gluon kernel that gives one."""
+        return laid_out(load_block(self.ptr, self.stride, offsets[0], offsets[1], self.M, self.N, self.BM, self.BN),
+                        self.layout)
 
 
 if INTERPRET:  # the interpreter's jit functions are plain callables, which an aggregate does not take as methods
     class Block:  # noqa: F811
-        def __init__(self, ptr, M, N, stride, BM, BN):
+        def __init__(self, ptr, M, N, stride, BM, BN, layout=None):
             self.ptr, self.M, self.N, self.stride, self.BM, self.BN = ptr, M, N, stride, BM, BN
 
         def load(self, offsets):

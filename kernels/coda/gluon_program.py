@@ -4,12 +4,12 @@ warp, an MMA warpgroup, the accumulator handed over in shared memory), so that o
 next tile's mainloop.
 
 The epilogue partition takes each (BM, BN) accumulator in row sub-tiles of ``SUB_M`` rows, the whole tile wide: per
-sub-tile the dequantization (with the row scale), the declaration's ``tile`` function and its epilogue, exactly as
-the fused Triton kernel runs them, then the outputs stored by pointers (:func:`kernels.coda.epilogue.store_block`)
-and the partials: the row sums per N tile (whole-width sub-tiles: complete per tile), the column sums per sub-tile
-(``m_tiles`` = M / SUB_M). A :class:`Tile` input is a :class:`Block` here, which the epilogue reads with
-``load_tile`` as it reads a descriptor in the Triton kernels. The primitives' new tiles take the layout of the
-accumulator they meet (:func:`kernels.coda.epilogue.arange`).
+sub-tile the dequantization (with the row scale), then :func:`kernels.coda.tile_programs.tile_epilogue`, as the split
+kernel runs it: the declaration's ``tile`` function and epilogue, the outputs stored by pointers and the partials
+(row sums per N tile, complete in a whole-width sub-tile; column sums per sub-tile, ``m_tiles`` = M / SUB_M). A
+:class:`Tile` input is a pointer :class:`kernels.coda.epilogue.Block` here (:func:`block`), which the epilogue reads
+with ``load_tile`` as it reads a descriptor in the fused kernel. The primitives' new tiles take the layout of the
+tiles they meet (:func:`kernels.coda.epilogue.arange`).
 
 Gluon has no interpreter: the fused Triton kernel is this variant's CPU-tested reference, and the Hopper tests
 check the two against each other on an H100 or H200.
@@ -20,9 +20,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from kernels.coda.epilogue import dequant, dequant_scale, load_rows
-from kernels.coda.mainloop_gluon import EPI_WARPS, MMA_REGS, loader, mma, ws_buffers
-from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords
+from kernels.coda.epilogue import Block, dequant, dequant_scale, load_rows
+from kernels.coda.mainloop_gluon import EPI_WARPS, LOADER_REGS, MMA_REGS, local_tiles, loader, mma, thread_barrier, \
+    tile_coords, ws_buffers
 from kernels.coda.tile_programs import tile_epilogue
 
 SUB_M = 32
@@ -31,31 +31,12 @@ LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [EPI_WARPS, 1], [1, 0]))
 """The epilogue partition's layout of a sub-tile: each warp a row at a time, 16-byte accesses of fp32 along it."""
 
 
-@tl.core._aggregate
-class Block:  # (no `from __future__ import annotations` here: an aggregate checks its fields' types)
-    """A row-major [M, N] matrix read in (BM, BN) blocks by pointers: what a :class:`kernels.coda.program.Tile`
-    input is to an epilogue in a Gluon program (``load_tile(block, off_m, off_n)``, as of a descriptor)."""
-
-    ptr: tl.tensor
-    stride: tl.tensor | tl.constexpr
-    M: tl.tensor | tl.constexpr
-    N: tl.tensor | tl.constexpr
-    BM: tl.constexpr
-    BN: tl.constexpr
-
-    @triton.constexpr_function  # a JIT callable, as a kernel may reference; its arguments come unwrapped
-    def __init__(self, ptr, M, N, stride, BM, BN):  # as kernels.coda.mainloop.tile_desc
-        self.ptr, self.BM, self.BN = ptr, tl.constexpr(BM), tl.constexpr(BN)
-        self.M, self.N, self.stride = (v if isinstance(v, tl.tensor) else tl.constexpr(v) for v in (M, N, stride))
-
-    @gluon.jit
-    def load(self, offsets):
-        """The (BM, BN) block at ``offsets`` (row, column) in :data:`LAYOUT`, zero outside the matrix (in its dtype,
-        as a descriptor's load)."""
-        rows = offsets[0] + gl.arange(0, self.BM, layout=gl.SliceLayout(1, LAYOUT))
-        cols = offsets[1] + gl.arange(0, self.BN, layout=gl.SliceLayout(0, LAYOUT))
-        mask = (rows < self.M)[:, None] & (cols < self.N)[None, :]
-        return gl.load(self.ptr + rows.to(gl.int64)[:, None] * self.stride + cols[None, :], mask=mask, other=0.0)
+@triton.jit
+def block(ptr, M, N, stride, BM: tl.constexpr, BN: tl.constexpr):
+    """A :class:`Tile` input as the epilogue partition reads it: a pointer :class:`kernels.coda.epilogue.Block` whose
+    loads come in :data:`LAYOUT` (a tile of the epilogue's that no other tile decides the layout of, as a load of
+    x that only ever meets row vectors, still gets one)."""
+    return Block(ptr, M, N, stride, BM, BN, LAYOUT)
 
 
 @gluon.jit

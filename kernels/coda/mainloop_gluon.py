@@ -22,15 +22,18 @@ from typing import Any
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from kernels.coda.align import aligned
 from kernels.coda.epilogue import SCALING_NONE, SCALING_ROWWISE
 from kernels.coda.fp8 import dequant_args, result_dtype
 from kernels.coda.mainloop import operand, persistent_grid
-from kernels.coda.producer_gluon import (handoff_barriers, local_tiles, ring_barriers, thread_barrier, tile_coords,
-                                         tma_desc, tma_load)
 from workloads.fp8 import Fp8
+
+# Triton 3.6's names; later versions renamed them (async_load, async_store, barrier).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 BM, BN, GROUP_M = 128, 128, 8
 K_BYTES = 128
@@ -40,6 +43,8 @@ MMA_REGS = gl.constexpr(232)
 """Registers per thread: mma 128 x 232 (its accumulator takes 128), loader 128 x 40, epilogue 256 x 120: the
 kernel's maxnreg 128 x 512 threads, the SM's 64K."""
 MAXNREG = 128
+LOADER_REGS = gl.constexpr(40)
+"""Registers per thread of the loader partition (one warp, TMA issue only)."""
 
 
 def stages(k_bytes: int) -> int:
@@ -52,7 +57,50 @@ def stages(k_bytes: int) -> int:
 
 
 @gluon.jit
-def loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_NK: gl.constexpr, GROUP_M: gl.constexpr):
+def local_tiles(n_m, n_n):
+    """How many of the n_m x n_n tiles this program takes (tiles pid, pid + #programs, ...)."""
+    return gl.cdiv(n_m * n_n - gl.program_id(0), gl.num_programs(0))
+
+
+@gluon.jit
+def tile_coords(i, n_m, n_n, GROUP_M: gl.constexpr):
+    """(pid_m, pid_n) of this program's i-th tile: groups of GROUP_M row-tiles sweep N together (as
+    kernels.coda.mainloop). The loader and the consumer walk the same sequence."""
+    t = gl.program_id(0) + i * gl.num_programs(0)
+    first_m = (t // (GROUP_M * n_n)) * GROUP_M
+    group_m = min(n_m - first_m, GROUP_M)
+    return first_m + t % group_m, (t % (GROUP_M * n_n)) // group_m
+
+
+@gluon.jit
+def ring_barriers(S: gl.constexpr):
+    """``(ready, empty)``: the mbarriers of an S-stage operand ring (a slot's operands landed; a slot free again), each
+    initialised for one arrival."""
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def handoff_barriers():
+    """``(full, free)``: the pair of mbarriers by which one partition hands a shared-memory buffer to another and gets
+    it back, each initialised for one arrival."""
+    full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(full, count=1)
+    mbarrier.init(free, count=1)
+    return full, free
+
+
+@gluon.jit
+def loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_NK: gl.constexpr, GROUP_M: gl.constexpr,
+           c_desc=None, c_buf=None, c_ready=None, c_empty=None, C_AT: gl.constexpr = -1):
+    """The operand ring's TMA loads, tile after tile; with C_AT >= 0 also each tile's (BM, BN) block of ``c_desc``
+    (the producer's residual) into ``c_buf`` after the tile's k-step C_AT, once the consumer has freed it
+    (``c_empty``; ``c_ready`` when it landed)."""
     S: gl.constexpr = a_bufs.type.shape[0]
     TM: gl.constexpr = a_desc.block_type.shape[0]
     TK: gl.constexpr = a_desc.block_type.shape[1]
@@ -73,6 +121,10 @@ def loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, B_NK: gl.const
             else:
                 tma_load(b_desc, [kk * TK, pid_n * TN], ready.index(slot), b_bufs.index(slot))
             p += 1
+            if C_AT >= 0 and kk == min(C_AT, k_tiles - 1):
+                mbarrier.wait(c_empty, (i & 1) ^ 1)
+                mbarrier.expect(c_ready, c_desc.block_type.nbytes)
+                tma_load(c_desc, [pid_m * TM, pid_n * TN], c_ready, c_buf)
 
 
 @gluon.jit
@@ -161,3 +213,15 @@ class WsGemm:
                      self.sb, self.M, self.N, self.K, *epilogue, B_NK=self.b_nk, SCALED=self.scaling,
                      INSTR_K=32 // self.a.element_size(), S=n_stages or stages(self.K * self.a.element_size()),
                      GROUP_M=GROUP_M, MMA_W=MMA_WARPS, num_warps=EPI_WARPS, maxnreg=MAXNREG, **constexprs)
+
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int32: gl.int32,
+             torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+"""Gluon's dtype of each tensor dtype a TMA descriptor here takes (int32: packed bf16 pairs, in experiments; fp8: the
+SwiGLU dgrad's operands)."""
+
+
+def tma_desc(t: torch.Tensor, block: list[int]):
+    """A host TMA descriptor of ``t`` in ``block`` tiles, with the default NVMMA shared layout for that tile."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype]))

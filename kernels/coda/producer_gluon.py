@@ -26,87 +26,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kernels.coda.align import aligned
 from kernels.coda.mainloop import persistent_grid
+from kernels.coda.mainloop_gluon import (LOADER_REGS, handoff_barriers, loader, local_tiles, ring_barriers,
+                                         thread_barrier, tile_coords, tma_desc, tma_store)
 from kernels.coda.reduce import finish_rstd
 from workloads.fp8 import Recipe
 
-# Triton 3.6's names; later versions renamed them (async_load, async_store, barrier).
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
 BM, BN, BK, STAGES, GROUP_M, WARPS = 128, 256, 64, 3, 8, 8
-LOADER_REGS, MAXNREG = gl.constexpr(40), 168
+MAXNREG = 168
 """Registers: 12 warps (8 consumers + the loader's warpgroup) x 32 threads x 168 = the SM's 64K; the consumers
 take what the loader (40) leaves, 240 each."""
 RES_AT = gl.constexpr(2)
 """k-step of a tile after which the loader fetches its residual (the consumer frees `io` at k-step 1)."""
-
-
-@gluon.jit
-def local_tiles(n_m, n_n):
-    """How many of the n_m x n_n tiles this program takes (tiles pid, pid + #programs, ...)."""
-    return gl.cdiv(n_m * n_n - gl.program_id(0), gl.num_programs(0))
-
-
-@gluon.jit
-def tile_coords(i, n_m, n_n, GROUP_M: gl.constexpr):
-    """(pid_m, pid_n) of this program's i-th tile: groups of GROUP_M row-tiles sweep N together (as
-    kernels.coda.mainloop). The loader and the consumer walk the same sequence."""
-    t = gl.program_id(0) + i * gl.num_programs(0)
-    first_m = (t // (GROUP_M * n_n)) * GROUP_M
-    group_m = min(n_m - first_m, GROUP_M)
-    return first_m + t % group_m, (t % (GROUP_M * n_n)) // group_m
-
-
-@gluon.jit
-def ring_barriers(S: gl.constexpr):
-    """``(ready, empty)``: the mbarriers of an S-stage operand ring (a slot's operands landed; a slot free again), each
-    initialised for one arrival."""
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(S):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    return ready, empty
-
-
-@gluon.jit
-def handoff_barriers():
-    """``(full, free)``: the pair of mbarriers by which one partition hands a shared-memory buffer to another and gets
-    it back, each initialised for one arrival."""
-    full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(full, count=1)
-    mbarrier.init(free, count=1)
-    return full, free
-
-
-@gluon.jit
-def loader(a_desc, b_desc, res_desc, a_bufs, b_bufs, io, ready, empty, io_ready, io_empty, M, N, K,
-           PRODUCER: gl.constexpr, GROUP_M: gl.constexpr):
-    S: gl.constexpr = a_bufs.type.shape[0]
-    TM: gl.constexpr = a_desc.block_type.shape[0]
-    TK: gl.constexpr = a_desc.block_type.shape[1]
-    TN: gl.constexpr = b_desc.block_type.shape[0]
-    n_m = gl.cdiv(M, TM)
-    n_n = gl.cdiv(N, TN)
-    k_tiles = gl.cdiv(K, TK)
-    p = 0
-    for i in range(local_tiles(n_m, n_n)):
-        pid_m, pid_n = tile_coords(i, n_m, n_n, GROUP_M)
-        off_m = pid_m * TM
-        off_n = pid_n * TN
-        for kk in range(k_tiles):
-            slot = p % S
-            mbarrier.wait(empty.index(slot), ((p // S) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma_load(a_desc, [off_m, kk * TK], ready.index(slot), a_bufs.index(slot))
-            tma_load(b_desc, [off_n, kk * TK], ready.index(slot), b_bufs.index(slot))
-            p += 1
-            if PRODUCER and kk == min(RES_AT, k_tiles - 1):
-                mbarrier.wait(io_empty, (i & 1) ^ 1)
-                mbarrier.expect(io_ready, res_desc.block_type.nbytes)
-                tma_load(res_desc, [off_m, off_n], io_ready, io)
 
 
 @gluon.jit
@@ -184,21 +114,9 @@ def ws_producer_kernel(a_desc, b_desc, res_desc, x_desc, h_desc, gamma_ptr, ss_p
     gl.warp_specialize([
         (consumer, (x_desc, h_desc, a_bufs, b_bufs, io, ready, empty, io_ready, io_empty, gamma_ptr, ss_ptr,
                     M, N, K, stride_ss, PRODUCER, H_FROM_X16, GROUP_M, num_warps)),
-        (loader, (a_desc, b_desc, res_desc, a_bufs, b_bufs, io, ready, empty, io_ready, io_empty, M, N, K,
-                  PRODUCER, GROUP_M)),
+        (loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, True, GROUP_M, res_desc, io, io_ready,
+                  io_empty, RES_AT if PRODUCER else -1)),
     ], [1], [LOADER_REGS])
-
-
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int32: gl.int32,
-             torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
-"""Gluon's dtype of each tensor dtype a TMA descriptor here takes (int32: packed bf16 pairs, in experiments; fp8: the
-SwiGLU dgrad's operands)."""
-
-
-def tma_desc(t: torch.Tensor, block: list[int]):
-    """A host TMA descriptor of ``t`` in ``block`` tiles, with the default NVMMA shared layout for that tile."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype]))
 
 
 def ws_producer(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,

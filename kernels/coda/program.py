@@ -279,7 +279,7 @@ class Declaration:
     def inputs_fn(self, name: str, tile: Callable = tile_desc) -> Callable:
         """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's inputs, declared flags
         and vectors, a :class:`Tile`'s pointer replaced by its descriptor (``tile``: or a pointer
-        :class:`kernels.coda.epilogue.Block`, or a Gluon program's :class:`kernels.coda.gluon_program.Block`; blocks
+        :class:`kernels.coda.epilogue.Block`, or the Gluon program's :func:`kernels.coda.gluon_program.block`; blocks
         (BM, BN * wide); its row stride the next of ``strides``)."""
         items, t = [], 0
         for k, i in enumerate((*self.inputs, *self.call_flags, *self.vectors)):
@@ -324,7 +324,7 @@ class Declaration:
         sizes, the declaration's parameters, the schedule's constexprs; its body :func:`kernels.coda.gluon_program.
         gluon_program`."""
         from triton.experimental import gluon
-        from kernels.coda.gluon_program import Block as GluonBlock, gluon_program
+        from kernels.coda.gluon_program import block, gluon_program
         head, consts = "a_desc, b_desc, sa_ptr, sb_ptr, M, N, K", "B_NK, SCALED, INSTR_K, S, GROUP_M, MMA_W, SUB_M"
         params = [*head.split(", "), *self._params(), *(f"{c}: tl.constexpr" for c in consts.split(", ")),
                   "num_warps: tl.constexpr"]
@@ -333,7 +333,7 @@ class Declaration:
         cs = "cs_ptr, stride_cs" if self.col_sum else "sa_ptr, 0"
         tail = f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, {consts}, num_warps"
         body = self._body("gluon_program", head, "sa_ptr", tail)
-        scope = {**self._scope(name), "INPUTS": self.inputs_fn(f"{name}_inputs", GluonBlock),
+        scope = {**self._scope(name), "INPUTS": self.inputs_fn(f"{name}_inputs", block),
                  "gluon_program": gluon_program}
         return gluon.jit(self._compile(name, params, body, scope))
 

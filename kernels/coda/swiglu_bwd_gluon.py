@@ -29,8 +29,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from kernels.coda.mainloop_gluon import BN, MMA_REGS, WsGemm, loader, mma, ws_buffers
-from kernels.coda.producer_gluon import LOADER_REGS, local_tiles, thread_barrier, tile_coords
+from kernels.coda.mainloop_gluon import BN, LOADER_REGS, MMA_REGS, WsGemm, local_tiles, loader, mma, thread_barrier, \
+    tile_coords, ws_buffers
 from kernels.coda.reduce import finish_row_sum
 from workloads.fp8 import Fp8, Recipe, promoted
 
