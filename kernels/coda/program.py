@@ -70,10 +70,11 @@ from kernels.coda.tile_programs import blocks_program, fused_program
 from workloads.fp8 import Fp8, Recipe, promoted
 from workloads.ops import OPS
 
-try:  # the Gluon variants (kernels.coda.gluon_program, which builds on this module: imported where one is built or
-    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401  (run) need Triton's Gluon for Hopper
+try:  # Triton's Gluon for Hopper, which the Gluon variants need (kernels.coda.gluon_program builds on this module:
+    # it is imported where a variant is built or run); without it, the fused and split paths only
+    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
     HAS_GLUON = True
-except ImportError:  # without it, the fused and split paths only
+except ImportError:
     HAS_GLUON = False
 
 MAX_OUTPUTS = 2
