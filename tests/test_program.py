@@ -259,6 +259,9 @@ def test_bad_declarations_fail_at_import():
         coda(pairs_and_sums, outputs=(Output("p", sumsq=True), Output("z")), row_sum=True, finish=_sums)
     with pytest.raises(ValueError, match=r"already use: \['a_ptr', 'stride_a'\]"):
         coda(shift_square, outputs=(Output("a"),))
+    for block in ((16, 96), (0, 256), (16,)):
+        with pytest.raises(ValueError, match="split_block is"):
+            coda(shift_square, outputs=(Output("u"),), inputs=("c_ptr",), split_block=block)
 
 
 def _tuning_signature(kernel, call) -> str:

@@ -381,6 +381,8 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
                        row_sum, col_sum, any("EPI_SUB" in c.kwargs for c in configs or ()), tuple(split_block))
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
         raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
+    if len(decl.split_block) != 2 or any(n < 1 or n & (n - 1) for n in decl.split_block):
+        raise ValueError(f"split_block is (BM, BN), two powers of two, got {split_block!r}")
     if decl.sumsq_of >= 0 and row_sum:
         raise ValueError("an epilogue keeps one kind of row sums: a sumsq output or row_sum")
     if (decl.sumsq_of >= 0 or row_sum or col_sum or bool(vectors)) != (finish is not None):
