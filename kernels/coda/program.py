@@ -1,5 +1,5 @@
-"""A CODA kernel declared once, as its epilogue: from the declaration, the fused kernel, its split twin and the host
-function that chooses between them.
+"""A CODA kernel declared once, as its epilogue: from the declaration, the fused kernel, its split kernel, its Gluon
+variant and the host function that chooses between them.
 
 An epilogue is a ``@triton.jit`` function of one fp32 tile ``z`` of ``A @ B`` (dequantized, times the row scale
 when the kernel has one) that returns the fp32 tiles of its outputs, in the declared order::
