@@ -68,7 +68,6 @@ def full(shape, value, dtype, _semantic=None):
     return _semantic.full(shape, value, dtype, *_layout(_semantic))
 
 
-
 @tl.core.builtin
 def like(x, y, _semantic=None):
     """x in the layout of y, a tile of x's shape: in a Gluon kernel, a layout conversion where they differ (the
@@ -76,7 +75,6 @@ def like(x, y, _semantic=None):
     if _layout(_semantic) and x.type.layout != y.type.layout:
         return _semantic.convert_layout(x, y.type.layout)
     return x
-
 
 
 @tl.core.builtin

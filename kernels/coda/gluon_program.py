@@ -20,10 +20,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from kernels.coda.epilogue import Block, dequant, dequant_scale, load_rows
+from kernels.coda.epilogue import Block
 from kernels.coda.mainloop_gluon import EPI_WARPS, LOADER_REGS, MMA_REGS, local_tiles, loader, mma, thread_barrier, \
     tile_coords, ws_buffers
-from kernels.coda.tile_programs import tile_epilogue
+from kernels.coda.tile_programs import scaled_rows, tile_epilogue
 
 SUB_M = 32
 """Rows of an epilogue sub-tile."""
@@ -46,7 +46,7 @@ def epilogue_partition(acc_buf, acc_ready, acc_empty, sa_ptr, sb_ptr, M, N, row_
                        COLS: gl.constexpr, WIDE: gl.constexpr, STORE: gl.constexpr, SUMSQ_OF: gl.constexpr,
                        ROW_SUM: gl.constexpr, COL_SUM: gl.constexpr, AMAX_OF: gl.constexpr, AMAX: gl.constexpr,
                        SCALING: gl.constexpr, GROUP_M: gl.constexpr, SUB_M: gl.constexpr, num_warps: gl.constexpr):
-    """Per tile of this program, per row sub-tile of the accumulator: what :func:`kernels.coda.program.
+    """Per tile of this program, per row sub-tile of the accumulator: what :func:`kernels.coda.tile_programs.
     fused_program` does per column sub-tile, the partials stored per sub-tile."""
     TM: gl.constexpr = acc_buf.type.shape[0]
     TN: gl.constexpr = acc_buf.type.shape[1]
@@ -60,11 +60,7 @@ def epilogue_partition(acc_buf, acc_ready, acc_empty, sa_ptr, sb_ptr, M, N, row_
         for r in gl.static_range(TM // SUB_M):
             off_m = pid_m * TM + r * SUB_M
             acc = acc_buf.slice(r * SUB_M, SUB_M).load(LAYOUT)
-            if ROW_SCALE:
-                z = dequant_scale(acc, load_rows(row_ptr, off_m, M, SUB_M), sa_ptr, sb_ptr, off_m, off_n, M, N,
-                                  SUB_M, TN, SCALING)
-            else:
-                z = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, SUB_M, TN, SCALING)
+            z = scaled_rows(acc, row_ptr, sa_ptr, sb_ptr, off_m, off_n, M, N, SUB_M, TN, SCALING, ROW_SCALE)
             tile_epilogue(z, args, off_m, off_n, M, N, outs, strides, ss_ptr, amax_ptr, stride_part, cs_ptr,
                           stride_cs, EPILOGUE, TILE, NOUT, COLS, WIDE, STORE, SUMSQ_OF, ROW_SUM, COL_SUM, AMAX_OF,
                           AMAX, SUB_M, TN)

@@ -50,6 +50,7 @@ import functools
 import inspect
 import linecache
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -78,11 +79,11 @@ except ImportError:
     HAS_GLUON = False
 
 MAX_OUTPUTS = 2
+"""Outputs an epilogue may declare (the programs spell each one out)."""
 SPLIT_BLOCK = (16, 256)
 """(BM, BN) of the built split kernel's blocks on the GPU, unless a declaration names its own (``split_block``; the
 interpreter: 16 x 32). Measured on an H200 at M = 16384 (the producer's split path, ms, against the row loop of
 16 x 256 descriptor tiles before it): 0.287 / 0.918 / 3.54 at 1B / 7B / 70B against 0.312 / 0.943 / 3.49."""
-"""Outputs an epilogue may declare (the programs below spell each one out)."""
 RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "cs_ptr", "stride_ss", "stride_amax", "stride_cs",
             "EPI_SUB", "AMAX", "BM", "BN")
 """Parameter names of the built kernels besides the mainloop block, which no input, output or flag may take."""
@@ -259,7 +260,11 @@ class Declaration:
                 *(["AMAX: tl.constexpr"] if self.amax_of >= 0 else [])]
 
     def _body(self, program: str, head: str, unused: str, tail: str) -> list[str]:
-        """The entry's one line: the program's call."""
+        """The entry's one line: the program's call, ``head`` first, ``tail`` last; ``unused``: the parameter that
+        stands in for a pointer the declaration has not (the row scale, a partial)."""
+        ptr = {p: f"{p}_ptr" if p in self.partials else unused for p in ("ss", "amax")}
+        stride = f"stride_{self.partials[0]}" if self.partials else "0"
+        cs = "cs_ptr, stride_cs" if self.col_sum else f"{unused}, 0"
         outs = [o.name for o in self.outputs]
         ptrs = [*(f"{i.name}_ptr" if isinstance(i, Tile) else i for i in self.inputs), *self.call_flags,
                 *self._vectors()]
@@ -270,7 +275,8 @@ class Declaration:
                   f"({store},), {self.sumsq_of}, {self.row_sum}, {self.col_sum_of}")
         return [f"{program}({head}, {f'{self.row_scale}_ptr' if self.row_scale else unused}, {_tuple(ptrs)}, "
                 f"{_tuple(tiles)}, {_tuple([f'{n}_ptr' for n in outs])}, {_tuple([f'stride_{n}' for n in outs])}, "
-                f"{tail.format(consts=consts, amax='AMAX' if self.amax_of >= 0 else 'False')})"]
+                f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {consts}, {self.amax_of}, "
+                f"{'AMAX' if self.amax_of >= 0 else 'False'}, {tail})"]
 
     def _scope(self, kernel: str) -> dict[str, Callable]:
         tile = self.tile or triton.jit(self._compile(f"{kernel}_tile", ["z", "args", "off_m", "M", "N",
@@ -298,12 +304,7 @@ class Declaration:
         first = MAINLOOP_PARAMS.index("SCALING")  # the block's constexprs
         params = [*MAINLOOP_PARAMS[:first], *(f"{p}: tl.constexpr" for p in MAINLOOP_PARAMS[first:]),
                   *self._params(), *(["EPI_SUB: tl.constexpr"] if self.subtiled else [])]
-        ptr = {p: f"{p}_ptr" if p in self.partials else "a_ptr" for p in ("ss", "amax")}
-        stride = f"stride_{self.partials[0]}" if self.partials else "0"
-        sub = "EPI_SUB" if self.subtiled else "1"
-        cs = "cs_ptr, stride_cs" if self.col_sum else "a_ptr, 0"
-        tail = f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, {sub}"
-        body = self._body("fused_program", ", ".join(MAINLOOP_PARAMS), "a_ptr", tail)
+        body = self._body("fused_program", ", ".join(MAINLOOP_PARAMS), "a_ptr", "EPI_SUB" if self.subtiled else "1")
         entry = self._compile(name, params, body, {"fused_program": fused_program, **self._scope(name)})
         return coda_autotune(key=("M", "N", "K", *self.flags), configs=configs,
                              restore_value=[f"{o}_ptr" for o in restore])(triton.jit(entry))
@@ -311,11 +312,7 @@ class Declaration:
     def rows_kernel(self, name: str) -> Callable:
         """The split kernel over the GEMM output; its body :func:`kernels.coda.tile_programs.blocks_program`."""
         params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(), "BM: tl.constexpr", "BN: tl.constexpr"]
-        ptr = {p: f"{p}_ptr" if p in self.partials else "gemm_ptr" for p in ("ss", "amax")}
-        stride = f"stride_{self.partials[0]}" if self.partials else "0"
-        cs = "cs_ptr, stride_cs" if self.col_sum else "gemm_ptr, 0"
-        body = self._body("blocks_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr",
-                          f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, BM, BN")
+        body = self._body("blocks_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr", "BM, BN")
         scope = {**self._scope(name), "INPUTS": self.inputs_fn(f"{name}_inputs", Block),
                  "blocks_program": blocks_program}
         return triton.jit(self._compile(name, params, body, scope))
@@ -329,11 +326,7 @@ class Declaration:
         head, consts = "a_desc, b_desc, sa_ptr, sb_ptr, M, N, K", "B_NK, SCALED, INSTR_K, S, GROUP_M, MMA_W, SUB_M"
         params = [*head.split(", "), *self._params(), *(f"{c}: tl.constexpr" for c in consts.split(", ")),
                   "num_warps: tl.constexpr"]
-        ptr = {p: f"{p}_ptr" if p in self.partials else "sa_ptr" for p in ("ss", "amax")}
-        stride = f"stride_{self.partials[0]}" if self.partials else "0"
-        cs = "cs_ptr, stride_cs" if self.col_sum else "sa_ptr, 0"
-        tail = f"{ptr['ss']}, {ptr['amax']}, {stride}, {cs}, {{consts}}, {self.amax_of}, {{amax}}, {consts}, num_warps"
-        body = self._body("gluon_program", head, "sa_ptr", tail)
+        body = self._body("gluon_program", head, "sa_ptr", f"{consts}, num_warps")
         scope = {**self._scope(name), "INPUTS": self.inputs_fn(f"{name}_inputs", block),
                  "gluon_program": gluon_program}
         return gluon.jit(self._compile(name, params, body, scope))
@@ -538,15 +531,17 @@ def _launch_gluon(gemm: Any, kernel: Callable, args: dict[str, Any]) -> None:
 
 def _run_gemm(decl: Declaration, g: Gemm, named: dict[str, Any], finish: Callable[..., tuple] | None, gemm: Any,
               rows: Callable[[], torch.Tensor], cols: Callable[[], torch.Tensor],
-              launch: Callable[[dict[str, Any]], None], tiles: Callable[[], tuple[int, int]]) -> Any:
-    """One call of a kernel with the GEMM in it (``gemm``: its operands set up, ``M``, ``N``, ``device``,
-    ``out_dtype``): the outputs, partials (``rows()``: new row partials [M, >= n_tiles], ``cols()``: column ones)
-    and vectors allocated, ``launch(args)`` with the declaration's parameters by name, then the results from the
+              launch: Callable[[dict[str, Any]], None], tiles: Callable[[], tuple[int, int]],
+              reuse: dict[int, torch.Tensor] | None = None) -> Any:
+    """One call of a declared kernel (``gemm``: the GEMM output's ``M``, ``N``, ``device`` and ``out_dtype``; the
+    fused and Gluon kernels' operands set up): the outputs (those of ``reuse`` by index: the split path's GEMM
+    output, written over), partials (``rows()``: new row partials [M, >= n_tiles], ``cols()``: column ones) and
+    vectors allocated, ``launch(args)`` with the declaration's parameters by name, then the results from the
     (m_tiles, n_tiles) that ``tiles()`` gives after the launch."""
     asked = _Asked.of(decl, named)
     M, N = gemm.M, gemm.N
     outs = asked.outputs(decl, g, M, N, gemm.device,
-                         [named[o.like].dtype if o.like else gemm.out_dtype for o in decl.outputs], {})
+                         [named[o.like].dtype if o.like else gemm.out_dtype for o in decl.outputs], reuse or {})
     # an output not asked for: a placeholder never written (another output, else the row scale or an input)
     inputs = _inputs(decl, g)
     live = next(t for t in (*outs, g.row_scale, *inputs) if isinstance(t, torch.Tensor))
@@ -575,32 +570,18 @@ def _run_gemm(decl: Declaration, g: Gemm, named: dict[str, Any], finish: Callabl
 
 def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
                finish: Callable[..., tuple] | None) -> Any:
-    asked = _Asked.of(decl, named)
     c = split_matmul(g.a, g.b, g.recipe)
     M, N = c.shape
     dtypes = [named[o.like].dtype if o.like else c.dtype for o in decl.outputs]
     inplace = next((i for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))
                     if o.cols == o.wide == 1 and dt == c.dtype and o.name not in g.outputs), -1)
-    outs = [c if t is None else t  # an output not asked for: the GEMM output, never written
-            for t in asked.outputs(decl, g, M, N, c.device, dtypes, {inplace: c})]
     bm, bn = (16, 32) if INTERPRET else decl.split_block
     m_tiles, n_tiles = triton.cdiv(M, bm), triton.cdiv(N, bn)
-    rows = functools.partial(torch.empty, M, n_tiles, device=c.device, dtype=torch.float32)
-    ss = rows() if "ss" in decl.partials else None
-    amax = rows() if asked.recipe else None
-    parts = {"ss": ss, "amax": amax}
-    inputs = _inputs(decl, g)
-    tiles = [v for i, v in zip(decl.inputs, inputs) if isinstance(i, Tile)]
-    cs = torch.empty(m_tiles, N, device=c.device, dtype=torch.float32) if decl.col_sum else None
-    vectors = {v: torch.zeros(M, device=c.device, dtype=torch.float32) for v in decl.vectors}
-    spare = next((t for t in (ss, amax) if t is not None), c)  # a partial not asked for points at one that is
-    kernel[(m_tiles, n_tiles)](c, M, N, c.stride(0), *([g.row_scale] if decl.row_scale else []), *inputs, *outs,
-                               *(spare if parts[p] is None else parts[p] for p in decl.partials),
-                               *([cs] if cs is not None else []), *vectors.values(),
-                               *(t.stride(0) for t in tiles + outs), *([spare.stride(0)] if decl.partials else []),
-                               *([cs.stride(0)] if cs is not None else []), **asked.kernel_flags(decl, g), BM=bm, BN=bn)
-    results = asked.results(decl, [t if s else None for t, s in zip(outs, asked.stored)], amax, n_tiles)
-    return _returned(finish(named, g, results, Partials(ss, n_tiles, cs, m_tiles, vectors)) if finish else results)
+    empty = functools.partial(torch.empty, device=c.device, dtype=torch.float32)
+    out = SimpleNamespace(M=M, N=N, device=c.device, out_dtype=c.dtype)
+    return _run_gemm(decl, g, named, finish, out, lambda: empty(M, n_tiles), lambda: empty(m_tiles, N),
+                     lambda args: kernel[(m_tiles, n_tiles)](c, M, N, c.stride(0), **args, BM=bm, BN=bn),
+                     lambda: (m_tiles, n_tiles), reuse={inplace: c})
 
 
 class Entry(Implementation):

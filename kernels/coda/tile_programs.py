@@ -59,6 +59,18 @@ def _sums(res, ss, cs_ptr, off_m, off_n, N, stride_cs, NOUT: tl.constexpr, ROW_S
 
 
 @triton.jit
+def scaled_rows(acc, row_ptr, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr,
+                SCALING: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """The (BM, BN) accumulator tile at (off_m, off_n) dequantized (SCALING) and, with ROW_SCALE, times the row scale
+    at ``row_ptr``: the epilogue's ``z``."""
+    if ROW_SCALE:
+        z = dequant_scale(acc, load_rows(row_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+    else:
+        z = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+    return z
+
+
+@triton.jit
 def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCALING: tl.constexpr,
                   PROMOTE: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, GROUP_M: tl.constexpr, row_ptr, args, in_strides, outs, strides, ss_ptr,
@@ -80,11 +92,7 @@ def fused_program(a_ptr, b_ptr, sa_ptr, sb_ptr, M, N, K, stride_a, stride_b, SCA
     for tile_id in tl.range(tl.program_id(0), num_tiles(M, N, BM, BN), tl.num_programs(0), flatten=True):
         off_m, off_n = tile_coords(tile_id, M, N, BM, BN, GROUP_M)
         acc = mainloop(a_desc, b_desc, off_m, off_n, K, BM, BN, BK, A_KM, B_KN, PROMOTE)
-        if ROW_SCALE:
-            z = dequant_scale(acc, load_rows(row_ptr, off_m, M, BM), sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN,
-                              SCALING)
-        else:
-            z = dequant(acc, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING)
+        z = scaled_rows(acc, row_ptr, sa_ptr, sb_ptr, off_m, off_n, M, N, BM, BN, SCALING, ROW_SCALE)
         z, tile_args = TILE(z, args, off_m, M, N, BM)
         ss = tl.zeros((BM,), dtype=tl.float32)
         amax = tl.zeros((BM,), dtype=tl.float32)
