@@ -399,7 +399,8 @@ def with_split(split: Callable, safe: Callable[[dict[str, Any]], dict[str, Any]]
                ) -> Callable:
     """Decorate a fused host function: each call runs it, ``split`` or ``gluon`` (same signature, same results), by
     :class:`Chooser`. ``safe`` maps a call's arguments to ones a measurement may repeat (no input written in place;
-    the same shapes and dtypes, and no work launched: the call's key is read from them); ``fuses`` whether the fused kernel can take a call at all (else split).
+    the same shapes and dtypes, and no work launched: the call's key is read from them); ``fuses`` whether the
+    fused kernel can take a call at all (else split).
     The decorated function keeps the first two as ``.fused`` and ``.split``, and its chooser as ``.chooser``."""
 
     def deco(fused: Callable) -> Callable:

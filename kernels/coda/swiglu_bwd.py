@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from kernels.coda.align import aligned, empty_rows, meets_rule
-from kernels.coda.epilogue import join_pairs, like, load_block, load_tile, silu_mul_pairs_bwd, split_pairs, store_block, \
-    store_row_partial
+from kernels.coda.epilogue import join_pairs, like, load_block, load_tile, silu_mul_pairs_bwd, split_pairs, \
+    store_block, store_row_partial
 from kernels.coda.mainloop import INTERPRET, subtiled_configs
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_row_sum
