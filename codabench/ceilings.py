@@ -42,13 +42,14 @@ def _operands(g: Gemm, dtype: torch.dtype, device: torch.device) -> tuple[torch.
 def gemm_call(g: Gemm, dtype: str, device: torch.device, fp8_accum: str = "fast") -> Callable[[Any], Any]:
     """``fn(state)`` (state ignored) that runs the plain GEMM once, on random operands."""
     recipe = fp8.recipe(dtype, fp8_accum)
-    if recipe is not None:
-        a = torch.randn(g.m, g.k, device=device).to(torch.float8_e4m3fn)
-        b = torch.randn(g.n, g.k, device=device).to(torch.float8_e4m3fn).t()
+    if recipe is not None:  # K and N padded to the multiples of 16 torch._scaled_mm takes
+        k, n = fp8.mm_size(g.k), fp8.mm_size(g.n)
+        a = torch.randn(g.m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
         # rowwise scales on the forward GEMMs (B a weight stored (n, k)); a dgrad's operands are per tensor
         rowwise = recipe.rowwise and g.b_layout == "nk"
         sa = torch.ones((g.m, 1) if rowwise else (), device=device)
-        sb = torch.ones((1, g.n) if rowwise else (), device=device)
+        sb = torch.ones((1, n) if rowwise else (), device=device)
         fast = not fp8.promoted(recipe)
         return lambda _: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
     tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]

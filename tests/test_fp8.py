@@ -137,6 +137,29 @@ def test_scaled_mm_dgrad_is_the_dequantized_matmul(dtype):
     assert rel_err(out, ref) < 4e-3
 
 
+@pytest.mark.parametrize("dtype", fp8.FP8_DTYPES)
+def test_scaled_mm_gemms_run_at_a_k_and_n_off_the_multiple_of_16(dtype, monkeypatch):
+    """CUDA's torch._scaled_mm takes K and N in multiples of 16 only (the CPU's takes any): the GEMMs pad the operands
+    there, so the PyTorch error of an fp8 cell at such a shape (a 50257 vocabulary) exists, with the same values."""
+    rec, g = fp8.recipe(dtype), torch.Generator().manual_seed(3)
+    x, w = torch.randn(30, 40, generator=g).bfloat16(), (torch.randn(50, 40, generator=g) / 9).bfloat16()
+    wq = fp8.quantize_as(w, "weight", rec)
+    unpadded = fp8.ScaledMMGemms(rec).linear(x, wq)  # the CPU's _scaled_mm takes any shape
+    scaled_mm = torch._scaled_mm
+
+    def cuda_rule(a, b, *args, **kwargs):
+        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", cuda_rule)
+    out = fp8.ScaledMMGemms(rec).linear(x, wq)
+    assert out.shape == (30, 50)
+    torch.testing.assert_close(out, unpadded, rtol=0, atol=0)
+    dy = torch.randn(30, 50, generator=g).bfloat16()
+    dgrad = fp8.ScaledMMGemms(rec).dgrad(dy, fp8.quantize_as(w, "weight_bwd", rec))
+    assert dgrad.shape == (30, 40)
+
+
 # ---- which cells exist ----------------------------------------------------------------------------
 
 def test_fp8_cells_are_forward_and_dgrad_ops_only():

@@ -163,6 +163,24 @@ class TorchGemms:
 
 SCALED_MM_MIN_CAPABILITY = (8, 9)
 """``torch._scaled_mm`` on CUDA needs fp8 tensor cores: Ada / Hopper and newer."""
+SCALED_MM_MULTIPLE = 16
+"""``torch._scaled_mm`` takes K and N in multiples of 16 only."""
+
+
+def mm_size(n: int) -> int:
+    """``n`` rounded up to :data:`SCALED_MM_MULTIPLE`."""
+    return -(-n // SCALED_MM_MULTIPLE) * SCALED_MM_MULTIPLE
+
+
+def padded(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """2-D fp8 ``data`` zero-padded to (rows, cols), or ``data`` itself where it has that shape: an operand
+    ``torch._scaled_mm`` takes (:func:`mm_size`). Zeros along K add nothing to the products; the output columns of
+    zero weight rows are cut off by the caller."""
+    if data.shape == (rows, cols):
+        return data
+    out = torch.zeros(rows, cols, dtype=torch.uint8, device=data.device)
+    out[:data.shape[0], :data.shape[1]] = data.view(torch.uint8)
+    return out.view(data.dtype)
 
 
 @dataclass(frozen=True)
@@ -171,15 +189,22 @@ class ScaledMMGemms(TorchGemms):
 
     Weights come pre-quantized (:func:`quantize_operands`; a ``weight_bwd`` is stored transposed, so
     ``dgrad(dy, w)`` is ``dy @ w``); an activation or gradient given as a plain tensor is quantized here,
-    inside the timed region, as a real fp8 pipeline must do with its intermediate activations.
+    inside the timed region, as a real fp8 pipeline must do with its intermediate activations. Where K or N is not
+    a multiple of 16, the operands are zero-padded in the call (:func:`padded`), a copy inside the timed region at
+    such shapes only.
     """
 
     recipe: Recipe
 
     def _mm(self, x: torch.Tensor | Fp8, w: Fp8, role: str) -> torch.Tensor:
         xq = x if isinstance(x, Fp8) else quantize_as(x, role, self.recipe)
-        return torch._scaled_mm(xq.data, w.data.t(), xq.scale, w.scale.t(), out_dtype=torch.bfloat16,
-                                use_fast_accum=not promoted(self.recipe))
+        (n, k), sb = w.data.shape, w.scale
+        a, b = padded(xq.data, xq.data.shape[0], mm_size(k)), padded(w.data, mm_size(n), mm_size(k))
+        if sb.numel() > 1 and b.shape[0] > n:  # rowwise: the padding rows' scales
+            sb = torch.cat([sb, sb.new_ones(b.shape[0] - n, 1)])
+        out = torch._scaled_mm(a, b.t(), xq.scale, sb.t(), out_dtype=torch.bfloat16,
+                               use_fast_accum=not promoted(self.recipe))
+        return out[:, :n] if out.shape[1] > n else out
 
     def linear(self, x, w):
         return self._mm(x, w, "act")
