@@ -34,6 +34,9 @@ def planned_status(cfg: RunConfig, registry: Registry, cell: Cell) -> str:
         return (f"skipped: the {cfg.suite} suite runs {cell.impl} only in {'/'.join(allowed)} mode "
                 "(give --modes or --impls to run every mode)")
     stub = Case(OPS[cell.op], cfg.model(cell.model), cell.mode, cell.dtype, cfg.device, {}, cfg.fp8_accum)
+    undefined = stub.op.na_reason(stub.model)
+    if undefined:
+        return undefined
     try:
         reason = registry.get(cell.op, cell.impl).skip_reason(stub)
     except Exception as e:

@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from codabench.case import Case
-from codabench.cli import run_config, run_parser
+from codabench.cli import main, run_config, run_parser
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
 from codabench.execute import differentiable_keys, fresh_leaves
 from codabench.registry import prepared
@@ -28,6 +28,7 @@ from harness_helpers import isolated_registry, make_runner
 from kernel_helpers import launches
 from kernels import hf_train
 from workloads.models import PRESETS, ModelShape, parse_model_spec
+from workloads.op import InputMaker
 from workloads.ops import OPS
 from workloads.ops.train_step import batch_and_seq
 from workloads.suites import PATTERN_OPS, get_suite
@@ -87,6 +88,27 @@ def test_reference_is_transformers_llama_in_float64():
                                                      (48, 40, (2, 24)), (10001, 8192, (73, 137))])
 def test_batch_and_seq(tokens, seq_len, expected):
     assert batch_and_seq(SMALL.with_(tokens=tokens, seq_len=seq_len)) == expected
+
+
+def test_a_step_that_splits_only_into_rows_of_one_token_is_n_a(capsys, tmp_path):
+    """1 token, or a prime count above seq_len, makes rows of 1 token, whose shifted labels are all ignored: the loss
+    is undefined (NaN in every implementation), so the op's cells are n/a there, with the reason."""
+    assert OP.na_reason(SMALL) is None
+    for tokens in (1, 41):  # 41: a prime above SMALL's seq_len of 20
+        assert "rows of 1 token, which have no next-token target" in OP.na_reason(SMALL.with_(tokens=tokens))
+    with isolated_registry():
+        assert main(["--suite", "train", "--model", "w:hidden=48,ffn=64,heads=4,vocab=96,seq_len=20", "--tokens", "41",
+                     "--list", "--no-entry-points", "--out", str(tmp_path / "run")]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train_step")]
+    assert rows and all("n/a: a step of 41 token(s) splits into rows" in line for line in rows)
+
+
+def test_the_first_target_is_never_ignored():
+    """A mean loss over the targets has a term at any token count: the first of an op's targets, and the train step's
+    first shifted label (its first row's second), are never the ignored -100 (5% of the others are)."""
+    assert (InputMaker(torch.float32, CPU, 0).targets(64, 10, ignore_frac=1.0) != -100).tolist() == [True] + [False] * 63
+    model = SMALL.with_(tokens=4, seq_len=2)
+    assert all(OP.make_inputs(model, torch.float32, CPU, seed)["labels"][0, 1] != -100 for seed in range(200))
 
 
 def test_flops_are_the_gemms_and_causal_attention():

@@ -111,6 +111,11 @@ class Op:
         """Inputs computed from other inputs (saved statistics), recomputed after fp8 rounding; default: none."""
         return inputs
 
+    def na_reason(self, model: ModelShape) -> str | None:
+        """Why the op is not defined at ``model``'s shape (an ``n/a: ...`` reason for each of its cells), or None;
+        default: always defined."""
+        return None
+
     def has_cell(self, mode: str, dtype: str) -> bool:
         """Whether the matrix has this (mode, dtype): fp8 covers forward and direct ops with fp8 operands."""
         if mode not in self.modes:
@@ -168,8 +173,11 @@ class InputMaker:
         return self.normal(n, std=0.1, mean=1.0)
 
     def targets(self, m: int, vocab: int, ignore_frac: float = 0.05) -> torch.Tensor:
+        """``m`` class targets in [0, vocab), about ``ignore_frac`` of them -100 (ignored), never the first: a mean
+        loss over them has at least one term (a few tokens would otherwise draw all ignored, a NaN loss)."""
         t = torch.randint(0, vocab, (m,), generator=self.gen, device=self.device)
         drop = torch.rand(m, generator=self.gen, device=self.device) < ignore_frac
+        drop[0] = False
         return t.masked_fill(drop, -100)
 
     def positions(self, m: int, seq_len: int) -> torch.Tensor:

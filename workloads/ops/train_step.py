@@ -76,8 +76,17 @@ class TrainStep(Op):
         shape = batch_and_seq(model)
         ids = mk.targets(model.tokens, model.vocab, ignore_frac=0.0)
         drop = torch.rand(model.tokens, generator=mk.gen, device=mk.device) < 0.05
+        drop[1:2] = False  # the first row's second label, the first token's shifted target: the loss has a term
         inp["input_ids"], inp["labels"] = ids.view(shape), ids.masked_fill(drop, R.IGNORE_INDEX).view(shape)
         return inp
+
+    def na_reason(self, model):
+        batch, seq = batch_and_seq(model)
+        if seq < 2:
+            return (f"n/a: a step of {model.tokens} token(s) splits into rows of at most seq_len = {model.seq_len} "
+                    f"tokens only as rows of 1 token, which have no next-token target; give --tokens a count that "
+                    f"splits into rows of 2 to {model.seq_len} tokens")
+        return None
 
     def reference(self, inp, model, mm=None):  # no fp8 cells: mm unused
         layers = [{k: inp[layer_weight(i, k)] for k in R.LLAMA_LAYER_WEIGHTS} for i in range(model.layers)]
