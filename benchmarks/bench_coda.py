@@ -1,7 +1,7 @@
 """The CODA kernels one by one: the harness's ``kernels`` suite, then a compact table of its results.
 
     python benchmarks/bench_coda.py [--models llama-1b,llama-7b,llama-70b] [--tokens 16384]
-                                    [--kernels producer_out,...] [--no-compile] [--model-check] [run_bench.py flags]
+                                    [--kernels producer_out,...] [--no-compile] [run_bench.py flags]
 
 This runs ``run_bench.py --suite kernels`` (:func:`codabench.cli.main`): each CODA kernel's host call alone
 (``coda-triton``; the ops of ``workloads.suites.KERNEL_SUITE_OPS``, forward then backward) per model, in bf16, beside
@@ -21,16 +21,14 @@ Flags: ``--kernels`` names the ops (``--ops``), ``--no-compile`` leaves torch-co
 torch-eager,coda-triton``: no compiling, and no ``vs compile``), ``--models`` and ``--tokens`` go to the run as they
 are, and so does any other flag of run_bench.py (``--reps``, ``--rounds``, ``--check-tokens``, ``--out``, ``--resume``,
 ``--plugin``, ``--impls``, ``--dtypes`` ...). Without a GPU the suite runs on the CPU with the Triton interpreter
-when given models and dtypes (``--models tiny --dtypes fp32``). ``--model-check`` (GPU, about a minute more: new
-shapes to autotune) then checks the CODA Llama (kernels/coda/model.py) against the standard unfused Llama in bf16,
-loss and every parameter gradient under the same rule (also ``CODABENCH_TEST_GPU=1 pytest tests/test_coda_model.py
--k gpu``). The exit code is the run's (:data:`codabench.cli.EXIT_OK` ...), or 1 when only the model check failed.
+when given models and dtypes (``--models tiny --dtypes fp32``). The whole model on the CODA kernels is checked by the
+``train`` suite (``hf-coda``) and ``tests/test_hf.py``. The exit code is the run's (:data:`codabench.cli.EXIT_OK`
+...).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, also without pip install -e .
@@ -59,7 +57,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--kernels", help="comma-separated ops of the suite (default: all of workloads.suites."
                    "KERNEL_SUITE_OPS)")
     p.add_argument("--no-compile", action="store_true", help="leave torch-compile out (no compiling)")
-    p.add_argument("--model-check", action="store_true", help="also check the CODA Llama against the standard Llama")
     p.add_argument("--out", type=Path, help="run directory (default: reports/kernels-<date>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (default: the newest)")
     return p.parse_known_args(argv)
@@ -126,23 +123,6 @@ def table(run_dir: Path) -> list[str]:
     return lines
 
 
-def model_check(device: str = "cuda") -> list[str]:
-    """The CODA Llama vs the standard unfused Llama in bf16 (2 layers, GQA, M = 2048): one line per tensor."""
-    import torch
-
-    from kernels.coda.model import check_equivalence
-    from workloads.models import ModelShape
-
-    shape = ModelShape("check-small", hidden=1024, ffn=2816, heads=16, kv_heads=4, head_dim=64, vocab=8192,
-                       tokens=2048, seq_len=1024, rope_theta=500000.0)
-    lines = []
-    for reduction in ("mean", "sum"):
-        for r in check_equivalence(shape, 2, 2, 1024, torch.bfloat16, device, reduction=reduction):
-            lines.append(f"  {reduction:4s} {r.name:22s} ours {r.coda:.2e} torch {r.torch:.2e} "
-                         f"x{r.coda / max(r.torch, 1e-30):.2f}{'' if r.passed else ' FAIL'}")
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     out = args.out or cli.default_out(SUITE, args.resume)
@@ -151,18 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{SUITE} suite, {out}: each kernel against the plain cuBLAS GEMMs of its shape and the unfused "
               "PyTorch math (speedups > 1: the kernel is faster)")
         print("\n".join(table(out)))
-    if args.model_check:
-        print("\nCODA Llama vs standard Llama, bf16, loss and every parameter gradient vs float64:", flush=True)
-        try:
-            lines = model_check()
-        except Exception:  # the table above stands on its own
-            traceback.print_exc(limit=3)
-            return code or cli.EXIT_CELL_ERRORS
-        print("\n".join(lines))
-        failed = sum(line.endswith("FAIL") for line in lines)
-        print(f"model check: {failed} FAIL of {len(lines)}")
-        if failed:
-            return code or cli.EXIT_CELL_ERRORS
     return code
 
 

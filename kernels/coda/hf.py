@@ -1,7 +1,7 @@
 """Hugging Face drop-in: ``apply_coda(model)`` runs a loaded Llama, Mistral or Qwen2 causal LM on the CODA kernels.
 
-The patched model computes the function of :mod:`kernels.coda.model` (CODA's shifted block boundary) from the
-model's own parameters, layer l's modules named as in Hugging Face::
+The patched model computes the Llama with CODA's shifted block boundary (coda-spec "The block") from the model's own
+parameters, layer l's modules named as in Hugging Face::
 
     x_0    = embed_tokens(input_ids)                                          (the model's own embedding)
     qkv_0  = norm_consumer(x_0, g_in_0, Wqkv_0, RoPE)  [+ R_m b_0]             RMSNorm + QKV + RoPE
