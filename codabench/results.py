@@ -56,9 +56,10 @@ the message says why); ``n_sweeps`` = the sweeps (rounds) taken; ``stop`` = why 
 watched ratio within ``--precision``; ``budget``; ``max_sweeps``; ``cpu``; ``blocks``); ``settle_s``, ``settle_mhz``,
 ``settle_w`` = the warm-up before the group's sweeps (until the clock and power settled) and the SM clock and power it
 reached; ``host_ms`` = the median host milliseconds of a timed call (its start event's enqueue to its return; GPU
-sweeps only): each sample starts behind a lead as long as that (:mod:`codabench.sweep`), so ``median_ms`` is the GPU
-time of the call with its launches queued, and a ``host_ms`` above it says the call's host side outlasts its GPU
-work.
+sweeps only): each sample starts behind a lead as long as that (:mod:`codabench.sweep`; at most
+:data:`codabench.timing.LEAD_MAX_MS`), so ``median_ms`` is the GPU time of the call with its launches queued, and a
+``host_ms`` above it says the call's host side outlasts its GPU work (past the lead's cap, the rest of the host time
+is in ``median_ms`` too).
 ``first_call_s`` = wall seconds of the first call at the timed shape, before any sample (torch.compile
 compiling, FlashInfer's JIT, Triton autotuning: each provider's warm-up cost in this process); ``check_s`` = wall
 seconds of the cell's correctness pass at the check shape (its first call there, compiling and tuning; the cell that

@@ -15,8 +15,9 @@ member always sampled after the hottest one).
    The warm-up also times each member's host side (the wall time from its start event's enqueue to its call's
    return) and sets its *lead* (:func:`codabench.timing.lead_ms`): from then on, each sample's start event is
    enqueued behind a spin kernel (the guard's ``torch._C._cuda_sleep``, its cycles per ms measured once) as long as
-   that host time with a margin. While the GPU spins, the host enqueues the call's launches, so a sample is the GPU
-   time of the call with its launches queued, whether or not the host keeps ahead of the GPU: a short call (a 1B
+   that host time with a margin (at most :data:`codabench.timing.LEAD_MAX_MS`: host time past it is in the sample).
+   While the GPU spins, the host enqueues the call's launches, so a sample is the GPU time of the call with its
+   launches queued, whether or not the host keeps ahead of the GPU: a short call (a 1B
    fp8 GEMM takes ~0.1 ms) otherwise waits for each sample's untimed refill and its own launches, and its sample
    holds host time. (NVBench's blocking kernel does the same, released by the host; a spin of measured length
    cannot hang.) The lead hides only what the host does before a launch, never GPU work: a call that reads its
