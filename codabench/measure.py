@@ -586,7 +586,7 @@ class Measurer:
         """PyTorch's (torch-eager's) results on ``case``'s inputs, with the timing's upstream gradients."""
         op = case.op
         grads = self._timing_grads(group, case) if uses_autograd(op, cell.mode) else None
-        return verify.Expected(case, compared(op, cell.mode, run_once(op, TorchEager(op), case, grads)))
+        return verify.Expected(case, compared(op, cell.mode, run_once(op, TorchEager(op), case, grads)), grads)
 
     def _allowed(self, cell: Cell, group: _Group) -> dict[str, float]:
         reference = group.reference()
