@@ -107,6 +107,26 @@ def test_a_config_too_large_for_the_gpu_gives_way_to_the_next_that_fits(tables):
         t.run(None, None, 6000, **LAUNCH)
 
 
+def test_a_known_key_launches_the_kernel_as_autotuners_run_would_without_building_its_key_again(tables,
+                                                                                                  monkeypatch):
+    """A launch whose key has a config goes straight to the kernel's JIT launch with the config's arguments and
+    ``best_config`` set (Autotuner.run would build its key from the ~40 arguments again: ~40 us of host time a
+    launch); the key is the one Autotuner.run files the launch under (its own run finds it: nothing tuned)."""
+    x = torch.zeros(8, dtype=torch.float16)
+    key = json.dumps([4096, "torch.float16", "torch.float16"])
+    tables("Test GPU", {"_copy": {key: cfg(B)}})
+    t = triton.autotune(configs=CONFIGS, key=["N"])(tuner().fn)
+    calls = []
+    monkeypatch.setattr(t.fn, "run", lambda *args, **kwargs: calls.append((args, kwargs)) or "ran")
+    t._bench = lambda *args, **kwargs: pytest.fail("a known key must not be tuned")
+    tuning.attach(t, lambda: "Test GPU")
+    assert t.run(x, y_ptr=x, N=4096, grid=(1,), warmup=False) == "ran" and cfg(t.best_config) == cfg(B)
+    assert calls == [((x,), {"y_ptr": x, "N": 4096, "grid": (1,), "warmup": False, **B.all_kwargs()})]
+    t.best_config = None
+    assert triton.runtime.autotuner.Autotuner.run(t, x, y_ptr=x, N=4096, grid=(1,), warmup=False) == "ran"
+    assert calls[1] == calls[0] and cfg(t.best_config) == cfg(B)
+
+
 def test_a_pruned_config_is_skipped_and_with_no_neighbour_the_first_left_is_taken(tables):
     tables("Test GPU", {"_copy": {"[4096]": cfg(B), "[64]": cfg(A)}})
     t = triton.autotune(configs=CONFIGS, key=["N"],

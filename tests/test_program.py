@@ -458,3 +458,13 @@ def test_a_gluon_variant_launches_with_the_most_ring_stages_that_fit(monkeypatch
     assert tried == [3, 5]
     with pytest.raises(OutOfResources):
         program._launch_gluon(Gemm16(1), object(), {})
+
+
+def test_the_host_arithmetic_is_tritons():
+    """kernels/coda/host.py's plain-Python cdiv and next_power_of_2 (triton's are constexpr functions, ~9 us a host
+    call) give triton's values."""
+    from kernels.coda.host import cdiv, next_power_of_2
+    for a in (*range(0, 70), 16381, 16384, 128256, 151936, 2**31 + 5):
+        assert next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 3, 16, 64, 128, 256):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)

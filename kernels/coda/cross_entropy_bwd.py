@@ -29,6 +29,7 @@ import triton.language as tl
 from kernels.coda.align import aligned, empty_rows
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.gemm import mm, mm_acc
+from kernels.coda.host import cdiv
 from kernels.coda.reduce import check_reduction
 from kernels.coda.rmsnorm_bwd import dgrad_rmsnorm
 
@@ -101,7 +102,7 @@ def rescale_(grad: torch.Tensor, applied: torch.Tensor, *tensors: torch.Tensor) 
             raise ValueError("rescale_ takes 1-D contiguous or 2-D row-major tensors")
         cols = t.shape[-1]
         stride = t.stride(0) if t.dim() == 2 else cols
-        rescale_kernel[(triton.cdiv(t.numel(), RESCALE_BLOCK),)](t, t.numel(), cols, stride, g, applied,
+        rescale_kernel[(cdiv(t.numel(), RESCALE_BLOCK),)](t, t.numel(), cols, stride, g, applied,
                                                                  BLOCK=RESCALE_BLOCK, num_warps=8)
     store_scalar_kernel[(1,)](g, applied)
 

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.coda.align import aligned, empty_rows
 from kernels.coda.epilogue import SCALING_NONE, SCALING_PER_TENSOR, SCALING_ROWWISE, load_tile, store_tile
+from kernels.coda.host import cdiv, next_power_of_2
 from kernels.coda.mainloop import INTERPRET, tile_desc
 from workloads.fp8 import FP8_EXPONENT, Fp8
 
@@ -144,15 +145,15 @@ def quantize_from_partials(x: torch.Tensor, part: torch.Tensor, n_tiles: int, ro
     M, N = x.shape
     q = empty_rows(M, N, fp8_dtype, x.device)
     scale = torch.empty((M, 1) if rowwise else (), device=x.device, dtype=torch.float32)
-    block_t = triton.next_power_of_2(n_tiles)
+    block_t = next_power_of_2(n_tiles)
     block_m = max(1, min(64, 4096 // block_t))
-    n_blocks = triton.cdiv(M, block_m)
+    n_blocks = cdiv(M, block_m)
     block_max = scale if rowwise else torch.empty(n_blocks, device=x.device, dtype=torch.float32)  # scale_kernel's out
     exp = FP8_EXPONENT[fp8_dtype]
     scale_kernel[(n_blocks,)](part, block_max, M, n_tiles, part.stride(0), FP8_EXP=exp, ROWWISE=rowwise,
                               BLOCK_M=block_m, BLOCK_T=block_t)
     bm, bn = (16, 32) if INTERPRET else (32, 256)
-    quantize_kernel[(triton.cdiv(M, bm),)](x, scale, block_max, q, M, N, n_blocks, x.stride(0), q.stride(0),
+    quantize_kernel[(cdiv(M, bm),)](x, scale, block_max, q, M, N, n_blocks, x.stride(0), q.stride(0),
                                            FP8_EXP=exp, ROWWISE=rowwise, BM=bm, BN=bn,
-                                           BLOCK_B=min(BLOCK_MAX_STEP, triton.next_power_of_2(n_blocks)))
+                                           BLOCK_B=min(BLOCK_MAX_STEP, next_power_of_2(n_blocks)))
     return Fp8(q, scale)

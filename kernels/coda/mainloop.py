@@ -20,6 +20,7 @@ The kernel's parameters start with the mainloop block (:data:`kernels.coda.launc
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, Sequence
 
@@ -28,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.coda import tuning
+from kernels.coda.host import cdiv, next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -158,8 +160,8 @@ def _prune(configs, named_args, **kwargs):
     def area(c):
         return c.kwargs["BM"] * c.kwargs["BN"]
 
-    keep = [c for c in configs if fits(c) and c.kwargs["BM"] <= max(64, triton.next_power_of_2(m))
-            and c.kwargs["BN"] <= max(64, triton.next_power_of_2(n)) and (area(c) > 64 * 64 or min(m, n) < 128)]
+    keep = [c for c in configs if fits(c) and c.kwargs["BM"] <= max(64, next_power_of_2(m))
+            and c.kwargs["BN"] <= max(64, next_power_of_2(n)) and (area(c) > 64 * 64 or min(m, n) < 128)]
     # K rows of 128 bytes first (BK = 64 for 16-bit operands, 128 for fp8): the tuned winner of nearly every shipped
     # key, so a key no table vouches for (a GPU without one) starts from it, not from a 16-bit config in fp8
     keep.sort(key=lambda c: c.kwargs["BK"] * elt != 128)
@@ -178,7 +180,9 @@ def coda_autotune(key: Sequence[str] = ("M", "N", "K"), configs: list[triton.Con
     return lambda fn: tuning.attach(autotune(fn), lambda: torch.cuda.get_device_name(torch.cuda.current_device()))
 
 
+@functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
+    """The device's SM count (4 on the CPU: the interpreter's programs); asked at every launch, so cached."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -187,7 +191,7 @@ def num_sms(device: torch.device) -> int:
 def persistent_grid(M: int, N: int, device: torch.device):
     """Grid of min(#SMs, #tiles) programs for the autotuned tile shape (kernels stride by ``tl.num_programs(0)``)."""
     sms = num_sms(device)
-    return lambda meta: (min(sms, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)
+    return lambda meta: (min(sms, cdiv(M, meta["BM"]) * cdiv(N, meta["BN"])),)
 
 
 def _alloc(size: int, alignment: int, stream) -> torch.Tensor:

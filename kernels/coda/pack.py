@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import layouts as L
+from kernels.coda.host import cdiv
 from kernels.coda.mainloop import INTERPRET
 
 MAX_SOURCES = 3
@@ -62,7 +63,7 @@ def copy_rows(packed: torch.Tensor, sources: list[torch.Tensor], index: tuple[to
     srcs = sources + [sources[0]] * (MAX_SOURCES - len(sources))
     index = tuple(t.contiguous() for t in index)
     block_r, block_d, warps = (16, 32, 4) if INTERPRET else (8, 512, 4)
-    pack_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(D, block_d))](packed, *srcs, *index, R, D, packed.stride(0),
+    pack_rows_kernel[(cdiv(R, block_r), cdiv(D, block_d))](packed, *srcs, *index, R, D, packed.stride(0),
                                                                          UNPACK=unpack, BLOCK_R=block_r,
                                                                          BLOCK_D=block_d, num_warps=warps)
 

@@ -24,6 +24,7 @@ from codabench.registry import Native
 from kernels.coda.align import aligned, empty_rows, meets_rule
 from kernels.coda.epilogue import add_tile, cast, load_tile, row_absmax, row_sumsq, scale_cols, store_tile
 from kernels.coda.fp8 import quantize_from_partials
+from kernels.coda.host import cdiv, next_power_of_2
 from kernels.coda.mainloop import subtiled_configs, tile_desc
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_rstd
@@ -111,8 +112,8 @@ def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Recipe |
     h = empty_rows(M, N, x.dtype, x.device)
     rstd = torch.empty(M, device=x.device, dtype=torch.float32)
     amax = torch.empty(M, 1, device=x.device, dtype=torch.float32) if h_fp8 else rstd
-    bm, bn = 16, min(256, triton.next_power_of_2(N))
-    norm_input_kernel[(triton.cdiv(M, bm),)](x, gamma, h, rstd, amax, M, N, x.stride(0), h.stride(0), eps,
+    bm, bn = 16, min(256, next_power_of_2(N))
+    norm_input_kernel[(cdiv(M, bm),)](x, gamma, h, rstd, amax, M, N, x.stride(0), h.stride(0), eps,
                                              AMAX=h_fp8 is not None, BM=bm, BN=bn)
     if h_fp8:
         h = quantize_from_partials(h, amax, 1, rowwise=h_fp8.rowwise_for("act"))

@@ -18,13 +18,13 @@ is this kernel's CPU-tested reference, and tests/test_gpu.py checks the two agai
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from kernels.coda.align import aligned
+from kernels.coda.host import cdiv
 from kernels.coda.mainloop import persistent_grid
 from kernels.coda.mainloop_gluon import (LOADER_REGS, handoff_barriers, loader, local_tiles, ring_barriers,
                                          thread_barrier, tile_coords, tma_desc, tma_store)
@@ -129,7 +129,7 @@ def ws_producer(a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     producer = residual is not None
     x = torch.empty(M, N, device=a.device, dtype=a.dtype)
     h = torch.empty_like(x) if producer else x
-    ss = torch.empty(M, triton.cdiv(N, BN), device=a.device, dtype=torch.float32)
+    ss = torch.empty(M, cdiv(N, BN), device=a.device, dtype=torch.float32)
     io = [BM, BN]
     grid = persistent_grid(M, N, a.device)({"BM": BM, "BN": BN})
     # The plain GEMM reads neither residual nor gamma: x and ss stand in for them.

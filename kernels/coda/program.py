@@ -63,6 +63,7 @@ from kernels.coda.align import aligned, empty_rows, is_aligned
 from kernels.coda.epilogue import Block
 from kernels.coda.fp8 import quantize_from_partials
 from kernels.coda.gemm import split_matmul
+from kernels.coda.host import cdiv
 from kernels.coda.launch import MAINLOOP_PARAMS, FusedGemm
 from kernels.coda.mainloop import INTERPRET, coda_autotune, operand, tile_desc
 from kernels.coda.reduce import col_partials, launched_tiles, row_partials
@@ -209,32 +210,32 @@ class Declaration:
     subtiled: bool
     split_block: tuple[int, int]
 
-    @property
+    @functools.cached_property
     def flags(self) -> tuple[str, ...]:
         """The constexpr flags: of the outputs' ``when`` arguments (``save_preact`` -> ``SAVE_PREACT``), then the
         declared ones."""
         return (*(o.when.upper() for o in self.outputs if o.when), *self.call_flags)
 
-    @property
+    @functools.cached_property
     def col_sum_of(self) -> int:
         """The epilogue's result whose column sums are stored (-1: none): the one after the outputs and row sums."""
         return len(self.outputs) + self.row_sum if self.col_sum else -1
 
-    @property
+    @functools.cached_property
     def amax_of(self) -> int:
         """The output whose row absmax partials the epilogue can store (-1: none)."""
         return next((i for i, o in enumerate(self.outputs) if o.fp8), -1)
 
-    @property
+    @functools.cached_property
     def sumsq_of(self) -> int:
         """The output whose row sums of squares the epilogue stores (-1: none)."""
         return next((i for i, o in enumerate(self.outputs) if o.sumsq), -1)
 
-    @property
-    def partials(self) -> list[str]:
+    @functools.cached_property
+    def partials(self) -> tuple[str, ...]:
         """The partials' pointers, in order (``ss``: row sums, of squares of the sumsq output or of the epilogue's
         row values; ``amax``); they share one row stride, ``stride_<first>``."""
-        return ["ss"] * (self.sumsq_of >= 0 or self.row_sum) + ["amax"] * (self.amax_of >= 0)
+        return ("ss",) * (self.sumsq_of >= 0 or self.row_sum) + ("amax",) * (self.amax_of >= 0)
 
     def _pointers(self) -> list[str]:
         return [*([f"{self.row_scale}_ptr"] if self.row_scale else []),
@@ -500,7 +501,7 @@ def _run_gluon(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     from kernels.coda.gluon_program import SUB_M
     from kernels.coda.mainloop_gluon import BN, WsGemm
     gemm = WsGemm(g.a, g.b, kernel.__name__, rowwise=True)
-    m_tiles, n_tiles = triton.cdiv(gemm.M, SUB_M), triton.cdiv(gemm.N, BN)
+    m_tiles, n_tiles = cdiv(gemm.M, SUB_M), cdiv(gemm.N, BN)
     empty = functools.partial(torch.empty, device=gemm.device, dtype=torch.float32)
     return _run_gemm(decl, g, named, finish, gemm, lambda: empty(gemm.M, n_tiles), lambda: empty(m_tiles, gemm.N),
                      lambda args: _launch_gluon(gemm, kernel, args), lambda: (m_tiles, n_tiles))
@@ -576,7 +577,7 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     inplace = next((i for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))
                     if o.cols == o.wide == 1 and dt == c.dtype and o.name not in g.outputs), -1)
     bm, bn = (16, 32) if INTERPRET else decl.split_block
-    m_tiles, n_tiles = triton.cdiv(M, bm), triton.cdiv(N, bn)
+    m_tiles, n_tiles = cdiv(M, bm), cdiv(N, bn)
     empty = functools.partial(torch.empty, device=c.device, dtype=torch.float32)
     out = SimpleNamespace(M=M, N=N, device=c.device, out_dtype=c.dtype)
     return _run_gemm(decl, g, named, finish, out, lambda: empty(M, n_tiles), lambda: empty(m_tiles, N),

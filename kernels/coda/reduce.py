@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.coda.host import cdiv, next_power_of_2
+
 
 # ---- host helpers: partial buffers --------------------------------------------------------------
 
@@ -27,18 +29,18 @@ def smallest_tile(kernel, axis: str) -> int:
 
 def row_partials(kernel, M: int, N: int, device: torch.device) -> torch.Tensor:
     """fp32 ``[M, T_max]`` for the row partials of an autotuned ``kernel`` over N columns."""
-    return torch.empty(M, triton.cdiv(N, smallest_tile(kernel, "BN")), device=device, dtype=torch.float32)
+    return torch.empty(M, cdiv(N, smallest_tile(kernel, "BN")), device=device, dtype=torch.float32)
 
 
 def col_partials(kernel, M: int, N: int, device: torch.device) -> torch.Tensor:
     """fp32 ``[Tm_max, N]`` for the column partials of an autotuned ``kernel`` over M rows."""
-    return torch.empty(triton.cdiv(M, smallest_tile(kernel, "BM")), N, device=device, dtype=torch.float32)
+    return torch.empty(cdiv(M, smallest_tile(kernel, "BM")), N, device=device, dtype=torch.float32)
 
 
 def launched_tiles(kernel, M: int, N: int) -> tuple[int, int]:
     """(number of M tiles, number of N tiles) of the config the last launch of ``kernel`` used."""
     cfg = kernel.best_config.kwargs
-    return triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"])
+    return cdiv(M, cfg["BM"]), cdiv(N, cfg["BN"])
 
 
 # ---- RMSNorm: rstd from sums of squares -----------------------------------------------------------
@@ -57,9 +59,9 @@ def finish_rstd(part: torch.Tensor, n_tiles: int, d: int, eps: float) -> torch.T
     """fp32 rstd [M] from the sum-of-squares row partials ``part[:, :n_tiles]`` of a width-d row."""
     M = part.shape[0]
     rstd = torch.empty(M, device=part.device, dtype=torch.float32)
-    block_t = triton.next_power_of_2(n_tiles)
+    block_t = next_power_of_2(n_tiles)
     block_m = max(1, min(64, 4096 // block_t))
-    rstd_kernel[(triton.cdiv(M, block_m),)](part, rstd, M, n_tiles, part.stride(0), d, eps,
+    rstd_kernel[(cdiv(M, block_m),)](part, rstd, M, n_tiles, part.stride(0), d, eps,
                                             BLOCK_M=block_m, BLOCK_T=block_t)
     return rstd
 
@@ -80,9 +82,9 @@ def finish_row_sum(part: torch.Tensor, n_tiles: int) -> torch.Tensor:
     """fp32 [M]: the sum of the row partials ``part[:, :n_tiles]``."""
     M = part.shape[0]
     out = torch.empty(M, device=part.device, dtype=torch.float32)
-    block_t = triton.next_power_of_2(n_tiles)
+    block_t = next_power_of_2(n_tiles)
     block_m = max(1, min(64, 4096 // block_t))
-    row_sum_kernel[(triton.cdiv(M, block_m),)](part, out, M, n_tiles, part.stride(0),
+    row_sum_kernel[(cdiv(M, block_m),)](part, out, M, n_tiles, part.stride(0),
                                                BLOCK_M=block_m, BLOCK_T=block_t)
     return out
 
@@ -104,7 +106,7 @@ def finish_col_sum(part: torch.Tensor, n_tiles: int, dtype: torch.dtype = torch.
     """[N] in ``dtype``: the sum of the column partials ``part[:n_tiles, :]``."""
     N = part.shape[1]
     out = torch.empty(N, device=part.device, dtype=dtype)
-    col_sum_kernel[(triton.cdiv(N, 128),)](part, out, N, n_tiles, part.stride(0), BLOCK_N=128, BLOCK_T=32)
+    col_sum_kernel[(cdiv(N, 128),)](part, out, N, n_tiles, part.stride(0), BLOCK_N=128, BLOCK_T=32)
     return out
 
 
@@ -188,7 +190,7 @@ def finish_cross_entropy(lse_part: torch.Tensor, n_tiles: int, tgt_logit: torch.
                          logits if with_grad else lse, logits.stride(0) if with_grad else 0,
                          logits.shape[1] if with_grad else 0, zdz if with_grad else lse,
                          grad_scale if grad_scale is not None else lse, ignore_index, WITH_GRAD=with_grad,
-                         HAS_SCALE=grad_scale is not None, BLOCK_T=triton.next_power_of_2(n_tiles), BLOCK_V=1024)
+                         HAS_SCALE=grad_scale is not None, BLOCK_T=next_power_of_2(n_tiles), BLOCK_V=1024)
     return reduce_loss(loss_rows, target, ignore_index, reduction), lse, zdz
 
 

@@ -29,6 +29,7 @@ import triton.language as tl
 from kernels.coda.align import aligned, empty_rows, written_back
 from kernels.coda.epilogue import load_block, load_cols, load_rows, load_tile, rmsnorm_dx, store_block
 from kernels.coda.gemm import split_matmul
+from kernels.coda.host import cdiv, next_power_of_2
 from kernels.coda.mainloop import INTERPRET, num_sms, subtiled_configs
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_col_sum
@@ -116,10 +117,10 @@ zdz 0.121 / 0.235 / 0.466 at the 1B QKV / 7B gate/up / 70B QKV dgrads (0.125 / 0
 def rows_launch(M: int, N: int, device: torch.device) -> tuple[int, int, int, int]:
     """(BM, BD, num_warps, programs) of :func:`rmsnorm_bwd_rows_kernel` for gy [M, N] (the interpreter: blocks of 8
     rows on its 4 programs, so a program takes several)."""
-    bd = triton.next_power_of_2(N)
+    bd = next_power_of_2(N)
     elements, warps, per_sm = (8 * bd, 4, 1) if INTERPRET else ROW_BLOCK
     bm = max(1, elements // bd)
-    return bm, bd, warps, min(per_sm * num_sms(device), triton.cdiv(M, bm))
+    return bm, bd, warps, min(per_sm * num_sms(device), cdiv(M, bm))
 
 
 def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None, inplace: bool,

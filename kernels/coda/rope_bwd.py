@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels.coda.align import aligned, empty_rows
 from kernels.coda.epilogue import load_block, rope_cos_sin, rotate_pairs, row_dot, store_block, store_row_partial
+from kernels.coda.host import cdiv
 from kernels.coda.mainloop import INTERPRET
 from kernels.coda.reduce import finish_row_sum
 from kernels.coda.rope import rope_freq_table
@@ -58,9 +59,9 @@ def rope_bwd(dqkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor, hea
     freq = rope_freq_table(heads, kv_heads, head_dim, float(theta), dqkv.device, inv_freq)
     dz = empty_rows(M, N, dqkv.dtype, dqkv.device)
     bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
-    n_tiles = triton.cdiv(N, bn)
+    n_tiles = cdiv(N, bn)
     part = torch.empty(M, n_tiles, device=dqkv.device, dtype=torch.float32)
-    rope_bwd_kernel[(triton.cdiv(M, bm), n_tiles)](dqkv, qkv, positions.contiguous(), freq, dz, part, M, N,
+    rope_bwd_kernel[(cdiv(M, bm), n_tiles)](dqkv, qkv, positions.contiguous(), freq, dz, part, M, N,
                                                     dqkv.stride(0), qkv.stride(0), dz.stride(0), part.stride(0),
                                                     BM=bm, BN=bn, num_warps=warps)
     return dz, finish_row_sum(part, n_tiles)

@@ -28,6 +28,7 @@ import triton.language as tl
 from kernels.coda.align import aligned, empty_rows, meets_rule
 from kernels.coda.epilogue import join_pairs, like, load_block, load_tile, silu_mul_pairs_bwd, split_pairs, \
     store_block, store_row_partial
+from kernels.coda.host import cdiv
 from kernels.coda.mainloop import INTERPRET, subtiled_configs
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_row_sum
@@ -96,9 +97,9 @@ def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, tor
     dy, z_pre = aligned(dy), aligned(z_pre)
     dz_pre = empty_rows(*z_pre.shape, z_pre.dtype, z_pre.device)
     bm, bn, warps = (16, 32, 4) if INTERPRET else ROW_BLOCK
-    n_tiles = triton.cdiv(N, bn)
+    n_tiles = cdiv(N, bn)
     part = torch.empty(M, n_tiles, device=dy.device, dtype=torch.float32)
-    swiglu_bwd_kernel[(triton.cdiv(M, bm), n_tiles)](dy, z_pre, dz_pre, part, M, N, dy.stride(0), z_pre.stride(0),
+    swiglu_bwd_kernel[(cdiv(M, bm), n_tiles)](dy, z_pre, dz_pre, part, M, N, dy.stride(0), z_pre.stride(0),
                                                       dz_pre.stride(0), part.stride(0), BM=bm, BN=bn,
                                                       num_warps=warps)
     return dz_pre, finish_row_sum(part, n_tiles)

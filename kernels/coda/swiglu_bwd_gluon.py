@@ -24,11 +24,11 @@ CPU-tested reference, and the Hopper tests check the two against each other on a
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from kernels.coda.host import cdiv
 from kernels.coda.mainloop_gluon import BN, LOADER_REGS, MMA_REGS, WsGemm, local_tiles, loader, mma, thread_barrier, \
     tile_coords, ws_buffers
 from kernels.coda.reduce import finish_row_sum
@@ -104,7 +104,7 @@ def ws_dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: t
     z_pre = z_pre.contiguous()
     dz_pre = z_pre if overwrite else torch.empty_like(z_pre)
     y = gemm.empty(z_pre.dtype)
-    part = torch.empty(gemm.M, triton.cdiv(gemm.N, BN), device=gemm.device, dtype=torch.float32)
+    part = torch.empty(gemm.M, cdiv(gemm.N, BN), device=gemm.device, dtype=torch.float32)
     gemm.launch(ws_dgrad_swiglu_kernel, z_pre.view(torch.int32), dz_pre.view(torch.int32), y, part, part.stride(0),
                 n_stages=n_stages, SUB_M=sub_m)
     return dz_pre, y, finish_row_sum(part, part.shape[1])
