@@ -135,6 +135,22 @@ def test_resolving_power_runs_the_suite_and_writes_its_table_summary_and_headlin
                                                          "tries: 0%: 2 n/a; 1%: 2 n/a")
 
 
+def test_small_model_step_prints_each_variants_step_and_its_distance_from_eager():
+    """benchmarks/small_model_step.py without a GPU: HF eager and apply_coda (fp32, the interpreter), one step each,
+    a line each, the CODA step's loss and gradient within fp32 rounding of eager's (the compiled variants need a
+    GPU)."""
+    pytest.importorskip("transformers")
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "small_model_step.py"), "--hidden", "64", "--ffn", "128",
+                           "--heads", "2", "--kv-heads", "1", "--vocab", "256", "--layers", "2", "--batch", "1",
+                           "--seq", "32", "--steps", "1"], capture_output=True, text=True, timeout=600,
+                          env=script_env(CUDA_VISIBLE_DEVICES=""))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[1:]}
+    assert set(rows) == {"hf-eager", "hf-coda"}, done.stdout
+    loss_gap, grad_gap = (abs(float(v)) for v in rows["hf-coda"][-2:])
+    assert loss_gap < 1e-5 and grad_gap < 1e-4, done.stdout
+
+
 def test_the_resolving_power_headline_counts_each_planted_shares_verdicts():
     rp = load_script("resolving_power")
     planted = {0: {"tries": 20, "verdicts": {"same": 19, "faster": 1}, "median_half_width": 0.003},

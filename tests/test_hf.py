@@ -654,6 +654,40 @@ def test_compiled_fullgraph_bf16_equals_eager_patched_gpu():
     assert sorted(names) == sorted(eager)  # the compiled step runs the eager patched step's kernels
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="CUDA graphs of the drop-in need a CUDA GPU")
+def test_reduce_overhead_cuda_graphs_replay_the_patched_step_on_each_new_batch_gpu():
+    """``torch.compile(model, mode="reduce-overhead")``: Inductor's CUDA graphs capture the patched step, CODA kernels
+    included (the remedy for a small model whose eager step is host-bound: docs/hf.md). Recorded on one batch, a
+    replay on another gives that batch's loss and gradients, passing the suite's rule against the unpatched model in
+    float64 as the eager patched step's do."""
+    torch._dynamo.reset()
+    ref, model = bf16_pair("llama-3.2-1b")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, ref.config.vocab_size, (2, 512), generator=g, device="cuda")
+        batches.append({"input_ids": ids,
+                        "labels": torch.where(torch.rand(ids.shape, generator=g, device="cuda") < 0.1, -100, ids)})
+    ref64 = copy.deepcopy(ref).double()
+    loss64, grads64, _ = loss_and_grads(ref64, **batches[1])
+    del ref64
+    loss16, grads16, _ = loss_and_grads(ref, **batches[1])
+    apply_coda(model)
+    loss_and_grads(model, **batches[0])  # the first step: packs the weights, chooses each path
+    step = torch.compile(model, mode="reduce-overhead")
+    for _ in range(3):  # a warm-up run, the recording, a replay
+        torch.compiler.cudagraph_mark_step_begin()
+        loss_and_grads(step, **batches[0])
+    torch.compiler.cudagraph_mark_step_begin()
+    loss, grads, out = loss_and_grads(step, **batches[1])
+    assert out.logits is None
+    bad = [(n, rel_err(o, r), rel_err(t, r)) for n, o, t, r in [("loss", loss, loss16, loss64)]
+           + [(n, grads[n], grads16[n], grads64[n]) for n in grads64] if not passes(rel_err(o, r), rel_err(t, r),
+                                                                                    torch.bfloat16)]
+    assert not bad, bad
+
+
 def near_tie(bf16: torch.Tensor, fp32: torch.Tensor) -> float:
     """The gap between two logits that bf16 rounding can reverse: 3 standard deviations of the difference of two
     logits, each off by the unpatched bf16 model's own error against fp32 (its RMS over ``bf16``'s logits)."""
