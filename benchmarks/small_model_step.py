@@ -9,8 +9,9 @@ Per variant: the step's median wall time (loss and backward, synchronized) and h
 (compiles), the loss and its distance from Hugging Face eager's, and the relative distance of the first layer's
 down-projection gradient from eager's (bf16 rounding puts every variant near 1e-2). Without a GPU it runs eager and
 apply_coda in fp32 on the Triton interpreter, one step, the compiled variants left out: a check that the script runs
-(its times say nothing). Liger runs last, as it replaces transformers' Llama module classes for the rest of the
-process (apply_coda then refuses the models built after it: their norms are no longer LlamaRMSNorm).
+(its times say nothing). Exit code 1 when a variant failed (its line says why). Liger runs last, as it replaces
+transformers' Llama module classes for the rest of the process (apply_coda then refuses the models built after it:
+their norms are no longer LlamaRMSNorm).
 """
 from __future__ import annotations
 
@@ -101,21 +102,26 @@ def main(argv: list[str] | None = None) -> None:
                           ("layers", 8), ("batch", 2), ("seq", 1024), ("steps", 20)):
         p.add_argument(f"--{flag}", type=int, default=default)
     args = p.parse_args(argv)
+    if min(vars(args).values()) < 1 or args.hidden % args.heads or args.heads % args.kv_heads:
+        p.error("every size must be positive, --heads must divide --hidden and --kv-heads --heads")
     torch.manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda" if GPU else "cpu")
     print(f"{'variant':26s} {'step ms':>9s} {'host ms':>9s} {'first s':>8s} {'loss':>9s} {'- eager':>10s} "
           f"{'grad vs eager':>13s}")
-    eager = None
+    eager, failed = None, False
     for name, patch, mode in variants(GPU):
         try:
             wall, host, first, loss, grad = run(args, patch, mode, ids)
         except Exception as e:  # a variant that fails is a line, the others still run
-            print(f"{name:26s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            print(f"{name:26s} failed: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
+            failed = True
             continue
         eager = eager or (loss, grad)
         rel = float((grad - eager[1]).norm() / eager[1].norm())
         print(f"{name:26s} {wall * 1e3:9.2f} {host * 1e3:9.2f} {first:8.1f} {loss:9.5f} {loss - eager[0]:+10.2e} "
               f"{rel:13.2e}", flush=True)
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
