@@ -291,8 +291,8 @@ class Chooser:
             return FUSED
         with self._lock:
             gpu = gpu_name(device)
-            path = tuning.cache_file(gpu)
-            known = self._known(gpu)
+            path = tuning.cache_file(gpu)  # read from the environment once a call (each read ~1.5 us)
+            known = self._known(gpu, path)
             key, candidates = self._call_facts(arguments)
             if key in known and serves(known[key], candidates):
                 return known[key]["strategy"]
@@ -332,10 +332,11 @@ class Chooser:
             facts = self._facts[fast] = (call_key(self.safe(arguments)), self.strategies(arguments))
         return facts
 
-    def _known(self, gpu: str) -> dict[str, dict[str, Any]]:
-        """The choices for GPU model ``gpu``: its shipped table's, overridden by its cache file's (both read once;
-        records that are not a choice are stale or foreign and ignored), then this process's."""
-        path = tuning.cache_file(gpu)
+    def _known(self, gpu: str, path: Path | None = None) -> dict[str, dict[str, Any]]:
+        """The choices for GPU model ``gpu``: its shipped table's, overridden by its cache file's ``path`` (by default
+        :func:`kernels.coda.tuning.cache_file`'s; both read once; records that are not a choice are stale or foreign
+        and ignored), then this process's."""
+        path = path or tuning.cache_file(gpu)
         if path not in self.known:
             stored = {**tuning.table_entries(tuning.table_file(gpu), self.entry.rsplit(":", 1)[0]),
                       **(tuning.load_entries(path, self.entry) if tuning.enabled() else {})}
