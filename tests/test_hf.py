@@ -214,6 +214,17 @@ class LoRALinear(nn.Linear):
     """Stands in for an adapter or quantized layer: a subclass of nn.Linear whose forward is not F.linear."""
 
 
+class _ForeignRMSNorm(nn.Module):
+    """Another library's RMSNorm (as Liger's patch puts into transformers' Llama module for models built after it)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
 @pytest.mark.parametrize("make, apply, message", [
     (lambda: transformers.LlamaForSequenceClassification(tiny().config), apply_coda,
      "LlamaForSequenceClassification is not supported"),
@@ -228,7 +239,10 @@ class LoRALinear(nn.Linear):
     (lambda: _with(tiny(), "model.layers.1.self_attn.q_proj", LoRALinear(64, 64, bias=False)), apply_coda,
      "model.layers.1.self_attn.q_proj is a LoRALinear: the projections must be nn.Linear or PEFT LoRA"),
     (lambda: _with(tiny(), "loss_function", lambda **kwargs: 0.0), apply_coda, "a custom loss_function"),
-    (lambda: _with(tiny(), "model.norm", nn.LayerNorm(64)), apply_coda, "a norm is not a LlamaRMSNorm"),
+    (lambda: _with(tiny(), "model.norm", nn.LayerNorm(64)), apply_coda,
+     "model.norm is a torch.nn.modules.normalization.LayerNorm, not a LlamaRMSNorm"),
+    (lambda: _with(tiny(), "model.layers.1.post_attention_layernorm", _ForeignRMSNorm(64)), apply_coda,
+     r"model.layers.1.post_attention_layernorm is a test_hf._ForeignRMSNorm, not a LlamaRMSNorm"),
 ])
 def test_unsupported_models_are_refused_with_one_line(make, apply, message):
     model = make()

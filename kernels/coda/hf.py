@@ -342,9 +342,14 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
         if type(m) is not nn.Linear and (type(m) is not lora or type(m.base_layer) is not nn.Linear):
             raise _refuse(f"{name} is a {type(m).__name__}: the projections must be nn.Linear or PEFT LoRA on "
                           "an nn.Linear (other adapters, quantized or otherwise replaced layers are not fused)")
-    norms = [base.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if any(type(n).__name__ != norm_cls for n in norms):
-        raise _refuse(f"a norm is not a {norm_cls}")
+    norms = [("model.norm", base.norm)] + [(f"model.layers.{i}.{k}", getattr(layer, k))
+                                           for i, layer in enumerate(layers)
+                                           for k in ("input_layernorm", "post_attention_layernorm")]
+    other = next(((name, type(n)) for name, n in norms if type(n).__name__ != norm_cls), None)
+    if other is not None:  # e.g. Liger's apply_liger_kernel_to_* swaps transformers' class for models built after it
+        raise _refuse(f"{other[0]} is a {other[1].__module__}.{other[1].__qualname__}, not a {norm_cls}: the CODA "
+                      "forward fuses the model's own RMSNorm (a model built after another library patched "
+                      "transformers' classes has that library's)")
     biased = [name for name, m in _linears(model) if _base(m).bias is not None
               and not name.endswith(("q_proj", "k_proj", "v_proj"))]
     if biased:
