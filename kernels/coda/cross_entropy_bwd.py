@@ -103,7 +103,7 @@ def rescale_(grad: torch.Tensor, applied: torch.Tensor, *tensors: torch.Tensor) 
         cols = t.shape[-1]
         stride = t.stride(0) if t.dim() == 2 else cols
         rescale_kernel[(cdiv(t.numel(), RESCALE_BLOCK),)](t, t.numel(), cols, stride, g, applied,
-                                                                 BLOCK=RESCALE_BLOCK, num_warps=8)
+                                                          BLOCK=RESCALE_BLOCK, num_warps=8)
     store_scalar_kernel[(1,)](g, applied)
 
 

@@ -154,6 +154,6 @@ def quantize_from_partials(x: torch.Tensor, part: torch.Tensor, n_tiles: int, ro
                               BLOCK_M=block_m, BLOCK_T=block_t)
     bm, bn = (16, 32) if INTERPRET else (32, 256)
     quantize_kernel[(cdiv(M, bm),)](x, scale, block_max, q, M, N, n_blocks, x.stride(0), q.stride(0),
-                                           FP8_EXP=exp, ROWWISE=rowwise, BM=bm, BN=bn,
-                                           BLOCK_B=min(BLOCK_MAX_STEP, next_power_of_2(n_blocks)))
+                                    FP8_EXP=exp, ROWWISE=rowwise, BM=bm, BN=bn,
+                                    BLOCK_B=min(BLOCK_MAX_STEP, next_power_of_2(n_blocks)))
     return Fp8(q, scale)

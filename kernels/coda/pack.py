@@ -64,8 +64,8 @@ def copy_rows(packed: torch.Tensor, sources: list[torch.Tensor], index: tuple[to
     index = tuple(t.contiguous() for t in index)
     block_r, block_d, warps = (16, 32, 4) if INTERPRET else (8, 512, 4)
     pack_rows_kernel[(cdiv(R, block_r), cdiv(D, block_d))](packed, *srcs, *index, R, D, packed.stride(0),
-                                                                         UNPACK=unpack, BLOCK_R=block_r,
-                                                                         BLOCK_D=block_d, num_warps=warps)
+                                                           UNPACK=unpack, BLOCK_R=block_r,
+                                                           BLOCK_D=block_d, num_warps=warps)
 
 
 def pack_rows(index: tuple[torch.Tensor, torch.Tensor], *weights: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,7 @@ def norm_input(x: torch.Tensor, gamma: torch.Tensor, eps: float, h_fp8: Recipe |
     amax = torch.empty(M, 1, device=x.device, dtype=torch.float32) if h_fp8 else rstd
     bm, bn = 16, min(256, next_power_of_2(N))
     norm_input_kernel[(cdiv(M, bm),)](x, gamma, h, rstd, amax, M, N, x.stride(0), h.stride(0), eps,
-                                             AMAX=h_fp8 is not None, BM=bm, BN=bn)
+                                      AMAX=h_fp8 is not None, BM=bm, BN=bn)
     if h_fp8:
         h = quantize_from_partials(h, amax, 1, rowwise=h_fp8.rowwise_for("act"))
     return h, rstd

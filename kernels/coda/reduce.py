@@ -62,7 +62,7 @@ def finish_rstd(part: torch.Tensor, n_tiles: int, d: int, eps: float) -> torch.T
     block_t = next_power_of_2(n_tiles)
     block_m = max(1, min(64, 4096 // block_t))
     rstd_kernel[(cdiv(M, block_m),)](part, rstd, M, n_tiles, part.stride(0), d, eps,
-                                            BLOCK_M=block_m, BLOCK_T=block_t)
+                                     BLOCK_M=block_m, BLOCK_T=block_t)
     return rstd
 
 
@@ -85,7 +85,7 @@ def finish_row_sum(part: torch.Tensor, n_tiles: int) -> torch.Tensor:
     block_t = next_power_of_2(n_tiles)
     block_m = max(1, min(64, 4096 // block_t))
     row_sum_kernel[(cdiv(M, block_m),)](part, out, M, n_tiles, part.stride(0),
-                                               BLOCK_M=block_m, BLOCK_T=block_t)
+                                        BLOCK_M=block_m, BLOCK_T=block_t)
     return out
 
 

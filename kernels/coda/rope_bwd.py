@@ -62,6 +62,6 @@ def rope_bwd(dqkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor, hea
     n_tiles = cdiv(N, bn)
     part = torch.empty(M, n_tiles, device=dqkv.device, dtype=torch.float32)
     rope_bwd_kernel[(cdiv(M, bm), n_tiles)](dqkv, qkv, positions.contiguous(), freq, dz, part, M, N,
-                                                    dqkv.stride(0), qkv.stride(0), dz.stride(0), part.stride(0),
-                                                    BM=bm, BN=bn, num_warps=warps)
+                                             dqkv.stride(0), qkv.stride(0), dz.stride(0), part.stride(0),
+                                             BM=bm, BN=bn, num_warps=warps)
     return dz, finish_row_sum(part, n_tiles)

@@ -100,8 +100,8 @@ def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, tor
     n_tiles = cdiv(N, bn)
     part = torch.empty(M, n_tiles, device=dy.device, dtype=torch.float32)
     swiglu_bwd_kernel[(cdiv(M, bm), n_tiles)](dy, z_pre, dz_pre, part, M, N, dy.stride(0), z_pre.stride(0),
-                                                      dz_pre.stride(0), part.stride(0), BM=bm, BN=bn,
-                                                      num_warps=warps)
+                                               dz_pre.stride(0), part.stride(0), BM=bm, BN=bn,
+                                               num_warps=warps)
     return dz_pre, finish_row_sum(part, n_tiles)
 
 
