@@ -55,7 +55,7 @@ def test_dgrad_rmsnorm(dtype, variant, strategy):
     with launches() as names:
         dx, y, dgamma = dgrad_rmsnorm(inp["dz"], inp["w"], inp["x"], inp["rstd"], inp["gamma"], inp["zdz"], dres,
                                       dz_scale=scale, inplace=variant == "inplace")
-    assert names == [{"fused": "dgrad_rmsnorm_kernel", "split": "rmsnorm_bwd_rows_kernel"}[strategy], "col_sum_kernel"]
+    assert names == [{"fused": "dgrad_rmsnorm_kernel", "split": "dgrad_rmsnorm_rows_kernel"}[strategy], "col_sum_kernel"]
     if variant == "inplace":
         assert dx.data_ptr() == dres.data_ptr()
     check("dx", dx, ref["dx"], tor["dx"])
@@ -137,9 +137,20 @@ def test_dgrad_rmsnorm_without_zdz_takes_it_from_gy_on_the_split_path(dtype, str
     with launches() as names:
         dx, y, dgamma = dgrad_rmsnorm(inp["dz"], inp["w"], inp["x"], inp["rstd"], inp["gamma"], None,
                                       inp["dres"].clone())
-    assert names == ["rmsnorm_bwd_rows_kernel", "col_sum_kernel"]
+    assert names == ["dgrad_rmsnorm_rows_kernel", "col_sum_kernel"]
     for name, out in [("dx", dx), ("y", y), ("dgamma", dgamma)]:
         check(name, out, ref[name], tor[name])
+
+
+def test_dgrad_rmsnorm_reads_the_zdz_it_is_given(strategy):
+    """With a ZdZ, c comes from it on every path (the split kernel takes c from the rows of gy only without one): a
+    zdz one higher per row moves dx by -rstd xhat / d, as c = zdz / d says."""
+    inp = OPS["rmsnorm_dgrad"].make_inputs(TINY, torch.float32, "cpu", seed=1)
+    args = (inp["dz"], inp["w"], inp["x"], inp["rstd"], inp["gamma"])
+    dx, _, _ = dgrad_rmsnorm(*args, inp["zdz"])
+    moved, _, _ = dgrad_rmsnorm(*args, inp["zdz"] + 1.0)
+    rstd = inp["rstd"][:, None]
+    torch.testing.assert_close(moved - dx, -rstd * (inp["x"] * rstd) / TINY.hidden, rtol=1e-3, atol=1e-5)
 
 
 def test_ce_grad_scale_and_scaled_matmul_epilogue():

@@ -199,13 +199,15 @@ def test_flags_a_tile_hook_column_sums_and_an_output_given_in_place(strategy, ad
 
 def test_the_split_kernels_results_do_not_depend_on_its_block_shape(monkeypatch):
     """The built split kernel at the block shape a declaration names (``split_block``; here taken as on a GPU): one
-    block a program, partial blocks at the edges of M = 40 and N = 64, the Tile input, the row values of the tile
-    hook and the column sums per block of rows all as at the interpreter's 16 x 32."""
+    block a program, or (a :data:`kernels.coda.program.SplitLaunch`) 2 or 3 programs each looping over every 2nd or
+    3rd block of rows; partial blocks at the edges of M = 40 and N = 64, the Tile input, the row values of the tile
+    hook and the column sums (per program along M) all as at the interpreter's 16 x 32."""
     from kernels.coda import program
     x, w = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5)
     v, acc = rand(M, seed=3, mean=1.0), rand(M, N, seed=4)
     results = []
-    for block in ((16, 32), (8, 64), (1, 128), (32, 16)):
+    looping = (lambda m, n, device: (8, 64, 4, 2), lambda m, n, device: (4, 32, 2, 3))
+    for block in ((16, 32), (8, 64), (1, 128), (32, 16), *looping):
         monkeypatch.setattr(program, "INTERPRET", block == (16, 32))
         split = coda(add_into, outputs=(Output("out"),), inputs=("v_ptr", Tile("acc")), flags=("ADD",),
                      tile=_scale_rows, col_sum=True, configs=subtiled_configs((2,)), restore=("out",),

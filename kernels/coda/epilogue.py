@@ -13,7 +13,7 @@ destination dtype only when stored. The five kinds (coda-spec.md):
    kernels that need no descriptor: :func:`load_block`, :func:`store_block`
 4. block reductions: row reductions :func:`row_sumsq`, :func:`row_dot`, :func:`row_absmax` (summed or maxed over
    an epilogue's sub-tiles), stored by :func:`store_row_partial` into ``part[M, T]`` (T = number of N tiles),
-   and :func:`col_sum_partial` into ``part[Tm, N]``;
+   and :func:`col_sum_partial` (:func:`store_col_partial`) into ``part[Tm, N]``;
    finished by the kernels of ``kernels/coda/reduce.py`` (deterministic: no atomics)
 5. stateful / pairwise: :func:`tile_lse`, :func:`gather_cols`, :func:`split_cols` / :func:`col_subtile`,
    :func:`split_pairs` /
@@ -69,6 +69,17 @@ def full(shape, value, dtype, _semantic=None):
 
 
 @tl.core.builtin
+def given(x, _semantic=None):
+    """Whether an optional pointer input of a declared kernel was given (one a call gives as None reaches the epilogue
+    as 0, :mod:`kernels.coda.program`): a constexpr, so that ``if given(ptr):`` compiles one branch."""
+    return tl.constexpr(_is_pointer(tl.core._unwrap_if_constexpr(x)))
+
+
+def _is_pointer(x: object) -> bool:
+    return hasattr(x, "dtype") and x.dtype.is_ptr()
+
+
+@tl.core.builtin
 def like(x, y, _semantic=None):
     """x in the layout of y, a tile of x's shape: in a Gluon kernel, a layout conversion where they differ (the
     Triton compiler converts by itself)."""
@@ -93,6 +104,9 @@ if INTERPRET:  # the interpreter runs no Gluon, and puts its own semantic into t
 
     def full(shape, value, dtype):  # noqa: F811
         return tl.full(shape, value, dtype)
+
+    def given(x):  # noqa: F811
+        return _is_pointer(x)
 
     def like(x, y):  # noqa: F811
         return x
@@ -218,6 +232,22 @@ class Block:  # (no `from __future__ import annotations` in this module: an aggr
                         self.layout)
 
 
+@tl.core._aggregate
+class Held:
+    """A block already loaded, which :func:`load_tile` reads again without a load: what a tile hook that needed a
+    Tile input's whole block (a split kernel's whole rows) hands its epilogue in that input's place."""
+
+    tile: tl.tensor
+
+    @triton.constexpr_function
+    def __init__(self, tile):
+        self.tile = tile
+
+    @triton.jit
+    def load(self, offsets):
+        return self.tile
+
+
 if INTERPRET:  # the interpreter's jit functions are plain callables, which an aggregate does not take as methods
     class Block:  # noqa: F811
         def __init__(self, ptr, M, N, stride, BM, BN, layout=None):
@@ -225,6 +255,13 @@ if INTERPRET:  # the interpreter's jit functions are plain callables, which an a
 
         def load(self, offsets):
             return load_block(self.ptr, self.stride, offsets[0], offsets[1], self.M, self.N, self.BM, self.BN)
+
+    class Held:  # noqa: F811
+        def __init__(self, tile):
+            self.tile = tile
+
+        def load(self, offsets):
+            return self.tile
 
 
 @triton.jit
@@ -295,6 +332,13 @@ def col_sum_partial(part_ptr, x, off_m, off_n, N, stride_p, BM: tl.constexpr, BN
     """Column partials ``part[off_m // BM, n] = sum_{i in tile} x_in`` (e.g. dgamma); row stride ``stride_p``."""
     cols = off_n + arange(0, BN)
     tl.store(part_ptr + (off_m // BM).to(tl.int64) * stride_p + cols, tl.sum(x, axis=0), mask=cols < N)
+
+
+@triton.jit
+def store_col_partial(part_ptr, sums, row, off_n, N, stride_p, BN: tl.constexpr):
+    """``part[row, off_n + j] = sums[j]``: one row of column partials already summed (over a program's tiles)."""
+    cols = off_n + arange(0, BN)
+    tl.store(part_ptr + row.to(tl.int64) * stride_p + cols, sums, mask=cols < N)
 
 
 # ---- 5. stateful and pairwise transforms ------------------------------------------------------

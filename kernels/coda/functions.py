@@ -115,7 +115,7 @@ cross-entropy's targets), RoPE's fields, cross-entropy's fields."""
 
 class Linear(Consumer):
     """``z`` itself (pattern (a), plain row scale); keeps nothing: no ZdZ, which the RMSNorm backward then takes from
-    its dgrad output's rows (:func:`kernels.coda.rmsnorm_bwd.rmsnorm_bwd_rows_kernel`, on the split path)."""
+    its dgrad output's rows (:func:`kernels.coda.rmsnorm_bwd.dgrad_rmsnorm`'s split path)."""
 
     kind = "linear"
 

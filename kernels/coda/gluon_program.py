@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from kernels.coda.epilogue import Block
+from kernels.coda.epilogue import Block, store_col_partial
 from kernels.coda.mainloop_gluon import EPI_WARPS, LOADER_REGS, MMA_REGS, local_tiles, loader, mma, thread_barrier, \
     tile_coords, ws_buffers
 from kernels.coda.tile_programs import scaled_rows, tile_epilogue
@@ -61,9 +61,11 @@ def epilogue_partition(acc_buf, acc_ready, acc_empty, sa_ptr, sb_ptr, M, N, row_
             off_m = pid_m * TM + r * SUB_M
             acc = acc_buf.slice(r * SUB_M, SUB_M).load(LAYOUT)
             z = scaled_rows(acc, row_ptr, sa_ptr, sb_ptr, off_m, off_n, M, N, SUB_M, TN, SCALING, ROW_SCALE)
-            tile_epilogue(z, args, off_m, off_n, M, N, outs, strides, ss_ptr, amax_ptr, stride_part, cs_ptr,
-                          stride_cs, EPILOGUE, TILE, NOUT, COLS, WIDE, STORE, SUMSQ_OF, ROW_SUM, COL_SUM, AMAX_OF,
-                          AMAX, SUB_M, TN)
+            sums = tile_epilogue(z, args, off_m, off_n, M, N, outs, strides, ss_ptr, amax_ptr, stride_part,
+                                 EPILOGUE, TILE, NOUT, COLS, WIDE, STORE, SUMSQ_OF, ROW_SUM, COL_SUM, AMAX_OF, AMAX,
+                                 SUB_M, TN)
+            if COL_SUM >= 0:
+                store_col_partial(cs_ptr, sums, off_m // SUB_M, off_n, N, stride_cs, TN)
         thread_barrier()  # every warp has read the accumulator
         mbarrier.arrive(acc_empty)
 

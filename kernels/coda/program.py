@@ -26,9 +26,9 @@ Built from it:
   own, so that the tuning key (the argument dtypes, in that order) is what a hand-written kernel of that signature
   had. Its body is one call of :func:`kernels.coda.tile_programs.fused_program`, the same for every kernel;
 - the split kernel ``<host>_rows_kernel`` (the split path unless the declaration brings its own): the plain GEMM
-  (:func:`kernels.coda.gemm.split_matmul`), then :func:`kernels.coda.tile_programs.blocks_program` over its output,
-  one block a program, calling the SAME epilogue on each and writing the first output of the GEMM output's shape and
-  dtype over it, in place;
+  (:func:`kernels.coda.gemm.split_matmul`), then :func:`kernels.coda.tile_programs.blocks_program` over its output
+  (``split_block``: one block a program, or blocks of rows a program), calling the SAME epilogue on each and writing
+  the first output of the GEMM output's shape and dtype over it, in place;
 - the Gluon kernel ``<host>_gluon_kernel`` (:mod:`kernels.coda.gluon_program`, where Triton has Gluon): the same
   epilogue beside the next tile's mainloop on Hopper, the Gluon path unless the declaration brings its own;
 - the host function, under :func:`kernels.coda.strategy.with_split` with the three paths,
@@ -85,8 +85,12 @@ SPLIT_BLOCK = (16, 256)
 """(BM, BN) of the built split kernel's blocks on the GPU, unless a declaration names its own (``split_block``; the
 interpreter: 16 x 32). Measured on an H200 at M = 16384 (the producer's split path, ms, against the row loop of
 16 x 256 descriptor tiles before it): 0.287 / 0.918 / 3.54 at 1B / 7B / 70B against 0.312 / 0.943 / 3.49."""
+SplitLaunch = Callable[[int, int, torch.device], tuple[int, int, int, int]]
+"""A declaration's launch of its split kernel for a GEMM output [M, N] on a device: (BM, BN, num_warps, programs along
+M), each program taking every P-th block of rows (RMSNorm's dgrad: whole rows, its dgamma partials one row a
+program)."""
 RESERVED = ("gemm_ptr", "stride_gemm", "ss_ptr", "amax_ptr", "cs_ptr", "stride_ss", "stride_amax", "stride_cs",
-            "EPI_SUB", "AMAX", "BM", "BN")
+            "EPI_SUB", "AMAX", "BM", "BN", "LOOP")
 """Parameter names of the built kernels besides the mainloop block, which no input, output or flag may take."""
 
 
@@ -208,7 +212,15 @@ class Declaration:
     row_sum: bool
     col_sum: bool
     subtiled: bool
-    split_block: tuple[int, int]
+    split_block: tuple[int, int] | SplitLaunch
+
+    def split_launch(self, M: int, N: int, device: torch.device) -> tuple[int, int, int, int]:
+        """(BM, BN, num_warps, programs along M) of the split kernel over a GEMM output [M, N]: the declaration's
+        :data:`SplitLaunch`, or its (BM, BN) blocks (the interpreter's: 16 x 32), 4 warps, one block a program."""
+        if callable(self.split_block):
+            return self.split_block(M, N, device)
+        bm, bn = (16, 32) if INTERPRET else self.split_block
+        return bm, bn, 4, cdiv(M, bm)
 
     @functools.cached_property
     def flags(self) -> tuple[str, ...]:
@@ -288,12 +300,13 @@ class Declaration:
         """``name(args, strides, M, N, BM, BN)``: the epilogue's ``args`` from the kernel's inputs, declared flags
         and vectors, a :class:`Tile`'s pointer replaced by its descriptor (``tile``: or a pointer
         :class:`kernels.coda.epilogue.Block`, or the Gluon program's :func:`kernels.coda.gluon_program.block`; blocks
-        (BM, BN * wide); its row stride the next of ``strides``)."""
+        (BM, BN * wide); its row stride the next of ``strides``), an input the call gives as None as 0 (which
+        :func:`kernels.coda.epilogue.given` tells from a pointer when the kernel compiles)."""
         items, t = [], 0
         for k, i in enumerate((*self.inputs, *self.call_flags, *self.vectors)):
             wide = f"{i.wide} * " if isinstance(i, Tile) and i.wide > 1 else ""
             items.append(f"TILE_INPUT(args[{k}], M, {wide}N, strides[{t}], BM, {wide}BN)" if isinstance(i, Tile)
-                         else f"args[{k}]")
+                         else f"args[{k}]" if k >= len(self.inputs) else f"0 if args[{k}] is None else args[{k}]")
             t += isinstance(i, Tile)
         return triton.jit(self._compile(name, ["args", "strides", "M", "N", "BM: tl.constexpr", "BN: tl.constexpr"],
                                         [f"return {_tuple(items)}"], {"TILE_INPUT": tile}))
@@ -312,8 +325,9 @@ class Declaration:
 
     def rows_kernel(self, name: str) -> Callable:
         """The split kernel over the GEMM output; its body :func:`kernels.coda.tile_programs.blocks_program`."""
-        params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(), "BM: tl.constexpr", "BN: tl.constexpr"]
-        body = self._body("blocks_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr", "BM, BN")
+        params = ["gemm_ptr", "M", "N", "stride_gemm", *self._params(), "BM: tl.constexpr", "BN: tl.constexpr",
+                  "LOOP: tl.constexpr"]
+        body = self._body("blocks_program", "gemm_ptr, M, N, stride_gemm", "gemm_ptr", "BM, BN, LOOP")
         scope = {**self._scope(name), "INPUTS": self.inputs_fn(f"{name}_inputs", Block),
                  "blocks_program": blocks_program}
         return triton.jit(self._compile(name, params, body, scope))
@@ -344,7 +358,7 @@ class Declaration:
 def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | Tile] = (),
          flags: Sequence[str] = (), vectors: Sequence[str] = (), tile: Callable | None = None,
          row_scale: str | None = None, row_sum: bool = False, col_sum: bool = False,
-         configs: list[triton.Config] | None = None, split_block: tuple[int, int] = SPLIT_BLOCK,
+         configs: list[triton.Config] | None = None, split_block: tuple[int, int] | SplitLaunch = SPLIT_BLOCK,
          restore: Sequence[str] = (), finish: Callable[..., tuple] | None = None, split: Callable | None = None,
          gluon: Gluon | None = None, binds: Sequence[Binding] = (),
          safe: Callable[[dict[str, Any]], dict[str, Any]] = dict, fuses: Callable[[dict[str, Any]], bool] = always
@@ -363,8 +377,9 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
     ``Gemm.row_scale`` (the kernel's ``<row_scale>_ptr``), which scales the GEMM's rows before the epilogue;
     ``row_sum``: the epilogue returns, after its outputs, an fp32 [BM] vector of its tile whose sums over each row
     are kept (as partials, like a ``sumsq`` output's); ``col_sum``: it returns after those an fp32 tile whose column
-    sums are kept, per M tile; ``configs``: the tile configs (``EPI_SUB`` in them: the epilogue runs on column
-    sub-tiles); ``split_block``: (BM, BN) of the built split kernel's blocks on the GPU; ``restore``: outputs the
+    sums are kept, per M tile (the split kernel: per program along M); ``configs``: the tile configs (``EPI_SUB`` in
+    them: the epilogue runs on column sub-tiles); ``split_block``: (BM, BN) of the built split kernel's blocks on
+    the GPU, or its :data:`SplitLaunch`; ``restore``: outputs the
     fused kernel may read before writing (given in place), restored between the autotuner's runs;
     ``finish(arguments, gemm, outputs, partials)``: the host function's results from its arguments, its
     :class:`Gemm`, its outputs and the :class:`Partials`; ``split``: a split path of the host function's signature
@@ -372,10 +387,12 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
     implements (:class:`Binding`, as ``.binds``: the registry's entries are built from them, :func:`register`);
     ``safe`` and ``fuses``: :func:`kernels.coda.strategy.with_split`'s."""
     decl = Declaration(epilogue, tuple(outputs), tuple(inputs), tuple(flags), tuple(vectors), tile, row_scale,
-                       row_sum, col_sum, any("EPI_SUB" in c.kwargs for c in configs or ()), tuple(split_block))
+                       row_sum, col_sum, any("EPI_SUB" in c.kwargs for c in configs or ()),
+                       split_block if callable(split_block) else tuple(split_block))
     if not 1 <= len(outputs) <= MAX_OUTPUTS:
         raise ValueError(f"an epilogue declares 1 to {MAX_OUTPUTS} outputs, got {len(outputs)}")
-    if len(decl.split_block) != 2 or any(n < 1 or n & (n - 1) for n in decl.split_block):
+    if not callable(split_block) and (len(decl.split_block) != 2
+                                      or any(n < 1 or n & (n - 1) for n in decl.split_block)):
         raise ValueError(f"split_block is (BM, BN), two powers of two, got {split_block!r}")
     if decl.sumsq_of >= 0 and row_sum:
         raise ValueError("an epilogue keeps one kind of row sums: a sumsq output or row_sum")
@@ -576,12 +593,13 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
     dtypes = [named[o.like].dtype if o.like else c.dtype for o in decl.outputs]
     inplace = next((i for i, (o, dt) in enumerate(zip(decl.outputs, dtypes))
                     if o.cols == o.wide == 1 and dt == c.dtype and o.name not in g.outputs), -1)
-    bm, bn = (16, 32) if INTERPRET else decl.split_block
-    m_tiles, n_tiles = cdiv(M, bm), cdiv(N, bn)
+    bm, bn, warps, m_tiles = decl.split_launch(M, N, c.device)
+    n_tiles = cdiv(N, bn)
     empty = functools.partial(torch.empty, device=c.device, dtype=torch.float32)
     out = SimpleNamespace(M=M, N=N, device=c.device, out_dtype=c.dtype)
     return _run_gemm(decl, g, named, finish, out, lambda: empty(M, n_tiles), lambda: empty(m_tiles, N),
-                     lambda args: kernel[(m_tiles, n_tiles)](c, M, N, c.stride(0), **args, BM=bm, BN=bn),
+                     lambda args: kernel[(m_tiles, n_tiles)](c, M, N, c.stride(0), **args, BM=bm, BN=bn,
+                                                             LOOP=m_tiles < cdiv(M, bm), num_warps=warps),
                      lambda: (m_tiles, n_tiles), reuse={inplace: c})
 
 

@@ -12,11 +12,12 @@ One fused GEMM, declared as its epilogue (:mod:`kernels.coda.program`), writes d
 column sums of gy xhat per M tile); :func:`kernels.coda.reduce.finish_col_sum` sums the partials. dx may overwrite
 dres (each tile is read and written by the one program that owns it). rstd and c are loaded once per tile; the
 epilogue runs on EPI_SUB column sub-tiles of the accumulator (autotuned: 2 or 4), so the large tile fits in shared
-memory next to its TMA staging buffers. Split path (:mod:`kernels.coda.strategy`): gy = dz @ W by the
-plain GEMM, then the same epilogue math on whole rows of gy in one bandwidth-bound kernel (y written over gy, dgamma
-partials per program). A consumer that produces no ZdZ (a plain linear keeps no z) gets c from the row of gy there,
-``c_m = (1/d) sum_j gy_mj gamma_j xhat_mj`` (= s <z_m, dz_m> / d): no extra pass, as the row is in registers; the
-fused epilogue cannot, as it needs c before a tile's first column, so a call without zdz takes the split path.
+memory next to its TMA staging buffers. Split path (:mod:`kernels.coda.strategy`): gy = dz @ W by the plain GEMM,
+then the same epilogue on blocks of whole rows of gy, each program looping over its blocks (:func:`rows_launch`; y
+written over gy, dgamma partials per program). A consumer that produces no ZdZ (a plain linear keeps no z) gets c
+from the row of gy there, ``c_m = (1/d) sum_j gy_mj gamma_j xhat_mj`` (= s <z_m, dz_m> / d): no extra pass, as the
+row is in registers; the fused epilogue cannot, as it needs c before a tile's first column, so a call without zdz
+takes the split path.
 """
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.coda.align import aligned, empty_rows, written_back
-from kernels.coda.epilogue import load_block, load_cols, load_rows, load_tile, rmsnorm_dx, store_block
-from kernels.coda.gemm import split_matmul
+from kernels.coda.epilogue import Held, given, load_cols, load_rows, load_tile, rmsnorm_dx
 from kernels.coda.host import cdiv, next_power_of_2
 from kernels.coda.mainloop import INTERPRET, num_sms, subtiled_configs
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
@@ -40,7 +40,8 @@ from workloads.fp8 import Fp8, Recipe, dgrad_weight
 def rmsnorm_rows(gy, args, off_m, M, N, BM: tl.constexpr):
     """Per tile of gy, before its sub-tiles: gy times the scale, and the epilogue's args: x's and dres's
     descriptors, gamma, HAS_RES, and rstd and c of the tile's rows. ``args``: x's descriptor, the rstd, gamma, zdz
-    and scale pointers, dres's descriptor, the flags HAS_RES and HAS_SCALE."""
+    and scale pointers, dres's descriptor, the flags HAS_RES and HAS_SCALE. Without zdz (None: only in the split
+    kernel, whose blocks are whole rows) c comes from the rows of gy."""
     x_desc, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_desc, HAS_RES, HAS_SCALE = args
     c_scale = 1.0 / N
     if HAS_SCALE:
@@ -48,7 +49,12 @@ def rmsnorm_rows(gy, args, off_m, M, N, BM: tl.constexpr):
         c_scale = c_scale * scale
         gy = gy * scale
     rstd = load_rows(rstd_ptr, off_m, M, BM)
-    c = load_rows(zdz_ptr, off_m, M, BM) * c_scale
+    if given(zdz_ptr):
+        c = load_rows(zdz_ptr, off_m, M, BM) * c_scale
+    else:  # x read once: the epilogue's load of it reads the block loaded here
+        x = load_tile(x_desc, off_m, 0)
+        c = tl.sum(gy * (x * rstd[:, None]) * load_cols(gamma_ptr, 0, N, x_desc.BN)[None, :], axis=1) / N
+        x_desc = Held(x)
     return gy, (x_desc, dres_desc, gamma_ptr, rstd, c, HAS_RES)
 
 
@@ -74,49 +80,20 @@ def scale_arg(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor
     return torch.full((1,), scale, device=device, dtype=torch.float32)
 
 
-@triton.jit
-def rmsnorm_bwd_rows_kernel(gy_ptr, x_ptr, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_ptr, dx_ptr, dg_ptr, M, N,
-                            stride_gy, stride_x, stride_dres, stride_dx, stride_dg, HAS_ZDZ: tl.constexpr,
-                            HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """The fused kernel's epilogue math over whole rows of the dgrad GEMM's output ``gy = dz @ W`` (a bandwidth-bound
-    pass, pointer accesses): program p takes the blocks of BM rows p, p + P, ... (P programs), each row whole (N <= BD
-    columns), so ``c = (1/d) sum_j gy_j gamma_j xhat_j`` comes from the row itself when no ZdZ is given (HAS_ZDZ
-    false), one read of gy and x either way; writes dx, y over gy, and its dgamma partial ``sum gy xhat`` over its rows
-    into ``dg[p]``."""
-    gamma = load_cols(gamma_ptr, 0, N, BD)
-    scale = 1.0
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr).to(tl.float32)
-    dg = tl.zeros((BD,), dtype=tl.float32)
-    for off_m in tl.range(tl.program_id(0) * BM, M, tl.num_programs(0) * BM):
-        gy = load_block(gy_ptr, stride_gy, off_m, 0, M, N, BM, BD) * scale
-        rstd = load_rows(rstd_ptr, off_m, M, BM)
-        xhat = load_block(x_ptr, stride_x, off_m, 0, M, N, BM, BD) * rstd[:, None]
-        if HAS_ZDZ:
-            c = load_rows(zdz_ptr, off_m, M, BM) * (scale / N)
-        else:
-            c = tl.sum(gy * xhat * gamma[None, :], axis=1) / N
-        dx = rmsnorm_dx(gy, xhat, rstd, gamma, c)
-        if HAS_RES:
-            dx += load_block(dres_ptr, stride_dres, off_m, 0, M, N, BM, BD)
-        store_block(dx_ptr, stride_dx, off_m, 0, M, N, dx, BM, BD)
-        store_block(gy_ptr, stride_gy, off_m, 0, M, N, xhat * gamma[None, :], BM, BD)
-        dg += tl.sum(gy * xhat, axis=0)
-    cols = tl.arange(0, BD)
-    tl.store(dg_ptr + tl.program_id(0).to(tl.int64) * stride_dg + cols, dg, mask=cols < N)
-
-
 ROW_BLOCK = (16384, 8, 2)
-"""(elements per row block, num_warps, programs per SM) of :func:`rmsnorm_bwd_rows_kernel` on the GPU: BM =
+"""(elements per block of whole rows, num_warps, programs per SM) of the split kernel on the GPU: BM =
 max(1, elements // BD) rows per block. Measured on an H100 (M = 16384, gy given; 36 configs of 2048-16384 elements,
 4-16 warps, 2-8 programs per SM): within 1% of the best at every shape, 0.121 ms at the 1B gate/up dgrad without
 zdz (the norm_zdz pass and the 2-D block kernel before it: 0.181), 0.235 at 7B (0.341), 0.487 at 70B (0.663); with
-zdz 0.121 / 0.235 / 0.466 at the 1B QKV / 7B gate/up / 70B QKV dgrads (0.125 / 0.244 / 0.478)."""
+zdz 0.121 / 0.235 / 0.466 at the 1B QKV / 7B gate/up / 70B QKV dgrads (0.125 / 0.244 / 0.478). The kernel built from
+the declaration (the hook reads x once; ``LOOP``) against the hand-written one it replaced, on an H200 (M = 16384,
+the gate/up dgrads' row pass, us): 83.0 / 166.0 / 337.8 against 81.8 / 166.3 / 336.4 with zdz at 1B / 7B / 70B,
+92.7 / 178.2 / 395.7 against 91.0 / 178.6 / 385.7 without."""
 
 
 def rows_launch(M: int, N: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BM, BD, num_warps, programs) of :func:`rmsnorm_bwd_rows_kernel` for gy [M, N] (the interpreter: blocks of 8
-    rows on its 4 programs, so a program takes several)."""
+    """(BM, BD, num_warps, programs) of the split kernel for gy [M, N]: blocks of whole rows (BD >= N columns), the
+    programs looping over them (the interpreter: blocks of 8 rows on its 4 programs, so a program takes several)."""
     bd = next_power_of_2(N)
     elements, warps, per_sm = (8 * bd, 4, 1) if INTERPRET else ROW_BLOCK
     bm = max(1, elements // bd)
@@ -140,26 +117,6 @@ def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres
     return x, gamma, (dres if dres is not None else dx), dx
 
 
-def dgrad_rmsnorm_split(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor, rstd: torch.Tensor,
-                        gamma: torch.Tensor, zdz: torch.Tensor | None, dres: torch.Tensor | None = None,
-                        dz_scale: float | torch.Tensor = 1.0, inplace: bool = False, recipe: Recipe | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`dgrad_rmsnorm` split: ``gy = dz @ w`` (:func:`kernels.coda.gemm.split_matmul`), then one pass over whole
-    rows of gy (:func:`rmsnorm_bwd_rows_kernel`: c from zdz or from the row, dx, y over gy, dgamma partials) and the
-    partials' sum."""
-    gy = split_matmul(dz, w, recipe)
-    M, N = gy.shape
-    x, gamma, res, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gy.device)
-    bm, bd, warps, programs = rows_launch(M, N, gy.device)
-    dg = torch.empty(programs, N, device=gy.device, dtype=torch.float32)
-    scale = scale_arg(dz_scale, gy.device)
-    rmsnorm_bwd_rows_kernel[(programs,)](
-        gy, x, rstd, gamma, zdz if zdz is not None else rstd, scale if scale is not None else rstd, res, dx, dg, M, N,
-        gy.stride(0), x.stride(0), res.stride(0), dx.stride(0), dg.stride(0), HAS_ZDZ=zdz is not None,
-        HAS_RES=dres is not None, HAS_SCALE=scale is not None, BM=bm, BD=bd, num_warps=warps)
-    return (written_back(dx, dres) if inplace else dx), gy, finish_col_sum(dg, programs, gamma.dtype)
-
-
 def _not_inplace(arguments: dict) -> dict:
     """A call's arguments for measuring it repeatedly: dx into a new buffer instead of into dres (same traffic)."""
     return {**arguments, "inplace": False}
@@ -177,9 +134,10 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 
 
 @coda(rmsnorm_dgrad, outputs=(Output("dx"), Output("y")),
-      inputs=(Tile("x"), "rstd_ptr", "gamma_ptr", "zdz_ptr", "scale_ptr", Tile("dres")), flags=("HAS_RES", "HAS_SCALE"),
+      inputs=(Tile("x"), "rstd_ptr", "gamma_ptr", "zdz_ptr", "scale_ptr", Tile("dres")),
+      flags=("HAS_RES", "HAS_SCALE"),
       tile=rmsnorm_rows, col_sum=True, configs=subtiled_configs(), restore=("dx",), finish=_finish,
-      split=dgrad_rmsnorm_split, safe=_not_inplace, fuses=lambda arguments: arguments["zdz"] is not None,
+      split_block=rows_launch, safe=_not_inplace, fuses=lambda arguments: arguments["zdz"] is not None,
       binds=(Binding(("rmsnorm_dgrad", "rmsnorm_dgrad_qkv"), ("dx", "y", "dgamma"),
                      "dgrad GEMM + RMSNorm backward epilogue + dgamma partials", _cell_args),
              Binding(("rmsnorm_dgrad_lm",), ("dx", "y", "dgamma"),

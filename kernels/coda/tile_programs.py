@@ -1,7 +1,7 @@
 """The device programs of a declared CODA kernel (:mod:`kernels.coda.program` builds each kernel's entry, one call
 of one of them, from the declaration): :func:`fused_program` (the persistent fused kernel: mainloop, dequantization,
-the epilogue on column sub-tiles, outputs through descriptors), :func:`blocks_program` (the split kernel: one block
-of the GEMM output by pointers) and :func:`tile_epilogue` (one tile's epilogue, its pointer stores and partials: the
+the epilogue on column sub-tiles, outputs through descriptors), :func:`blocks_program` (the split kernel: blocks of the
+GEMM output by pointers) and :func:`tile_epilogue` (one tile's epilogue, its pointer stores and partials: the
 split kernel's body and the Gluon variant's, :mod:`kernels.coda.gluon_program`). Their constexpr arguments say what
 the declaration has: INPUTS, EPILOGUE and TILE its functions, NOUT outputs of COLS / WIDE shapes, which of them a
 call STOREs, which output's row sums of squares (SUMSQ_OF) or which row values (ROW_SUM) are kept, which result's
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.coda.epilogue import cast, col_subtile, col_sum_partial, dequant, dequant_scale, full, load_block, \
-    load_rows, row_absmax, row_sumsq, store_block, store_row_partial, store_tile
+    load_rows, row_absmax, row_sumsq, store_block, store_col_partial, store_row_partial, store_tile
 from kernels.coda.mainloop import mainloop, num_tiles, operand_descs, tile_coords, tile_desc
 
 
@@ -122,16 +122,15 @@ def _put(ptr, stride, off_m, off_n, M, N, COLS: tl.constexpr, WIDE: tl.constexpr
 
 
 @triton.jit
-def tile_epilogue(z, args, off_m, off_n, M, N, outs, strides, ss_ptr, amax_ptr, stride_part, cs_ptr, stride_cs,
-                  EPILOGUE: tl.constexpr, TILE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
-                  WIDE: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr,
-                  COL_SUM: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr):
+def tile_epilogue(z, args, off_m, off_n, M, N, outs, strides, ss_ptr, amax_ptr, stride_part, EPILOGUE: tl.constexpr,
+                  TILE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr,
+                  STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr, COL_SUM: tl.constexpr,
+                  AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """The (BM, BN) tile ``z`` at (off_m, off_n) of a GEMM output (an N tile whole: its row partials complete): TILE,
-    EPILOGUE, its outputs stored by pointers (those STORE asks for), and its partials: the row sums (of squares of
+    EPILOGUE, its outputs stored by pointers (those STORE asks for), and its row partials: the row sums (of squares of
     output SUMSQ_OF, or with ROW_SUM of the row values EPILOGUE returns after its outputs) and with AMAX the row
-    absmax of output AMAX_OF at ``part[:, off_n / BN]``, the column sums of result COL_SUM (-1: none) at
-    ``cs[off_m / BM, :]``. The body of the split kernel and of the Gluon variant's epilogue."""
+    absmax of output AMAX_OF at ``part[:, off_n / BN]``. Returns the column sums of result COL_SUM (0 without one),
+    which the caller stores. The body of the split kernel and of the Gluon variant's epilogue."""
     z, tile_args = TILE(z, args, off_m, M, N, BM)
     res = EPILOGUE(z, tile_args, off_m, off_n, M, N, BM, BN)
     amax = full((BM,), 0.0, tl.float32) if AMAX else 0.0
@@ -146,8 +145,21 @@ def tile_epilogue(z, args, off_m, off_n, M, N, outs, strides, ss_ptr, amax_ptr, 
         store_row_partial(amax_ptr, amax, off_m, off_n, M, stride_part, BM, BN)
     if ROW_SUM:
         store_row_partial(ss_ptr, res[NOUT], off_m, off_n, M, stride_part, BM, BN)
-    if COL_SUM >= 0:
-        col_sum_partial(cs_ptr, res[COL_SUM], off_m, off_n, N, stride_cs, BM, BN)
+    return tl.sum(res[COL_SUM], axis=0) if COL_SUM >= 0 else 0.0
+
+
+@triton.jit
+def _block(c_ptr, M, N, stride_c, row_ptr, args, off_m, off_n, outs, strides, ss_ptr, amax_ptr, stride_part,
+           EPILOGUE: tl.constexpr, TILE: tl.constexpr, ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr,
+           WIDE: tl.constexpr, STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr,
+           COL_SUM: tl.constexpr, AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The (BM, BN) block at (off_m, off_n) of the GEMM output c [M, N] by pointers (its ``z``: c times the row
+    scale) through :func:`tile_epilogue`: the column sums of result COL_SUM."""
+    z = load_block(c_ptr, stride_c, off_m, off_n, M, N, BM, BN)
+    if ROW_SCALE:
+        z = z * load_rows(row_ptr, off_m, M, BM)[:, None]
+    return tile_epilogue(z, args, off_m, off_n, M, N, outs, strides, ss_ptr, amax_ptr, stride_part, EPILOGUE, TILE,
+                         NOUT, COLS, WIDE, STORE, SUMSQ_OF, ROW_SUM, COL_SUM, AMAX_OF, AMAX, BM, BN)
 
 
 @triton.jit
@@ -155,14 +167,24 @@ def blocks_program(c_ptr, M, N, stride_c, row_ptr, args, in_strides, outs, strid
                    cs_ptr, stride_cs, INPUTS: tl.constexpr, EPILOGUE: tl.constexpr, TILE: tl.constexpr,
                    ROW_SCALE: tl.constexpr, NOUT: tl.constexpr, COLS: tl.constexpr, WIDE: tl.constexpr,
                    STORE: tl.constexpr, SUMSQ_OF: tl.constexpr, ROW_SUM: tl.constexpr, COL_SUM: tl.constexpr,
-                   AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """The split kernel: the (BM, BN) block (program_id(0), program_id(1)) of the GEMM output c [M, N], by pointers
-    (its ``z``: c times the row scale), through :func:`tile_epilogue` (its Tile inputs :class:`kernels.coda.
-    epilogue.Block` objects)."""
-    off_m, off_n = tl.program_id(0) * BM, tl.program_id(1) * BN
-    z = load_block(c_ptr, stride_c, off_m, off_n, M, N, BM, BN)
-    if ROW_SCALE:
-        z = z * load_rows(row_ptr, off_m, M, BM)[:, None]
-    tile_epilogue(z, INPUTS(args, in_strides, M, N, BM, BN), off_m, off_n, M, N, outs, strides, ss_ptr, amax_ptr,
-                  stride_part, cs_ptr, stride_cs, EPILOGUE, TILE, NOUT, COLS, WIDE, STORE, SUMSQ_OF, ROW_SUM,
-                  COL_SUM, AMAX_OF, AMAX, BM, BN)
+                   AMAX_OF: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   LOOP: tl.constexpr):
+    """The split kernel: program (p, j) takes the (BM, BN) block (p, j) of the GEMM output c [M, N] (its Tile inputs
+    :class:`kernels.coda.epilogue.Block` objects) or, with LOOP, the blocks (p, j), (p + P, j), ... (P programs along
+    M), through :func:`_block`; the column sums of result COL_SUM over its blocks are stored at ``cs[p, j BN:]``."""
+    off_n = tl.program_id(1) * BN
+    args = INPUTS(args, in_strides, M, N, BM, BN)
+    if LOOP:
+        col_sums = tl.zeros((BN,), dtype=tl.float32)
+        for off_m in tl.range(tl.program_id(0) * BM, M, tl.num_programs(0) * BM, num_stages=1):
+            sums = _block(c_ptr, M, N, stride_c, row_ptr, args, off_m, off_n, outs, strides, ss_ptr, amax_ptr,
+                          stride_part, EPILOGUE, TILE, ROW_SCALE, NOUT, COLS, WIDE, STORE, SUMSQ_OF, ROW_SUM, COL_SUM,
+                          AMAX_OF, AMAX, BM, BN)
+            if COL_SUM >= 0:
+                col_sums += sums
+    else:
+        col_sums = _block(c_ptr, M, N, stride_c, row_ptr, args, tl.program_id(0) * BM, off_n, outs, strides, ss_ptr,
+                          amax_ptr, stride_part, EPILOGUE, TILE, ROW_SCALE, NOUT, COLS, WIDE, STORE, SUMSQ_OF,
+                          ROW_SUM, COL_SUM, AMAX_OF, AMAX, BM, BN)
+    if COL_SUM >= 0:
+        store_col_partial(cs_ptr, col_sums, tl.program_id(0), off_n, N, stride_cs, BN)
