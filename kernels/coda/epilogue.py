@@ -70,13 +70,14 @@ def full(shape, value, dtype, _semantic=None):
 
 @tl.core.builtin
 def given(x, _semantic=None):
-    """Whether an optional pointer input of a declared kernel was given (one a call gives as None reaches the epilogue
-    as 0, :mod:`kernels.coda.program`): a constexpr, so that ``if given(ptr):`` compiles one branch."""
-    return tl.constexpr(_is_pointer(tl.core._unwrap_if_constexpr(x)))
+    """Whether an optional input of a declared kernel, a pointer or a Tile (its descriptor or block), was given: one a
+    call gives as None reaches the epilogue as 0 (:mod:`kernels.coda.program`). A constexpr, so that ``if given(x):``
+    compiles one branch (a flag found in ``args`` is a value, and its branches are both compiled)."""
+    return tl.constexpr(_given(tl.core._unwrap_if_constexpr(x)))
 
 
-def _is_pointer(x: object) -> bool:
-    return hasattr(x, "dtype") and x.dtype.is_ptr()
+def _given(x: object) -> bool:
+    return x.dtype.is_ptr() if isinstance(x, tl.tensor) else not isinstance(x, int)
 
 
 @tl.core.builtin
@@ -106,7 +107,7 @@ if INTERPRET:  # the interpreter runs no Gluon, and puts its own semantic into t
         return tl.full(shape, value, dtype)
 
     def given(x):  # noqa: F811
-        return _is_pointer(x)
+        return _given(x)
 
     def like(x, y):  # noqa: F811
         return x

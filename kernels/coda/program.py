@@ -305,8 +305,9 @@ class Declaration:
         items, t = [], 0
         for k, i in enumerate((*self.inputs, *self.call_flags, *self.vectors)):
             wide = f"{i.wide} * " if isinstance(i, Tile) and i.wide > 1 else ""
-            items.append(f"TILE_INPUT(args[{k}], M, {wide}N, strides[{t}], BM, {wide}BN)" if isinstance(i, Tile)
-                         else f"args[{k}]" if k >= len(self.inputs) else f"0 if args[{k}] is None else args[{k}]")
+            item = (f"TILE_INPUT(args[{k}], M, {wide}N, strides[{t}], BM, {wide}BN)" if isinstance(i, Tile)
+                    else f"args[{k}]")
+            items.append(f"0 if args[{k}] is None else {item}" if k < len(self.inputs) else item)
             t += isinstance(i, Tile)
         return triton.jit(self._compile(name, ["args", "strides", "M", "N", "BM: tl.constexpr", "BN: tl.constexpr"],
                                         [f"return {_tuple(items)}"], {"TILE_INPUT": tile}))
@@ -365,11 +366,14 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
          ) -> Callable:
     """Decorate a host function that returns the :class:`Gemm` of its call: it becomes the declared kernel's host
     function (same name and signature; fused, split or Gluon by :func:`kernels.coda.strategy.with_split`), with the
-    fused kernel ``<host>_kernel`` as ``.kernel`` and the split one ``<host>_rows_kernel`` as ``.rows_kernel``.
+    fused kernel ``<host>_kernel`` as ``.kernel``, the split one ``<host>_rows_kernel`` as ``.rows_kernel`` and the
+    :class:`Declaration` as ``.declaration``.
 
     ``inputs``: the epilogue's extra arguments (``Gemm.inputs``, its ``args``), by parameter name, or :class:`Tile`;
-    ``flags``: constexpr flags of the kernels (``Gemm.flags``; part of the tuning key), which the epilogue finds
-    after its inputs in ``args``; ``vectors``: fp32 [M] vectors, zero-filled for each call, whose pointers
+    ``inputs`` the call gives as None reach the epilogue as 0 (:func:`kernels.coda.epilogue.given` tells, when the
+    kernel compiles); ``flags``: constexpr flags of the kernels (``Gemm.flags``; part of the tuning key), which the
+    epilogue finds after its inputs in ``args`` (as values: a branch on one is compiled both ways, so both must
+    compile); ``vectors``: fp32 [M] vectors, zero-filled for each call, whose pointers
     (``<name>_ptr``) the epilogue finds after the flags in ``args`` and writes into (a gathered value per row), and
     ``finish`` reads (``Partials.vectors``); ``tile(z, args, off_m, M, N, BM)``: a ``@triton.jit`` function run once per
     tile of the GEMM output before the epilogue (before the column sub-tiles) that returns the tile and the ``args``
@@ -431,6 +435,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
         built = gluon_kernel and Gluon(built_gluon, lambda arguments: gluon_applies(host(**arguments)))
         dispatch = with_split(split or built_split, safe=safe, gluon=gluon or built, fuses=fuses)(fused)
         dispatch.kernel, dispatch.rows_kernel, dispatch.binds = fused_kernel, rows_kernel, tuple(binds)
+        dispatch.declaration = decl
         dispatch.gluon_kernel, dispatch.built_gluon, dispatch.built_split = gluon_kernel, built_gluon, built_split
         return dispatch
 
@@ -478,8 +483,8 @@ class _Asked:
 
 def _inputs(decl: Declaration, g: Gemm) -> tuple:
     """The call's input values for the kernels: a :class:`Tile` through :func:`kernels.coda.align.aligned` (itself
-    when in the row layout, else a copy in it), the others as given."""
-    return tuple(aligned(v) if isinstance(i, Tile) else v for i, v in zip(decl.inputs, g.inputs))
+    when in the row layout, else a copy in it), the others (and a None) as given."""
+    return tuple(aligned(v) if isinstance(i, Tile) and v is not None else v for i, v in zip(decl.inputs, g.inputs))
 
 
 def _returned(results: list[Any]) -> Any:
@@ -565,7 +570,8 @@ def _run_gemm(decl: Declaration, g: Gemm, named: dict[str, Any], finish: Callabl
     live = next(t for t in (*outs, g.row_scale, *inputs) if isinstance(t, torch.Tensor))
     args = {f"{decl.row_scale}_ptr": g.row_scale} if decl.row_scale else {}
     for i, v in zip(decl.inputs, inputs):
-        args.update({f"{i.name}_ptr": v, f"stride_{i.name}": v.stride(0)} if isinstance(i, Tile) else {i: v})
+        args.update({f"{i.name}_ptr": v, f"stride_{i.name}": 0 if v is None else v.stride(0)} if isinstance(i, Tile)
+                    else {i: v})
     args.update({f"{o.name}_ptr": live if t is None else t for o, t in zip(decl.outputs, outs)})
     args.update({f"stride_{o.name}": 0 if t is None else t.stride(0) for o, t in zip(decl.outputs, outs)})
     ss = rows() if "ss" in decl.partials else None

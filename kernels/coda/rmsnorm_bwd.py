@@ -39,12 +39,12 @@ from workloads.fp8 import Fp8, Recipe, dgrad_weight
 @triton.jit
 def rmsnorm_rows(gy, args, off_m, M, N, BM: tl.constexpr):
     """Per tile of gy, before its sub-tiles: gy times the scale, and the epilogue's args: x's and dres's
-    descriptors, gamma, HAS_RES, and rstd and c of the tile's rows. ``args``: x's descriptor, the rstd, gamma, zdz
-    and scale pointers, dres's descriptor, the flags HAS_RES and HAS_SCALE. Without zdz (None: only in the split
-    kernel, whose blocks are whole rows) c comes from the rows of gy."""
-    x_desc, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_desc, HAS_RES, HAS_SCALE = args
+    descriptors, gamma, and rstd and c of the tile's rows. ``args``: x's descriptor, the rstd, gamma, zdz and scale
+    pointers, dres's descriptor; zdz, scale and dres optional (:func:`kernels.coda.epilogue.given`). Without zdz (only
+    in the split kernel, whose blocks are whole rows) c comes from the rows of gy."""
+    x_desc, rstd_ptr, gamma_ptr, zdz_ptr, scale_ptr, dres_desc = args
     c_scale = 1.0 / N
-    if HAS_SCALE:
+    if given(scale_ptr):
         scale = tl.load(scale_ptr).to(tl.float32)
         c_scale = c_scale * scale
         gy = gy * scale
@@ -55,18 +55,18 @@ def rmsnorm_rows(gy, args, off_m, M, N, BM: tl.constexpr):
         x = load_tile(x_desc, off_m, 0)
         c = tl.sum(gy * (x * rstd[:, None]) * load_cols(gamma_ptr, 0, N, x_desc.BN)[None, :], axis=1) / N
         x_desc = Held(x)
-    return gy, (x_desc, dres_desc, gamma_ptr, rstd, c, HAS_RES)
+    return gy, (x_desc, dres_desc, gamma_ptr, rstd, c)
 
 
 @triton.jit
 def rmsnorm_dgrad(gy, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     """The fused kernel's epilogue on the (BM, BN) sub-tile gy at (off_m, off_n) (``args``: :func:`rmsnorm_rows`'):
     (dx, y, gy xhat), the last one's column sums the dgamma partials."""
-    x_desc, dres_desc, gamma_ptr, rstd, c, HAS_RES = args
+    x_desc, dres_desc, gamma_ptr, rstd, c = args
     gamma = load_cols(gamma_ptr, off_n, N, BN)
     xhat = load_tile(x_desc, off_m, off_n) * rstd[:, None]
     dx = rmsnorm_dx(gy, xhat, rstd, gamma, c)
-    if HAS_RES:
+    if given(dres_desc):
         dx += load_tile(dres_desc, off_m, off_n)
     return dx, xhat * gamma[None, :], gy * xhat
 
@@ -134,10 +134,9 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 
 
 @coda(rmsnorm_dgrad, outputs=(Output("dx"), Output("y")),
-      inputs=(Tile("x"), "rstd_ptr", "gamma_ptr", "zdz_ptr", "scale_ptr", Tile("dres")),
-      flags=("HAS_RES", "HAS_SCALE"),
-      tile=rmsnorm_rows, col_sum=True, configs=subtiled_configs(), restore=("dx",), finish=_finish,
-      split_block=rows_launch, safe=_not_inplace, fuses=lambda arguments: arguments["zdz"] is not None,
+      inputs=(Tile("x"), "rstd_ptr", "gamma_ptr", "zdz_ptr", "scale_ptr", Tile("dres")), tile=rmsnorm_rows,
+      col_sum=True, configs=subtiled_configs(), restore=("dx",), finish=_finish, split_block=rows_launch,
+      safe=_not_inplace, fuses=lambda arguments: arguments["zdz"] is not None,
       binds=(Binding(("rmsnorm_dgrad", "rmsnorm_dgrad_qkv"), ("dx", "y", "dgamma"),
                      "dgrad GEMM + RMSNorm backward epilogue + dgamma partials", _cell_args),
              Binding(("rmsnorm_dgrad_lm",), ("dx", "y", "dgamma"),
@@ -159,6 +158,5 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     """
     gemm = Gemm(dz, w, recipe)
     x, gamma, res, dx = norm_bwd_operands(*gemm.shape, x, gamma, dres, inplace, gemm.device)
-    scale = scale_arg(dz_scale, gemm.device)
-    return replace(gemm, inputs=(x, rstd, gamma, zdz, rstd if scale is None else scale, res),
-                   flags={"HAS_RES": dres is not None, "HAS_SCALE": scale is not None}, outputs={"dx": dx})
+    return replace(gemm, inputs=(x, rstd, gamma, zdz, scale_arg(dz_scale, gemm.device), None if dres is None else res),
+                   outputs={"dx": dx})
