@@ -17,7 +17,7 @@ from codabench.case import Case
 from codabench.registry import Native
 from benchmarks import compare_ptx
 from kernels.coda import configs, tuning
-from kernels.coda.epilogue import add_tile, gather_cols, join_pairs, load_cols, load_rows, load_tile
+from kernels.coda.epilogue import add_tile, gather_cols, given, join_pairs, load_cols, load_rows, load_tile
 from kernels.coda.mainloop import subtiled_configs
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_col_sum, finish_row_sum
@@ -239,6 +239,34 @@ def _diagonal(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) ->
 @coda(diagonal, outputs=(Output("z"),), vectors=("d",), finish=_diagonal)
 def gemm_diagonal(x: torch.Tensor, w: torch.Tensor) -> Gemm:
     return Gemm(x, w.T)
+
+
+@triton.jit
+def scaled_shift(z, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """(z v + s,): each row times v and plus the tile of s, each only where the call gives it."""
+    v_ptr, s = args
+    if given(v_ptr):
+        z = z * load_rows(v_ptr, off_m, M, BM)[:, None]
+    if given(s):
+        z = add_tile(z, s, off_m, off_n)
+    return (z,)
+
+
+@coda(scaled_shift, outputs=(Output("z"),), inputs=("v_ptr", Tile("s")))
+def gemm_scaled_shift(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor | None, s: torch.Tensor | None) -> Gemm:
+    return Gemm(x, w.T, inputs=(v, s))
+
+
+@pytest.mark.parametrize("v_given", [False, True])
+@pytest.mark.parametrize("s_given", [False, True])
+def test_an_input_the_call_leaves_out_is_told_apart_when_the_kernel_compiles(strategy, v_given, s_given):
+    """A pointer or Tile input given as None reaches the epilogue as 0, and ``given`` says so (a constexpr: the branch
+    that reads it is not compiled); given, it is read: in the fused and the split kernel."""
+    x, w = rand(M, K, seed=1), rand(N, K, seed=2, scale=K ** -0.5)
+    v, s = rand(M, seed=3, mean=1.0), rand(M, N, seed=4)
+    z = gemm_scaled_shift(x, w, v if v_given else None, s if s_given else None)
+    z64 = (x.double() @ w.double().T) * (v.double()[:, None] if v_given else 1) + (s.double() if s_given else 0)
+    check("z", z, z64, (x @ w.T) * (v[:, None] if v_given else 1) + (s if s_given else 0))
 
 
 def test_a_vector_the_epilogue_scatters_into_reaches_finish_in_both_paths(strategy):
