@@ -105,8 +105,8 @@ def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres
     """``(x, gamma, res, dx)`` of an RMSNorm dgrad of output [M, N], checked (x [M, N]; ``inplace`` needs dres),
     x aligned for the kernels (:func:`kernels.coda.align.aligned`), gamma contiguous; dx is the aligned dres when
     ``inplace`` (:func:`kernels.coda.align.written_back` then returns the caller's), else a new [M, N] tensor in
-    dres's dtype (x's without dres); res is the kernels' residual-gradient operand: the aligned dres, or dx
-    standing in for it without one (``HAS_RES`` off)."""
+    dres's dtype (x's without dres); res is the aligned dres, or dx standing in for it without one (for a kernel that
+    reads it under a flag: benchmarks/gluon_epilogue_dgrad_rmsnorm.py)."""
     if x.shape != (M, N):
         raise ValueError(f"shape mismatch: x {tuple(x.shape)} for dz @ w of shape {(M, N)}")
     if inplace and dres is None:
