@@ -186,6 +186,7 @@ def ws_dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Ten
     gemm = WsGemm(dz, w, "RMSNorm dgrad")
     M, N = gemm.M, gemm.N
     x, gamma, res, dx = norm_bwd_operands(M, N, x, gamma, dres, inplace, gemm.device)
+    res = res if res is not None else dx  # read only with HAS_RES
     y = gemm.empty()
     dg = torch.empty(triton.cdiv(M, BM), N, device=gemm.device, dtype=torch.float32)
     scale = scale_arg(dz_scale, gemm.device)

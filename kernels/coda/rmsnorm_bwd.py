@@ -102,11 +102,10 @@ def rows_launch(M: int, N: int, device: torch.device) -> tuple[int, int, int, in
 
 def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres: torch.Tensor | None, inplace: bool,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(x, gamma, res, dx)`` of an RMSNorm dgrad of output [M, N], checked (x [M, N]; ``inplace`` needs dres),
-    x aligned for the kernels (:func:`kernels.coda.align.aligned`), gamma contiguous; dx is the aligned dres when
-    ``inplace`` (:func:`kernels.coda.align.written_back` then returns the caller's), else a new [M, N] tensor in
-    dres's dtype (x's without dres); res is the aligned dres, or dx standing in for it without one (for a kernel that
-    reads it under a flag: benchmarks/gluon_epilogue_dgrad_rmsnorm.py)."""
+    """``(x, gamma, dres, dx)`` of an RMSNorm dgrad of output [M, N], checked (x [M, N]; ``inplace`` needs dres),
+    x and dres (None stays None) aligned for the kernels (:func:`kernels.coda.align.aligned`), gamma contiguous; dx
+    is the aligned dres when ``inplace`` (:func:`kernels.coda.align.written_back` then returns the caller's), else a
+    new [M, N] tensor in dres's dtype (x's without dres)."""
     if x.shape != (M, N):
         raise ValueError(f"shape mismatch: x {tuple(x.shape)} for dz @ w of shape {(M, N)}")
     if inplace and dres is None:
@@ -114,7 +113,7 @@ def norm_bwd_operands(M: int, N: int, x: torch.Tensor, gamma: torch.Tensor, dres
     x, gamma = aligned(x), gamma.contiguous()
     dres = aligned(dres) if dres is not None else None
     dx = dres if inplace else empty_rows(M, N, (dres if dres is not None else x).dtype, device)
-    return x, gamma, (dres if dres is not None else dx), dx
+    return x, gamma, dres, dx
 
 
 def _not_inplace(arguments: dict) -> dict:
@@ -157,6 +156,5 @@ def dgrad_rmsnorm(dz: torch.Tensor | Fp8, w: torch.Tensor | Fp8, x: torch.Tensor
     launch reads); y is then bf16.
     """
     gemm = Gemm(dz, w, recipe)
-    x, gamma, res, dx = norm_bwd_operands(*gemm.shape, x, gamma, dres, inplace, gemm.device)
-    return replace(gemm, inputs=(x, rstd, gamma, zdz, scale_arg(dz_scale, gemm.device), None if dres is None else res),
-                   outputs={"dx": dx})
+    x, gamma, dres, dx = norm_bwd_operands(*gemm.shape, x, gamma, dres, inplace, gemm.device)
+    return replace(gemm, inputs=(x, rstd, gamma, zdz, scale_arg(dz_scale, gemm.device), dres), outputs={"dx": dx})
