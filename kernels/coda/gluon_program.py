@@ -31,12 +31,21 @@ LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [EPI_WARPS, 1], [1, 0]))
 """The epilogue partition's layout of a sub-tile: each warp a row at a time, 16-byte accesses of fp32 along it."""
 
 
+@triton.constexpr_function
+def block_layout(BN):
+    """The layout of a (SUB_M, BN) block read by the epilogue partition: :data:`LAYOUT` with BN / 128 times as many
+    adjacent columns a thread, so that a block WIDE times as wide as the accumulator tile (an interleaved input such
+    as the SwiGLU dgrad's (gate, up) pairs), split into WIDE tiles of adjacent columns, lands each tile in LAYOUT
+    itself, with no layout conversion (and its loads are 16 bytes wide in bf16)."""
+    return gl.BlockedLayout([1, max(BN // 32, 1)], [1, 32], [EPI_WARPS, 1], [1, 0])
+
+
 @triton.jit
 def block(ptr, M, N, stride, BM: tl.constexpr, BN: tl.constexpr):
     """A :class:`Tile` input as the epilogue partition reads it: a pointer :class:`kernels.coda.epilogue.Block` whose
-    loads come in :data:`LAYOUT` (a tile of the epilogue's that no other tile decides the layout of, as a load of
-    x that only ever meets row vectors, still gets one)."""
-    return Block(ptr, M, N, stride, BM, BN, LAYOUT)
+    loads come in :func:`block_layout` (a tile of the epilogue's that no other tile decides the layout of, as a load
+    of x that only ever meets row vectors, still gets one)."""
+    return Block(ptr, M, N, stride, BM, BN, block_layout(BN))
 
 
 @gluon.jit
