@@ -21,8 +21,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from kernels.coda.epilogue import Block, store_col_partial
-from kernels.coda.mainloop_gluon import EPI_WARPS, LOADER_REGS, MMA_REGS, local_tiles, loader, mma, thread_barrier, \
-    tile_coords, ws_buffers
+from kernels.coda.mainloop_gluon import (BN as TILE_N, EPI_WARPS, LOADER_REGS, MMA_REGS, local_tiles, loader, mma,
+                                         thread_barrier, tile_coords, ws_buffers)
 from kernels.coda.tile_programs import scaled_rows, tile_epilogue
 
 SUB_M = 32
@@ -33,11 +33,11 @@ LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [EPI_WARPS, 1], [1, 0]))
 
 @triton.constexpr_function
 def block_layout(BN):
-    """The layout of a (SUB_M, BN) block read by the epilogue partition: :data:`LAYOUT` with BN / 128 times as many
-    adjacent columns a thread, so that a block WIDE times as wide as the accumulator tile (an interleaved input such
-    as the SwiGLU dgrad's (gate, up) pairs), split into WIDE tiles of adjacent columns, lands each tile in LAYOUT
-    itself, with no layout conversion (and its loads are 16 bytes wide in bf16)."""
-    return gl.BlockedLayout([1, max(BN // 32, 1)], [1, 32], [EPI_WARPS, 1], [1, 0])
+    """The layout of a (SUB_M, BN) block read by the epilogue partition: :data:`LAYOUT` with BN / TILE_N times as
+    many adjacent columns a thread (TILE_N: the accumulator tile's width), so that a block WIDE times as wide as the
+    accumulator tile (an interleaved input such as the SwiGLU dgrad's (gate, up) pairs), split into WIDE tiles of
+    adjacent columns, lands each of them in LAYOUT itself: no layout conversion (and 16-byte loads of bf16 pairs)."""
+    return gl.BlockedLayout([1, 4 * max(BN // TILE_N, 1)], [1, 32], [EPI_WARPS, 1], [1, 0])
 
 
 @triton.jit
