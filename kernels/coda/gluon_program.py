@@ -35,8 +35,9 @@ LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [EPI_WARPS, 1], [1, 0]))
 def block_layout(BN):
     """The layout of a (SUB_M, BN) block read by the epilogue partition: :data:`LAYOUT` with BN / TILE_N times as
     many adjacent columns a thread (TILE_N: the accumulator tile's width), so that a block WIDE times as wide as the
-    accumulator tile (an interleaved input such as the SwiGLU dgrad's (gate, up) pairs), split into WIDE tiles of
-    adjacent columns, lands each of them in LAYOUT itself: no layout conversion (and 16-byte loads of bf16 pairs)."""
+    accumulator tile, split into its WIDE interleaved tiles (column WIDE j + i of the block is column j of tile i: the
+    SwiGLU dgrad's (gate, up) pairs, :func:`kernels.coda.epilogue.split_pairs`), lands each of them in LAYOUT itself:
+    no layout conversion (and 16-byte loads of bf16 pairs)."""
     return gl.BlockedLayout([1, 4 * max(BN // TILE_N, 1)], [1, 32], [EPI_WARPS, 1], [1, 0])
 
 
