@@ -11,8 +11,9 @@ check that the kernels compile and fit the shared memory). The groups:
 
 - ``fused``: the fused Triton kernels as their host wrappers launch them (:mod:`compare_ptx`'s cases, compiled in a
   process of their own with an empty cache): at most 255 registers, no stack, no local memory.
-- ``gluon-swiglu``: the shipped Gluon SwiGLU dgrad (:mod:`gluon_epilogue_dgrad_swiglu`'s configs): every config is
-  reported; the shipped ones (the stages of a 1B and a 7B dgrad, ``SUB_M`` rows) spill nothing.
+- ``gluon``: the Gluon variants built from the declared kernels (:mod:`kernels.coda.gluon_program`), as their host
+  functions launch them with :mod:`compare_ptx`'s cases' arguments: every one is reported; the SwiGLU dgrad's (the
+  Gluon path the shipped tables choose) spills nothing.
 - ``gluon-rmsnorm``: the lost Gluon RMSNorm dgrad experiment (:mod:`gluon_epilogue_dgrad_rmsnorm`): no config spills.
 
 Every row also holds its shared memory against Hopper's 227 KB a CTA.
@@ -36,7 +37,7 @@ HOPPER_SMEM = 232448
 """Bytes of shared memory one CTA may use on an H100/H200 (227 KB)."""
 NO_SPILLS = "no spills"
 NO_LOCAL = "<=255 regs, no stack/local"
-GROUPS = ("fused", "gluon-swiglu", "gluon-rmsnorm")
+GROUPS = ("fused", "gluon", "gluon-rmsnorm")
 
 
 class Row(NamedTuple):
@@ -92,12 +93,45 @@ def fused_rows(cases: list[str]) -> list[Row]:
             for case, c in zip(cases, found)]
 
 
-def swiglu_rows() -> list[Row]:
-    import gluon_epilogue_dgrad_swiglu as bench
-    from gluon_experiment import SHAPES
-    shipped = {f"config={dtype},{bench.WS.stages(SHAPES[model][2] * size)},{bench.G.SUB_M}"
-               for dtype, size in (("bf16", 2), ("fp8", 1)) for model in ("llama-1b", "llama-7b")}
-    return gluon_rows(bench.compile_only(), lambda name: NO_SPILLS if name in shipped else "")
+def built_gluon_rows(cases: list[str]) -> list[Row]:
+    """Rows of the built Gluon variants of the declared kernels among :mod:`compare_ptx`'s ``cases``: each case's host
+    call with the host function's ``built_gluon`` in its place, every launch compiled for sm_90 (``warmup``) instead
+    of run, on a Hopper the meta device stands in for; the variant's own kernel reported (ptxas's usage)."""
+    import importlib
+    import compare_ptx
+    import kernels.coda.program as program
+    from gluon_experiment import ptxas_usage
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+    compiled: list = []
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup=False, **kwargs):
+        compiled.append(run(self, *args, grid=grid, warmup=True, **kwargs))
+        return compiled[-1]
+
+    driver.set_active(compare_ptx._Sm90Driver())
+    JITFunction.run, program.hopper = compile_only, lambda device: True
+    rows = []
+    for case in cases:
+        name, dtype = case.rsplit("-", 1)
+        module_name, kernel_name, call, _ = compare_ptx.KERNELS[name]
+        module, host_name = importlib.import_module(module_name), kernel_name.removesuffix("_kernel")
+        host = getattr(module, host_name, None)
+        if not hasattr(host, "built_gluon"):  # not a declared kernel
+            continue
+        compiled.clear()
+        setattr(module, host_name, host.built_gluon)
+        try:
+            call(dtype == "fp8")
+        except Exception:  # after the launch: the host's results from meta tensors, as far as they go
+            pass
+        finally:
+            setattr(module, host_name, host)
+        kernel = next(k for k in compiled if k.name == f"{host_name}_gluon_kernel")
+        rows += gluon_rows({f"{case} {kernel.name}": f"{kernel.metadata.shared} B shared, {ptxas_usage(kernel)}"},
+                           lambda row: NO_SPILLS if name == "swiglu_bwd" else "")
+    return rows
 
 
 def rmsnorm_rows() -> list[Row]:
@@ -126,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated, of {', '.join(GROUPS)}")
     p.add_argument("--cases", default=",".join(compare_ptx.CASES),
-                   help=f"the fused group's cases, comma-separated, of {', '.join(compare_ptx.CASES)}")
+                   help=f"the fused and gluon groups' cases, comma-separated, of {', '.join(compare_ptx.CASES)}")
     p.add_argument("--strict", action="store_true", help="exit code 1 when a row misses its expectation")
     args = p.parse_args(argv)
     groups, cases = args.groups.split(","), args.cases.split(",")
@@ -134,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--groups: unknown {', '.join(unknown)} (known: {', '.join(GROUPS)})")
     if unknown := [c for c in cases if c not in compare_ptx.CASES]:
         p.error(f"--cases: unknown {', '.join(unknown)} (known: {', '.join(compare_ptx.CASES)})")
-    build = {"fused": lambda: fused_rows(cases), "gluon-swiglu": swiglu_rows, "gluon-rmsnorm": rmsnorm_rows}
+    build = {"fused": lambda: fused_rows(cases), "gluon": lambda: built_gluon_rows(cases), "gluon-rmsnorm": rmsnorm_rows}
     rows = [row for g in groups for row in build[g]()]
     import triton
     print(f"triton {triton.__version__}, sm_90: {', '.join(groups)}")

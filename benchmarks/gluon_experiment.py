@@ -1,6 +1,6 @@
-"""What the Gluon dgrad benchmarks share (gluon_epilogue_dgrad_swiglu.py and gluon_epilogue_dgrad_rmsnorm.py, the
-shipped kernels', and the SwiGLU dgrad's two lost forms, gluon_ws_dgrad_swiglu.py and gluon_pingpong_dgrad_swiglu.py):
-the suite's SwiGLU shapes and inputs, building a kernel for sm_90 without a GPU (shared memory, ptxas's registers and
+"""What the Gluon dgrad experiments share (gluon_epilogue_dgrad_rmsnorm.py, and the SwiGLU dgrad's two lost forms,
+gluon_ws_dgrad_swiglu.py and gluon_pingpong_dgrad_swiglu.py): the suite's SwiGLU shapes and inputs, the SwiGLU
+backward on packed bf16 pairs, building a kernel for sm_90 without a GPU (shared memory, ptxas's registers and
 spills), checking a path against the fused Triton kernel, interleaved timing, and the command line."""
 from __future__ import annotations
 
@@ -14,12 +14,28 @@ from typing import Any, Callable
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 SHAPES = {"llama-1b": (16384, 8192, 2048), "llama-7b": (16384, 11008, 4096), "llama-70b": (16384, 28672, 8192)}
 """(M, f, d) of the suite's swiglu_dgrad cells."""
 FUSED = "fused (Triton)"
+
+
+@gluon.jit
+def swiglu_pairs_bwd(dy, pairs):
+    """The SwiGLU backward of fp32 dy given the (gate, up) bf16 pairs of z_pre as uint32 words (gate in the low half):
+    the packed (dgate, dup) bf16 words, y in bf16, and the row sums of ``gate dgate + up dup``."""
+    gate = (pairs << 16).to(gl.float32, bitcast=True)
+    up = (pairs & 0xFFFF0000).to(gl.float32, bitcast=True)
+    s = 1.0 / (1.0 + gl.exp(-gate))
+    silu = gate * s
+    dgate = dy * up * s * (1.0 + gate * (1.0 - s))
+    dup = dy * silu
+    dz = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [dgate, dup], dtype=gl.int32,
+                                   is_pure=True, pack=1)
+    return dz, (silu * up).to(gl.bfloat16), gl.sum(gate * dgate + up * dup, axis=1)
 
 
 def desc_type(block: list[int], dtype: Any = gl.bfloat16, name: str = "bf16") -> str:

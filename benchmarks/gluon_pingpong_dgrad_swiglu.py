@@ -37,12 +37,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, swiglu_case, time_paths
+from gluon_experiment import (check, cli, compile_for_hopper, desc_type, inputs, reference_paths, swiglu_case,
+                              swiglu_pairs_bwd, time_paths)
 from kernels.coda.mainloop import persistent_grid
 from kernels.coda.mainloop_gluon import (LOADER_REGS, local_tiles, ring_barriers, thread_barrier, tile_coords, tma_desc,
                                          tma_load)
 from kernels.coda.reduce import finish_row_sum
-from kernels.coda.swiglu_bwd_gluon import swiglu_pairs_bwd
 
 BM, GROUP_M, WG = 128, 8, 4
 CONSUMER_REGS = gl.constexpr(232)

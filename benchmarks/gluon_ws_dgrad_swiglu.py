@@ -34,13 +34,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from gluon_experiment import check, cli, compile_for_hopper, desc_type, inputs, reference_paths, swiglu_case, time_paths
+from gluon_experiment import (check, cli, compile_for_hopper, desc_type, inputs, reference_paths, swiglu_case,
+                              swiglu_pairs_bwd, time_paths)
 from kernels.coda.mainloop import persistent_grid
 from kernels.coda.mainloop_gluon import (LOADER_REGS, handoff_barriers, local_tiles, ring_barriers, thread_barrier,
                                          tile_coords, tma_desc, tma_load)
 from kernels.coda.producer_gluon import MAXNREG, RES_AT, send
 from kernels.coda.reduce import finish_row_sum
-from kernels.coda.swiglu_bwd_gluon import swiglu_pairs_bwd
 
 BM, BN, BK, STAGES, GROUP_M, WARPS = 128, 128, 64, 3, 8, 8
 

@@ -250,36 +250,6 @@ def test_gluon_pingpong_dgrad_swiglu_compiles_for_hopper(tmp_path):
     assert bad.returncode == 2 and "--models: unknown nope" in bad.stderr and "Traceback" not in bad.stderr
 
 
-@pytest.fixture(scope="module")
-def gluon_swiglu_cache(tmp_path_factory) -> str:
-    """One Triton cache for the two tests that compile the shipped Gluon SwiGLU dgrad's configs for sm_90: the second
-    reads the first one's binaries (its checks are on what the compiler reported, kept with them) instead of
-    compiling them again."""
-    return str(tmp_path_factory.mktemp("gluon-swiglu-cache"))
-
-
-@pytest.mark.slow
-def test_the_gluon_swiglu_dgrad_compiles_for_hopper(gluon_swiglu_cache):
-    """kernels/coda/swiglu_bwd_gluon.py through benchmarks/gluon_epilogue_dgrad_swiglu.py --compile-only: every timed
-    config, bf16 and fp8 operands, compiles for sm_90, fits the shared memory (operand ring of 128-byte K rows and
-    the fp32 accumulator buffer) and ptxas reports its registers and spills (whether the shipped configs spill:
-    benchmarks/check_compiled.py)."""
-    env = script_env(TRITON_INTERPRET="0", TRITON_CACHE_DIR=gluon_swiglu_cache)
-    script = str(BENCHMARKS / "gluon_epilogue_dgrad_swiglu.py")
-    out = subprocess.run([sys.executable, script, "--compile-only"], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    found = {(d, int(s), int(r)): (int(b), usage) for d, s, r, b, usage in
-             re.findall(r"^config=(bf16|fp8),(\d+),(\d+): compiled for sm_90, (\d+) B shared, (.*)$", out.stdout, re.M)}
-    bench = load_script("gluon_epilogue_dgrad_swiglu")
-    WS = bench.WS
-    assert set(found) == set(bench.CONFIGS) and {d for d, _, _ in found} == {"bf16", "fp8"}, out.stdout
-    for (_, stages, _), (smem, usage) in found.items():
-        ring = stages * (WS.BM + WS.BN) * WS.K_BYTES + WS.BM * WS.BN * 4
-        assert ring <= smem <= HOPPER_SMEM, (stages, smem)
-        assert "registers" in usage and "bytes spill stores" in usage, usage
-
-
 @pytest.mark.slow
 def test_the_gluon_rmsnorm_dgrad_experiment_compiles_for_hopper(tmp_path):
     """benchmarks/gluon_epilogue_dgrad_rmsnorm.py --compile-only (the lost Gluon RMSNorm dgrad, on the shipped SwiGLU
@@ -337,21 +307,25 @@ def test_check_compiled_reports_a_miss_and_fails_only_when_strict(monkeypatch, c
 
 
 @pytest.mark.slow
-def test_check_compiled_prints_its_table_for_a_fused_kernel_and_the_gluon_swiglu_dgrad(gluon_swiglu_cache):
-    """The script compiles for sm_90 without a GPU and prints one row per kernel or config with its resources; what
-    they are is the compiler's, so only the exit code's agreement with the table (--strict) is asserted."""
-    env = script_env(TRITON_CACHE_DIR=gluon_swiglu_cache)
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "check_compiled.py"), "--groups", "fused,gluon-swiglu",
-                           "--cases", "example-bf16", "--strict"], env=env, capture_output=True, text=True,
-                          timeout=600)
+def test_check_compiled_prints_its_table_for_a_fused_kernel_and_a_built_gluon_variant(tmp_path):
+    """The script compiles for sm_90 without a GPU and prints one row per kernel with its resources: the fused kernel
+    of each case, and the Gluon variant built from the declared kernel of each case that has one (the SwiGLU dgrad's
+    held to no spills; the plain GEMM's case has none); what they are is the compiler's, so only the exit code's
+    agreement with the table (--strict) is asserted."""
+    env = script_env(TRITON_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "check_compiled.py"), "--groups", "fused,gluon",
+                           "--cases", "example-bf16,swiglu_bwd-fp8,gemm-bf16", "--strict"], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("triton ") and lines[1].split()[:2] == ["kernel", "regs"]
-    rows = {line.split()[0]: line for line in lines[2:-1]}
-    g = load_script("gluon_epilogue_dgrad_swiglu")
-    assert set(rows) == {"example-bf16"} | {f"config={d},{s},{r}" for d, s, r in g.CONFIGS}, proc.stdout
+    rows = {" ".join(line.split()[:2]): line for line in lines[2:-1]}
+    assert set(rows) == {"example-bf16 gemm_bias_gelu_kernel", "swiglu_bwd-fp8 dgrad_swiglu_kernel",
+                         "gemm-bf16 gemm_kernel", "example-bf16 gemm_bias_gelu_gluon_kernel",
+                         "swiglu_bwd-fp8 dgrad_swiglu_gluon_kernel"}, proc.stdout
+    assert "no spills" in rows["swiglu_bwd-fp8 dgrad_swiglu_gluon_kernel"]
     assert all(re.search(r" (ok|MISS: .+)$", line) for line in rows.values()), proc.stdout
-    assert all(int(line.split()[1 if name.startswith("config") else 2]) > 0 for name, line in rows.items())
+    assert all(int(line.split()[2]) > 0 for line in rows.values())  # registers
     missed = sum("MISS" in line for line in rows.values())
     assert lines[-1].startswith(f"{len(rows) - missed} of {len(rows)} rows meet their expectation")
     assert proc.returncode == (1 if missed else 0)

@@ -594,10 +594,10 @@ def swiglu_dgrad_args(dtype: str, m: int, f: int, d: int) -> dict:
                                          for s in ((2048, 2048, 2048), (1000, 776, 320), (384, 8192, k1),
                                                    (4096, 5504, 4096))])
 def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(dtype, m, f, d):
-    """The Gluon SwiGLU dgrad (epilogue partition) against the fused Triton kernel, its CPU-tested reference, on bf16
-    operands and on fp8 ones (per-tensor scales, fast accumulation): dz_pre and y bit for bit (the same fp32 dy and
-    math, rounded once), zdz to the order of its sums; partial tiles at every edge (1000 x 776 x 320), one k-step
-    (d = 128 bytes), the 4-stage ring (d = 4096)."""
+    """The Gluon SwiGLU dgrad (the built variant, its epilogue in a warp partition) against the fused Triton kernel,
+    its CPU-tested reference, on bf16 operands and on fp8 ones (per-tensor scales, fast accumulation): dz_pre and y
+    bit for bit (the same fp32 dy and math, rounded once), zdz to the order of its sums; partial tiles at every edge
+    (1000 x 776 x 320), one k-step (d = 128 bytes), the 4-stage ring (d = 4096)."""
     args = swiglu_dgrad_args(dtype, m, f, d)
     assert dgrad_swiglu.chooser.strategies(args) == ("fused", "split", "gluon")
     dz, y, zdz = dgrad_swiglu.chooser.path("gluon")(**args)
@@ -609,15 +609,14 @@ def test_gluon_swiglu_dgrad_matches_its_triton_twin_on_hopper(dtype, m, f, d):
 
 
 def test_a_gluon_path_is_bound_with_its_kernel_and_missing_where_gluon_cannot_be_imported():
-    """The producer and the SwiGLU dgrad bind their Gluon functions directly (the other declared kernels, their built
-    variants); with a Triton without Gluon (here made so in a fresh process) the kernels still import, with no Gluon
-    path, and a call has the fused and split paths only, forced gluon running fused."""
+    """The producer binds its Gluon function directly (the other declared kernels, the SwiGLU dgrad among them, their
+    built variants); with a Triton without Gluon (here made so in a fresh process) the kernels still import, with no
+    Gluon path, and a call has the fused and split paths only, forced gluon running fused."""
     import subprocess
     import sys
     from kernels.coda.producer_gluon import gemm_residual_norm_gluon
-    from kernels.coda.swiglu_bwd_gluon import dgrad_swiglu_gluon
     assert gemm_residual_norm.chooser.gluon.function is gemm_residual_norm_gluon
-    assert dgrad_swiglu.chooser.gluon.function is dgrad_swiglu_gluon
+    assert dgrad_swiglu.chooser.gluon.function is dgrad_swiglu.built_gluon
     script = (
         "import sys, torch\n"
         "sys.modules['triton.experimental.gluon'] = None\n"
@@ -633,50 +632,6 @@ def test_a_gluon_path_is_bound_with_its_kernel_and_missing_where_gluon_cannot_be
     env = {**os.environ, "TRITON_INTERPRET": "1", "CODABENCH_STRATEGY": "gluon"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-
-
-def test_where_the_gluon_swiglu_dgrad_applies(monkeypatch):
-    """Where the Gluon SwiGLU dgrad takes part (checked without a GPU): on Hopper, bf16 operands of matching shapes
-    with rows TMA can address, or fp8 ones under the dgrad's recipe (per-tensor scales, the weight's data the
-    transposed view of its K-major copy, fast accumulation); not promoted fp8, rowwise scales, a row-major fp8 weight,
-    fp16, odd widths or another GPU."""
-    from kernels.coda.swiglu_bwd import gluon_applies
-    from workloads.fp8 import E4M3, E5M2, Fp8
-    args = {"dx": torch.empty(64, 32, dtype=torch.bfloat16), "w_down": torch.empty(32, 48, dtype=torch.bfloat16),
-            "z_pre": torch.empty(64, 96, dtype=torch.bfloat16), "recipe": None}
-    one = torch.ones(())
-    fp8 = {**args, "dx": Fp8(torch.empty(64, 32, dtype=E5M2), one),
-           "w_down": Fp8(torch.empty(48, 32, dtype=E4M3), one).T}
-    monkeypatch.setattr("kernels.coda.swiglu_bwd.hopper", lambda device: True)
-    assert gluon_applies(args) and gluon_applies(fp8)
-    promoted = Recipe(rowwise=False, accum="promoted")
-    assert gluon_applies({**fp8, "recipe": Recipe(rowwise=False)})
-    assert not gluon_applies({**args, "recipe": promoted}) and not gluon_applies({**fp8, "recipe": promoted})
-    assert not gluon_applies({k: v.half() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
-    assert not gluon_applies({**args, "w_down": torch.empty(32, 44, dtype=torch.bfloat16),
-                              "z_pre": torch.empty(64, 88, dtype=torch.bfloat16)})
-    assert not gluon_applies({**args, "z_pre": torch.empty(64, 48, dtype=torch.bfloat16)})
-    assert not gluon_applies({**fp8, "dx": Fp8(fp8["dx"].data, torch.ones(64, 1))})  # rowwise
-    assert not gluon_applies({**fp8, "w_down": Fp8(torch.empty(32, 48, dtype=E4M3), one)})  # row-major weight
-    assert not gluon_applies({**fp8, "dx": Fp8(torch.empty(64, 24, dtype=E5M2), one),  # d % 16
-                              "w_down": Fp8(torch.empty(48, 24, dtype=E4M3), one).T})
-    assert not gluon_applies({**fp8, "w_down": torch.empty(32, 48, dtype=torch.bfloat16)})  # mixed
-    monkeypatch.setattr("kernels.coda.swiglu_bwd.hopper", lambda device: False)
-    assert not gluon_applies(args) and not gluon_applies(fp8)
-
-
-def test_the_gluon_swiglu_dgrad_refuses_rowwise_fp8_scales_and_promoted_accumulation():
-    """Called directly (past ``gluon_applies``), the Gluon SwiGLU dgrad refuses what it cannot compute, before any
-    launch: rowwise fp8 scales (its epilogue multiplies by one sa sb) and promoted fp8 accumulation."""
-    from kernels.coda.swiglu_bwd_gluon import dgrad_swiglu_gluon, ws_dgrad_swiglu
-    from workloads.fp8 import E4M3, E5M2, Fp8
-    dx = Fp8(torch.zeros(64, 32, dtype=E5M2), torch.ones(64, 1))
-    w = Fp8(torch.zeros(48, 32, dtype=E4M3), torch.ones(48, 1)).T
-    z = torch.zeros(64, 96, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="per-tensor scales, not rowwise"):
-        ws_dgrad_swiglu(dx, w, z)
-    with pytest.raises(ValueError, match="fast mode only, not promoted"):
-        dgrad_swiglu_gluon(dx, w, z, recipe=Recipe(rowwise=False, accum="promoted"))
 
 
 @hopper_only

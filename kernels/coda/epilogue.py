@@ -10,15 +10,15 @@ destination dtype only when stored. The five kinds (coda-spec.md):
    fp8 scales; :func:`dequant` without one), :func:`add_tile`, :func:`rmsnorm_dx` (RMSNorm backward)
 2. vector loads broadcast along M or N: :func:`load_rows`, :func:`load_cols`
 3. tile load / store: :func:`load_tile`, :func:`store_tile` (+ :func:`cast`); by pointers, for the bandwidth-bound
-   kernels that need no descriptor: :func:`load_block`, :func:`store_block`
+   kernels that need no descriptor: :func:`load_block`, :func:`store_block` (16-bit pairs as 32-bit words:
+   :func:`load_words`)
 4. block reductions: row reductions :func:`row_sumsq`, :func:`row_dot`, :func:`row_absmax` (summed or maxed over
    an epilogue's sub-tiles), stored by :func:`store_row_partial` into ``part[M, T]`` (T = number of N tiles),
    and :func:`col_sum_partial` (:func:`store_col_partial`) into ``part[Tm, N]``;
    finished by the kernels of ``kernels/coda/reduce.py`` (deterministic: no atomics)
 5. stateful / pairwise: :func:`tile_lse`, :func:`gather_cols`, :func:`split_cols` / :func:`col_subtile`,
-   :func:`split_pairs` /
-   :func:`join_pairs`, :func:`silu_mul_pairs`, :func:`silu_mul_pairs_bwd`, :func:`rotate_pairs`,
-   :func:`rope_cos_sin` (+ :func:`cos_sin_reduced`)
+   :func:`split_pairs` / :func:`join_pairs` (a Tile input's pairs: :func:`load_pairs`), :func:`silu_mul_pairs`,
+   :func:`silu_mul_pairs_bwd`, :func:`rotate_pairs`, :func:`rope_cos_sin` (+ :func:`cos_sin_reduced`)
 """
 
 import triton
@@ -69,6 +69,12 @@ def full(shape, value, dtype, _semantic=None):
 
 
 @tl.core.builtin
+def in_gluon(_semantic=None):
+    """Whether the code compiles into a Gluon kernel (a constexpr)."""
+    return tl.constexpr(bool(_layout(_semantic)))
+
+
+@tl.core.builtin
 def given(x, _semantic=None):
     """Whether an optional input of a declared kernel, a pointer or a Tile (its descriptor or block), was given: one a
     call gives as None reaches the epilogue as 0 (:mod:`kernels.coda.program`). A constexpr, so that ``if given(x):``
@@ -78,6 +84,28 @@ def given(x, _semantic=None):
 
 def _given(x: object) -> bool:
     return x.dtype.is_ptr() if isinstance(x, tl.tensor) else not isinstance(x, int)
+
+
+@tl.core.builtin
+def is_pointer(x, _semantic=None):
+    """Whether x is a pointer (a constexpr): a value given by its address or already loaded."""
+    return tl.constexpr(_is_pointer(x))
+
+
+def _is_pointer(x: object) -> bool:
+    return isinstance(x, tl.tensor) and x.dtype.is_ptr()
+
+
+@tl.core.builtin
+def reads_words(src, _semantic=None):
+    """Whether a Tile input's source reads pairs of 16-bit values as 32-bit words (a constexpr): a pointer
+    :class:`Block` of bf16 or fp16 (:func:`load_pairs`)."""
+    return tl.constexpr(_reads_words(src))
+
+
+def _reads_words(src: object) -> bool:
+    return (isinstance(src, Block) and src.ptr.dtype.element_ty.primitive_bitwidth == 16
+            and src.ptr.dtype.element_ty.is_floating())
 
 
 @tl.core.builtin
@@ -106,8 +134,17 @@ if INTERPRET:  # the interpreter runs no Gluon, and puts its own semantic into t
     def full(shape, value, dtype):  # noqa: F811
         return tl.full(shape, value, dtype)
 
+    def in_gluon():  # noqa: F811
+        return False
+
     def given(x):  # noqa: F811
         return _given(x)
+
+    def is_pointer(x):  # noqa: F811
+        return _is_pointer(x)
+
+    def reads_words(src):  # noqa: F811
+        return _reads_words(src)
 
     def like(x, y):  # noqa: F811
         return x
@@ -144,11 +181,15 @@ def dequant_scale(acc, row, sa_ptr, sb_ptr, off_m, off_n, M, N, BM: tl.constexpr
     """``acc * (row sa)[:, None] * sb[None, :]``: a per-row factor ``row`` (BM,) (RMSNorm's rstd, or ones)
     composed with the fp8 dequantization scales of the two GEMM operands (:mod:`kernels.coda.fp8`).
 
-    SCALING_NONE: no scales; SCALING_PER_TENSOR: scalars ``*sa_ptr``, ``*sb_ptr``, folded into the row factor (one
-    multiply per element); SCALING_ROWWISE: ``sa[M]`` per token and ``sb[N]`` per output channel.
+    SCALING_NONE: no scales; SCALING_PER_TENSOR: scalars ``*sa_ptr``, ``*sb_ptr`` (or the scalars themselves, loaded
+    once before a loop), folded into the row factor (one multiply per element); SCALING_ROWWISE: ``sa[M]`` per token
+    and ``sb[N]`` per output channel.
     """
     if SCALING == SCALING_PER_TENSOR:
-        row = row * (tl.load(sa_ptr) * tl.load(sb_ptr))
+        if is_pointer(sa_ptr):
+            row = row * (tl.load(sa_ptr) * tl.load(sb_ptr))
+        else:  # the scalars themselves, loaded once before a loop
+            row = row * (sa_ptr * sb_ptr)
     if SCALING == SCALING_ROWWISE:
         row = row * load_rows(sa_ptr, off_m, M, BM)
         acc = acc * load_cols(sb_ptr, off_n, N, BN)[None, :]
@@ -187,9 +228,15 @@ def store_tile(desc, off_m, off_n, val):
 @triton.jit
 def _block_ptrs(ptr, stride, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     """The pointers and in-bounds mask of the (BM, BN) block at (off_m, off_n) of a row-major [M, N] matrix."""
-    rows, cols = off_m + arange(0, BM), off_n + arange(0, BN)
-    return (ptr + rows[:, None].to(tl.int64) * stride + cols[None, :],
-            (rows < M)[:, None] & (cols < N)[None, :])
+    if in_gluon():  # the block's corner once, then 32-bit offsets within it (fewer instructions a sub-tile)
+        rows, cols = arange(0, BM), arange(0, BN)
+        ptrs = ptr + tl.cast(off_m, tl.int64) * stride + off_n + (rows[:, None] * stride + cols[None, :])
+        mask = (rows < M - off_m)[:, None] & (cols < N - off_n)[None, :]
+    else:
+        rows, cols = off_m + arange(0, BM), off_n + arange(0, BN)
+        ptrs = ptr + rows[:, None].to(tl.int64) * stride + cols[None, :]
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return ptrs, mask
 
 
 @triton.jit
@@ -198,6 +245,16 @@ def load_block(ptr, stride, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constex
     ``ptr`` (row stride ``stride``) as fp32, zero outside the matrix."""
     ptrs, mask = _block_ptrs(ptr, stride, off_m, off_n, M, N, BM, BN)
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_words(ptr, stride, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """The (BM, BN / 2) 32-bit words of the (BM, BN) block at (off_m, 2 off_n) of a row-major [M, N] matrix of 16-bit
+    values (row stride ``stride``; rows starting at 4-byte boundaries, as :mod:`kernels.coda.align` lays them out),
+    zero outside the matrix: each word the pair of columns (2j, 2j + 1), the even one in its low half."""
+    words = ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    ptrs, mask = _block_ptrs(words, stride // 2, off_m, off_n, M, N // 2, BM, BN // 2)
+    return tl.load(ptrs, mask=mask, other=0)
 
 
 @triton.jit
@@ -220,10 +277,12 @@ class Block:  # (no `from __future__ import annotations` in this module: an aggr
     BM: tl.constexpr
     BN: tl.constexpr
     layout: tl.constexpr
+    pair_layout: tl.constexpr
 
     @triton.constexpr_function  # a JIT callable, as a kernel may reference; its arguments come unwrapped
-    def __init__(self, ptr, M, N, stride, BM, BN, layout=None):  # as kernels.coda.mainloop.tile_desc (+ layout)
+    def __init__(self, ptr, M, N, stride, BM, BN, layout=None, pair_layout=None):  # as mainloop.tile_desc (+ layouts)
         self.ptr, self.BM, self.BN, self.layout = ptr, tl.constexpr(BM), tl.constexpr(BN), tl.constexpr(layout)
+        self.pair_layout = tl.constexpr(pair_layout)
         self.M, self.N, self.stride = (v if isinstance(v, tl.tensor) else tl.constexpr(v) for v in (M, N, stride))
 
     @triton.jit
@@ -231,6 +290,13 @@ class Block:  # (no `from __future__ import annotations` in this module: an aggr
         """The (BM, BN) block at ``offsets`` (row, column), in ``layout`` in a Gluon kernel that gives one."""
         return laid_out(load_block(self.ptr, self.stride, offsets[0], offsets[1], self.M, self.N, self.BM, self.BN),
                         self.layout)
+
+    @triton.jit
+    def load_pairs(self, offsets):
+        """The block's (even, odd) columns at ``offsets`` (row, pair column) as fp32 tiles, from its 16-bit values
+        read as 32-bit words (:func:`load_words`) in ``pair_layout``."""
+        words = load_words(self.ptr, self.stride, offsets[0], offsets[1], self.M, self.N, self.BM, self.BN)
+        return unpack_pairs(laid_out(words, self.pair_layout), self.ptr.dtype.element_ty)
 
 
 @tl.core._aggregate
@@ -251,11 +317,15 @@ class Held:
 
 if INTERPRET:  # the interpreter's jit functions are plain callables, which an aggregate does not take as methods
     class Block:  # noqa: F811
-        def __init__(self, ptr, M, N, stride, BM, BN, layout=None):
+        def __init__(self, ptr, M, N, stride, BM, BN, layout=None, pair_layout=None):
             self.ptr, self.M, self.N, self.stride, self.BM, self.BN = ptr, M, N, stride, BM, BN
 
         def load(self, offsets):
             return load_block(self.ptr, self.stride, offsets[0], offsets[1], self.M, self.N, self.BM, self.BN)
+
+        def load_pairs(self, offsets):
+            words = load_words(self.ptr, self.stride, offsets[0], offsets[1], self.M, self.N, self.BM, self.BN)
+            return unpack_pairs(words, self.ptr.dtype.element_ty)
 
     class Held:  # noqa: F811
         def __init__(self, tile):
@@ -368,6 +438,29 @@ def gather_cols(x, idx, off_n, BN: tl.constexpr):
 def split_pairs(x, BM: tl.constexpr, BN: tl.constexpr):
     """``(x[:, 0::2], x[:, 1::2])``: the even and odd columns of a (BM, BN) tile, each (BM, BN // 2)."""
     return x.reshape(BM, BN // 2, 2).split()
+
+
+@triton.jit
+def unpack_pairs(w, DTYPE: tl.constexpr):
+    """The fp32 (low, high) halves of 32-bit words ``w`` holding pairs of 16-bit DTYPE (bf16 or fp16) values."""
+    if DTYPE == tl.bfloat16:
+        even = (w << 16).to(tl.float32, bitcast=True)
+        odd = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        even = (w & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
+        odd = (w >> 16).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
+    return even, odd
+
+
+@triton.jit
+def load_pairs(src, off_m, off_n, BM: tl.constexpr, BN: tl.constexpr):
+    """``split_pairs`` of the (BM, 2 BN) tile at (off_m, 2 off_n) of a Tile input twice as wide as the accumulator:
+    its even and odd columns as fp32 (BM, BN) tiles. A pointer block of 16-bit values reads them as 32-bit words."""
+    if reads_words(src):
+        even, odd = src.load_pairs([off_m, off_n])
+    else:
+        even, odd = split_pairs(load_tile(src, off_m, 2 * off_n), BM, 2 * BN)
+    return even, odd
 
 
 @triton.jit

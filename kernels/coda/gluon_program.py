@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from kernels.coda.epilogue import Block, store_col_partial
+from kernels.coda.epilogue import SCALING_PER_TENSOR, Block, store_col_partial
 from kernels.coda.mainloop_gluon import (BN as TILE_N, EPI_WARPS, LOADER_REGS, MMA_REGS, local_tiles, loader, mma,
                                          thread_barrier, tile_coords, ws_buffers)
 from kernels.coda.tile_programs import scaled_rows, tile_epilogue
@@ -36,8 +36,9 @@ def block_layout(BN):
     """The layout of a (SUB_M, BN) block read by the epilogue partition: :data:`LAYOUT` with BN / TILE_N times as
     many adjacent columns a thread (TILE_N: the accumulator tile's width), so that a block WIDE times as wide as the
     accumulator tile, split into its WIDE interleaved tiles (column WIDE j + i of the block is column j of tile i: the
-    SwiGLU dgrad's (gate, up) pairs, :func:`kernels.coda.epilogue.split_pairs`), lands each of them in LAYOUT itself:
-    no layout conversion (and 16-byte loads of bf16 pairs)."""
+    pairs of :func:`kernels.coda.epilogue.split_pairs`), lands each of them in LAYOUT itself: no layout conversion.
+    (The 32-bit words of a block of 16-bit pairs, :func:`kernels.coda.epilogue.load_pairs`, are as wide as the tile:
+    LAYOUT.)"""
     return gl.BlockedLayout([1, 4 * max(BN // TILE_N, 1)], [1, 32], [EPI_WARPS, 1], [1, 0])
 
 
@@ -45,8 +46,8 @@ def block_layout(BN):
 def block(ptr, M, N, stride, BM: tl.constexpr, BN: tl.constexpr):
     """A :class:`Tile` input as the epilogue partition reads it: a pointer :class:`kernels.coda.epilogue.Block` whose
     loads come in :func:`block_layout` (a tile of the epilogue's that no other tile decides the layout of, as a load
-    of x that only ever meets row vectors, still gets one)."""
-    return Block(ptr, M, N, stride, BM, BN, block_layout(BN))
+    of x that only ever meets row vectors, still gets one), its pairs read as words in that of half its width."""
+    return Block(ptr, M, N, stride, BM, BN, block_layout(BN), block_layout(BN // 2))
 
 
 @gluon.jit
@@ -63,6 +64,8 @@ def epilogue_partition(acc_buf, acc_ready, acc_empty, sa_ptr, sb_ptr, M, N, row_
     n_m = gl.cdiv(M, TM)
     n_n = gl.cdiv(N, TN)
     args = INPUTS(args, in_strides, M, N, SUB_M, TN)
+    if SCALING == SCALING_PER_TENSOR:  # the two scalars once, not at each sub-tile
+        sa_ptr, sb_ptr = gl.load(sa_ptr), gl.load(sb_ptr)
     for i in range(local_tiles(n_m, n_n)):
         pid_m, pid_n = tile_coords(i, n_m, n_n, GROUP_M)
         off_n = pid_n * TN

@@ -1,6 +1,6 @@
 """The warp-specialized Gluon GEMM for Hopper (sm_90) whose epilogue runs in a warp partition of its own, beside the
-next tile's mainloop: the schedule of the Gluon SwiGLU dgrad (:mod:`kernels.coda.swiglu_bwd_gluon`) and of the
-experiments built on it (benchmarks/gluon_epilogue_dgrad_rmsnorm.py). For ``C[M, N] = A @ B``, one persistent
+next tile's mainloop: the schedule of the Gluon variants built from the declared kernels
+(:mod:`kernels.coda.gluon_program`) and of an experiment (benchmarks/gluon_epilogue_dgrad_rmsnorm.py). For ``C[M, N] = A @ B``, one persistent
 program per SM, three partitions:
 
 - **loader** (1 warp): the operand ring's TMA loads, tile after tile;

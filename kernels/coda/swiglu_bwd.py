@@ -11,11 +11,12 @@ recomputed activation ``y`` for the weight gradient ``dWd = dx^T y``; zdz comes 
 partials and :func:`kernels.coda.reduce.finish_row_sum`. It is declared as its epilogue
 (:mod:`kernels.coda.program`: z_pre and dz_pre twice as wide as the GEMM's tile, the row sums returned after the
 outputs), which runs on EPI_SUB column sub-tiles (autotuned: 2 or 4), each reading a [BM, 2 * BN / EPI_SUB] tile
-of z_pre. On Hopper it also has a Gluon path
-(:mod:`kernels.coda.swiglu_bwd_gluon`: the epilogue in a warp partition of its own, beside the next tile's
-mainloop), chosen per shape like the split path. Its split path is the built one (the plain GEMM, then the
-epilogue over dy in 2 x 1024 blocks, y over dy). :func:`swiglu_bwd` is the elementwise kernel for a given dy (one
-pass over dy in wide, short blocks; zdz from their row partials), the same math (:func:`swiglu_bwd_tile`).
+of z_pre (:func:`kernels.coda.epilogue.load_pairs`: the split kernel and the Gluon variant, reading bf16 or fp16
+z_pre by pointers, take each (gate, up) pair as one 32-bit word). Its split path is the built one (the plain GEMM,
+then the epilogue over dy in 2 x 1024 blocks, y over dy), its Gluon path on Hopper the built one too (the epilogue in
+a warp partition of its own, beside the next tile's mainloop: :mod:`kernels.coda.gluon_program`), each chosen per
+shape. :func:`swiglu_bwd` is the elementwise kernel for a given dy (one pass over dy in wide, short blocks; zdz from
+their row partials), the same math (:func:`swiglu_bwd_tile`).
 """
 from __future__ import annotations
 
@@ -25,27 +26,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.coda.align import aligned, empty_rows, meets_rule
-from kernels.coda.epilogue import join_pairs, like, load_block, load_tile, silu_mul_pairs_bwd, split_pairs, \
+from kernels.coda.align import aligned, empty_rows
+from kernels.coda.epilogue import join_pairs, like, load_block, load_pairs, silu_mul_pairs_bwd, split_pairs, \
     store_block, store_row_partial
 from kernels.coda.host import cdiv
 from kernels.coda.mainloop import INTERPRET, subtiled_configs
 from kernels.coda.program import Binding, Gemm, Output, Partials, Tile, coda
 from kernels.coda.reduce import finish_row_sum
-from kernels.coda.strategy import Gluon, hopper
-from workloads.fp8 import Fp8, Recipe, dgrad_weight, promoted
-
-try:  # the Gluon path needs Triton's Gluon; without it (strategy.Gluon) the fused and split paths only
-    from kernels.coda.swiglu_bwd_gluon import dgrad_swiglu_gluon
-except ImportError:
-    dgrad_swiglu_gluon = None
+from workloads.fp8 import Fp8, Recipe, dgrad_weight
 
 
 @triton.jit
-def swiglu_bwd_tile(dy, z, BM: tl.constexpr, BN: tl.constexpr):
-    """The SwiGLU backward of a (BM, BN) tile dy, given the (BM, 2 BN) interleaved pre-activation tile z: the
+def swiglu_bwd_tile(dy, gate, up, BM: tl.constexpr, BN: tl.constexpr):
+    """The SwiGLU backward of a (BM, BN) tile dy, given the (BM, BN) gate and up tiles of the pre-activation: the
     interleaved ``(dgate, dup)`` tile, y, and the tile's row sums of ``gate dgate + up dup``."""
-    gate, up = split_pairs(z, BM, 2 * BN)
     gate, up = like(gate, dy), like(up, dy)
     dgate, dup, y = silu_mul_pairs_bwd(dy, gate, up)
     return join_pairs(dgate, dup, BM, 2 * BN), y, tl.sum(gate * dgate + up * dup, axis=1)
@@ -55,7 +49,8 @@ def swiglu_bwd_tile(dy, z, BM: tl.constexpr, BN: tl.constexpr):
 def swiglu_dgrad(dy, args, off_m, off_n, M, N, BM: tl.constexpr, BN: tl.constexpr):
     """The fused kernel's epilogue: :func:`swiglu_bwd_tile` of dy with the tile of z_pre (descriptor ``args[0]``,
     [BM, 2 BN] at column 2 off_n): (y, dz_pre) and the rows' sums of ``gate dgate + up dup``."""
-    dz, y, zdz = swiglu_bwd_tile(dy, load_tile(args[0], off_m, 2 * off_n), BM, BN)
+    gate, up = load_pairs(args[0], off_m, off_n, BM, BN)
+    dz, y, zdz = swiglu_bwd_tile(dy, gate, up, BM, BN)
     return y, dz, zdz
 
 
@@ -72,8 +67,8 @@ def swiglu_bwd_kernel(dy_ptr, zp_ptr, dzp_ptr, part_ptr, M, N, stride_dy, stride
     written with pointer accesses (a bandwidth-bound pass: no descriptors, no loop): interleaved (dgate, dup) and
     the block's row partials of ``gate dgate + up dup`` into ``part[:, column block]``."""
     off_m, off_n = tl.program_id(0) * BM, tl.program_id(1) * BN
-    dz, y, part = swiglu_bwd_tile(load_block(dy_ptr, stride_dy, off_m, off_n, M, N, BM, BN),
-                                  load_block(zp_ptr, stride_zp, off_m, 2 * off_n, M, 2 * N, BM, 2 * BN), BM, BN)
+    gate, up = split_pairs(load_block(zp_ptr, stride_zp, off_m, 2 * off_n, M, 2 * N, BM, 2 * BN), BM, 2 * BN)
+    dz, y, part = swiglu_bwd_tile(load_block(dy_ptr, stride_dy, off_m, off_n, M, N, BM, BN), gate, up, BM, BN)
     store_block(dzp_ptr, stride_dzp, off_m, 2 * off_n, M, 2 * N, dz, BM, 2 * BN)
     store_row_partial(part_ptr, part, off_m, off_n, M, stride_p, BM, BN)
 
@@ -105,27 +100,6 @@ def swiglu_bwd(dy: torch.Tensor, z_pre: torch.Tensor) -> tuple[torch.Tensor, tor
     return dz_pre, finish_row_sum(part, n_tiles)
 
 
-def gluon_applies(arguments: dict) -> bool:
-    """Where the Gluon path (:mod:`kernels.coda.swiglu_bwd_gluon`) applies: a Hopper GPU, bf16 z_pre [M, 2f], and dx
-    [M, d], w_down [d, f] either bf16 (d and f multiples of 8) or fp8 with per-tensor scales in fast accumulation, the
-    weight's data the transposed view of its K-major (f, d) copy (d a multiple of 16): rows TMA can address."""
-    dx, w, z = arguments["dx"], arguments["w_down"], arguments["z_pre"]
-    if promoted(arguments["recipe"]) or not (isinstance(z, torch.Tensor) and z.dtype == torch.bfloat16
-                                             and z.dim() == 2):
-        return False
-    if isinstance(dx, Fp8) and isinstance(w, Fp8):
-        a, b = dx.data, w.data
-        if dx.scale.numel() != 1 or w.scale.numel() != 1 or not b.T.is_contiguous():
-            return False
-    elif all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in (dx, w)):
-        a, b = dx, w
-    else:
-        return False
-    return (a.dim() == b.dim() == 2 and a.shape[1] == b.shape[0] and z.shape == (a.shape[0], 2 * b.shape[1])
-            and meets_rule(a.shape[1], a.element_size()) and meets_rule(b.shape[1], z.element_size())
-            and hopper(a.device))
-
-
 def _kept_preact(arguments: dict) -> dict:
     """A call's arguments for measuring it repeatedly: dz_pre into a new buffer instead of over z_pre."""
     return {**arguments, "overwrite": False}
@@ -138,7 +112,7 @@ def _finish(arguments: dict, gemm: Gemm, outputs: list, partials: Partials) -> t
 
 @coda(swiglu_dgrad, outputs=(Output("y", like="z_pre"), Output("dzp", wide=2, like="z_pre")), inputs=(Tile("zp", 2),),
       row_sum=True, configs=subtiled_configs(), restore=("dzp",), finish=_finish, split_block=ROW_BLOCK[:2],
-      safe=_kept_preact, gluon=dgrad_swiglu_gluon and Gluon(dgrad_swiglu_gluon, gluon_applies),
+      safe=_kept_preact,
       binds=(Binding(("swiglu_dgrad",), ("dz_pre", "a", "zdz"), "down-proj dgrad GEMM + SwiGLU backward + ZdZ partials",
                      lambda n: {"w_down": dgrad_weight(n["w_down"])}),))
 def dgrad_swiglu(dx: torch.Tensor | Fp8, w_down: torch.Tensor | Fp8, z_pre: torch.Tensor,
