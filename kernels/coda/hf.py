@@ -44,10 +44,14 @@ also skip the frozen W's weight gradient (a third of the step's GEMM FLOPs); the
 weight's gradient.
 
 The model is checked again on every forward (:func:`_current_plan`): the identities of the planned modules
-(projections, their LoRA wrappers and base layers, norms, embedding, RoPE) and of their weight and bias
-Parameters are compared with the plan's, without reading any data. A change (LoRA wrapped around a projection
-after patching, a projection replaced or given a bias, ``torch.func.functional_call``'s parameters) makes the
-plan again: a supported model runs, an unsupported one raises :class:`CodaUnsupportedError` naming the module.
+(projections, their LoRA wrappers and base layers, norms, layers with their attention and MLP, embedding, RoPE
+and its ``inv_freq`` buffer) and of their weight and bias Parameters are compared with the plan's, and the
+buffer's version counter with the one it was read at, without reading any data. A change (LoRA wrapped around a
+projection after patching, a projection replaced or given a bias, ``torch.func.functional_call``'s parameters,
+``inv_freq`` edited in place) makes the plan again: a supported model runs, an unsupported one raises
+:class:`CodaUnsupportedError` naming the module. The RMSNorm epsilons, sliding windows and
+``config.num_hidden_layers`` are read at every call. A call where a module the CODA forward bypasses has a hook
+runs the model's own forward (:func:`_hooked`).
 
 Sizes: any vocabulary, FFN and hidden size, also where rows are not a multiple of 16 bytes (the tensor descriptors'
 rule; 32001: Llama-2 and a pad token, an FFN of 90 in fp32): the kernels lay such tensors out with padded row
@@ -56,26 +60,30 @@ strides themselves (:mod:`kernels.coda.align`), so nothing here pads, and the re
 Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf.md``): Llama, Mistral,
 Qwen2; GQA/MQA, any head_dim; tied or untied embeddings; RoPE default / linear / llama3; padding, position_ids,
 packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary, FFN
-and hidden size; labels (bad ones raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep;
+and hidden size; labels (bad ones, of the wrong shape or dtype, raise as unpatched), num_items_in_batch,
+shift_labels, inputs_embeds, logits_to_keep without labels; use_cache as the unpatched model resolves it (the
+returned cache included); config.num_hidden_layers below the layers; hooks (the call runs the model's own forward);
 state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching,
 dropout included, disable_adapter / merge_adapter; gradient checkpointing (reentrant or not); generate() (prefill
 on the CODA kernels, decode through the model's own forward); torch.compile(model), fullgraph included (the CODA
-kernels as opaque ``coda::`` ops, :mod:`kernels.coda.ops`); a model changed after patching (planned again).
+kernels as opaque ``coda::`` ops, :mod:`kernels.coda.ops`); a model changed after patching (planned again);
+torch.save(model).
 
 Refused in one line (:class:`CodaUnsupportedError`): other architectures, activations, RoPE types or a partial
 rotary factor; biases on o_proj, the MLP or the LM head; projections that are neither nn.Linear nor PEFT LoRA on
 one (other PEFT methods, quantized layers); other norms; a custom loss_function; a model split across devices;
 LoRA variants (DoRA, ...), lora_bias, LoRA dropout in training on the LM head; output_attentions,
-output_hidden_states, return_dict=False and any other call option.
+output_hidden_states, return_dict=False (called or the config's) and any other call option; logits_to_keep with
+labels; torch.autocast to a dtype other than the weights'.
 """
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
-from types import MethodType
 from typing import Any, Callable
 
 import torch
@@ -87,7 +95,7 @@ from kernels.coda.functions import (Consumer, CrossEntropy, Linear, NoConsumer, 
 from kernels.coda.pack import gate_up_index, pack_rows, qkv_index
 from kernels.coda.precompile import Precompiled, compiles_here, dry_pass, precompile_autograd
 from kernels.coda.rope import rope_freq_table
-from workloads.reference import IGNORE_INDEX, shifted_targets
+from workloads.reference import IGNORE_INDEX
 
 SILU_NAMES = ("silu", "swish")
 """``hidden_act`` values that Hugging Face computes as silu (its ACT2FN maps "swish" to the same SiLU)."""
@@ -113,15 +121,18 @@ class CodaUnsupportedError(ValueError):
 
 @dataclass(frozen=True)
 class _Plan:
-    """What the CODA forward needs besides the parameters. It is read once, when the model is patched."""
+    """What the CODA forward needs besides the parameters and what it reads from the modules at every call (the
+    norms' ``variance_epsilon``, the sliding windows, ``config.num_hidden_layers``). Made when the model is patched,
+    and again when a planned module, parameter or the RoPE buffer has changed (:func:`_current_plan`)."""
 
     heads: int
     kv_heads: int
     head_dim: int
-    eps: float
     theta: float
     inv_freq: tuple[float, ...]
-    windows: tuple[int | None, ...]
+    """``rotary_emb.inv_freq`` as read (which synchronizes with its device) when the plan was made."""
+    inv_freq_version: int
+    """The buffer's version counter then: an in-place change of it (``inv_freq.mul_``) makes the plan again."""
     qkv_bias: bool
     indices: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
     """The packing indices (:func:`kernels.coda.pack.qkv_index`, ``gate_up_index`` per FFN size), made when the plan
@@ -129,6 +140,14 @@ class _Plan:
     watched: tuple[weakref.ref | None, ...]
     """Weak references to the modules and parameters the plan was made for (:func:`_watched`; None for a missing
     bias): the plan keeps none of them alive (``functional_call``'s weights go when the call's caller drops them)."""
+    bypassed: tuple[tuple[str, weakref.ref], ...]
+    """(name, weak reference) of every module the CODA forward computes without calling it (:func:`_bypassed`),
+    whose hooks a call looks for (:func:`_hooked`)."""
+
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        """Pickled (``torch.save(model)``, ``copy.deepcopy``) without its weak references, which cannot be: the
+        copy's plan matches no module, so the copy's first forward makes its own."""
+        return _Plan, tuple(() if f.name in ("watched", "bypassed") else getattr(self, f.name) for f in fields(self))
 
 
 def apply_coda(model: nn.Module) -> nn.Module:
@@ -147,19 +166,35 @@ def apply_coda(model: nn.Module) -> nn.Module:
     logits. ``shift_labels`` (given with labels) are used as the targets unshifted, as in Hugging Face. Without
     labels, the last norm + LM head run as a CODA linear consumer and ``.logits`` is returned (``logits_to_keep``
     as in Hugging Face). ``attention_mask`` (padding) and ``position_ids`` are supported: they go to the
-    model's own mask builder and attention, and to the RoPE positions. Packed sequences (position_ids that
-    restart at 0 inside a row, no attention_mask) get the unpatched model's masks under the same config: each
-    sequence its own causal mask when ``use_cache`` (the call's, else the config's) is False, one causal mask
-    over the row when it is True (the unpatched model then builds its masks with a new cache and does not look
-    for packed sequences). The RoPE frequencies are the model's ``rotary_emb.inv_freq``, read when the model
-    is planned. A label that is neither -100 nor in [0, vocab) raises torch's ``IndexError("Target 300 is out
-    of bounds.")`` on the CPU and fails a device-side assertion on a GPU, as the unpatched loss does.
+    model's own mask builder and attention, and to the RoPE positions. ``use_cache`` is resolved as the unpatched
+    decoder does (:func:`_use_cache`): the call's, else the config's, and False under gradient checkpointing in
+    training with gradients. Packed sequences (position_ids that restart at 0 inside a row, no attention_mask) then
+    get the unpatched model's masks: each sequence its own causal mask when it is False, one causal mask over the
+    row when it is True (the unpatched model then builds its masks with the cache and does not look for packed
+    sequences). The layers run are ``model.model.layers[:config.num_hidden_layers]``; the RoPE frequencies are
+    ``rotary_emb.inv_freq`` (read again when the buffer is replaced or changed in place), each RMSNorm's epsilon its
+    ``variance_epsilon``, and each layer's sliding window its attention's, at every call.
 
-    Calls with a KV cache (``use_cache=True``, ``past_key_values`` / ``cache``: ``generate()``): an inference
-    prefill (an empty cache, no labels, eval mode) runs on the CODA kernels and fills the cache with the keys and
-    values the unpatched model would (q/k back in Hugging Face's head-dim order) and returns it as ``.cache``;
-    decode steps (a filled cache) and cached calls in training or with labels run the model's own forward (the same
-    modules, adapters included). ``generate()`` then gives the unpatched model's tokens.
+    Labels are checked as Hugging Face's loss takes them (:func:`_targets`): a number of targets other than the
+    tokens raises its ``ValueError`` ("Expected input batch_size (48) to match target batch_size (45)."), a dtype
+    other than int64 / uint8 a ``RuntimeError``; flat [B * S] labels are shifted across rows as there;
+    ``logits_to_keep`` with labels is refused. A label that is neither -100 nor in [0, vocab) raises torch's
+    ``IndexError("Target 300 is out of bounds.")`` on the CPU and fails a device-side assertion on a GPU, as the
+    unpatched loss does.
+
+    KV caches: where ``use_cache`` is True (the config's default included) or a ``cache`` / ``past_key_values`` is
+    given empty, the CODA forward, in eval or training, with labels or without, fills the cache with the keys and
+    values the unpatched model would (q/k back in Hugging Face's head-dim order) and returns it as ``.cache``.
+    Decode steps (a filled cache) and a given cache with checkpointed layers (which drop it) run the model's own
+    forward (the same modules, adapters included). ``generate()`` then gives the unpatched model's tokens, and so
+    does a decode loop that feeds ``.cache`` back.
+
+    Hooks: a call where a module the CODA forward computes without calling it (the decoder, its layers and every
+    module in them, the final norm, the LM head and their adapters; not the embedding) has a forward, forward-pre,
+    backward or backward-pre hook, or where a global module hook is registered (``torch.nn.modules.module``),
+    runs the model's own forward instead, so that the hooks run (with a warning naming the module,
+    :func:`_hooked`). transformers' own output-capturing hooks, inert unless hidden states or attentions are asked
+    for, do not count.
 
     ``torch.compile(model)``, ``fullgraph=True`` included, traces the CODA forward and its backward into graphs:
     the CODA kernels and the weight packing are custom ops (:mod:`kernels.coda.ops`) with fake-tensor rules and
@@ -200,15 +235,19 @@ def apply_coda(model: nn.Module) -> nn.Module:
     quantized layers), norms that are not the model's RMSNorm, RoPE types other than the three above (dynamic,
     yarn, longrope, ...) or a partial rotary factor, a custom ``loss_function``, a model split across devices.
     By a forward: LoRA variants (DoRA, ...), ``lora_bias``, lora_dropout > 0 in training on the LM head,
-    ``output_attentions``/``output_hidden_states``, ``return_dict=False``, any other keyword. Refused too: a
-    transformers version outside :data:`TRANSFORMERS_RANGE`.
+    ``output_attentions``/``output_hidden_states``, ``return_dict=False`` (in the call or as the config's
+    default), any other keyword, ``logits_to_keep`` with labels, ``torch.autocast`` to a dtype other than the
+    weights' (cast the model instead). Refused too: a transformers version outside :data:`TRANSFORMERS_RANGE`.
+
+    ``torch.save(model)`` pickles the patched model (the plan without its weak references; the loaded model plans
+    again at its first forward).
     """
     _check_transformers()
     target = _causal_lm(model)
     if getattr(target, "_coda_plan", None) is not None:
         return model
     target._coda_plan = _plan(target)
-    target.forward = MethodType(_coda_forward, target)
+    target.forward = partial(_coda_forward, target)  # a partial, not a bound method, pickles with the model
     return model
 
 
@@ -304,12 +343,19 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for i, layer in enumerate(model.model.layers) for part, name in _PROJECTIONS]
 
 
+_INV_FREQ = 2
+"""The index of ``rotary_emb.inv_freq`` in :func:`_watched`."""
+
+
 def _watched(model: nn.Module) -> list[Any]:
-    """What a plan is made for: the embedding, norms and projections (LoRA layers and their base layers) and their
+    """What a plan is made for: the embedding, the RoPE module and its ``inv_freq`` buffer, the decoder, its layers
+    with their attention and MLP modules, the norms and projections (LoRA layers and their base layers) and their
     weight and bias Parameters. A forward compares their identities with the plan's (no data is read)."""
     base = model.model
     norms = [base.norm] + [n for layer in base.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    out: list[Any] = [base.embed_tokens, base.rotary_emb]
+    out: list[Any] = [base.embed_tokens, base.rotary_emb, base.rotary_emb.inv_freq, base, base.layers]
+    for layer in base.layers:
+        out += (layer, layer.self_attn, layer.mlp)
     for m in norms:
         out += (m, m.weight)
     for _, m in _linears(model):
@@ -318,11 +364,51 @@ def _watched(model: nn.Module) -> list[Any]:
     return out
 
 
+def _bypassed(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module the CODA forward computes without calling it, so that their hooks would not
+    run: the decoder (``model.model``) and all its modules but the embedding (which it calls), and the LM head with
+    its adapters' modules. Containers without a forward of their own (ModuleList, ModuleDict: nothing calls them,
+    so their hooks never run) are left out."""
+    named = [(f"model.{name}".rstrip("."), m) for name, m in model.model.named_modules()
+             if name != "embed_tokens" and not name.startswith("embed_tokens.")]
+    named += [(f"lm_head.{name}".rstrip("."), m) for name, m in model.lm_head.named_modules()]
+    return [(name, m) for name, m in named if type(m).forward is not nn.Module.forward]
+
+
+_INERT_HOOK_MODULE = "transformers.utils.output_capturing"
+"""Where transformers' output-capturing hooks are defined: installed once output_attentions / output_hidden_states
+is asked for, they do nothing unless it is asked for in the call, which the CODA forward refuses."""
+
+
+def _live_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` has a forward, forward-pre, backward or backward-pre hook other than transformers' inert
+    output-capturing ones."""
+    return any(getattr(hook, "__module__", None) != _INERT_HOOK_MODULE
+               for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+               for hook in hooks.values())
+
+
+def _hooked(plan: _Plan) -> str | None:
+    """The name of a module the CODA forward would bypass that has a hook (:func:`_live_hooks`), "a global module
+    hook" for one of torch's ``register_module_*_hook``; None where there is none. Dictionary lookups only."""
+    from torch.nn.modules import module as torch_module
+
+    if (torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
+            or torch_module._global_backward_pre_hooks or torch_module._global_backward_hooks):
+        return "a global module hook"
+    for name, ref in plan.bypassed:
+        m = ref()
+        if m is not None and (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
+                              or m._backward_hooks) and _live_hooks(m):
+            return name
+    return None
+
+
 def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
     """Check the model against what the CODA forward computes (see :func:`apply_coda`) and read its constants.
 
-    ``old``: the previous plan; its RoPE frequencies are reused while the model's ``rotary_emb`` is the same
-    module (reading them synchronizes with the device)."""
+    ``old``: the previous plan; its RoPE frequencies are reused while ``rotary_emb.inv_freq`` is the same tensor at
+    the same version (reading them synchronizes with the device)."""
     arch = type(model).__name__
     if arch not in _WINDOW:
         raise _refuse(f"{arch} is not supported (supported: {', '.join(_WINDOW)})")
@@ -365,27 +451,31 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
         raise _refuse(f"rope_type={rotary.rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rotary.inv_freq.numel() != head_dim // 2:
         raise _refuse(f"RoPE on {2 * rotary.inv_freq.numel()} of the {head_dim} head dims (partial_rotary_factor)")
-    same_rope = old is not None and old.watched[1]() is rotary
+    same_rope = (old is not None and len(old.watched) > _INV_FREQ and old.watched[_INV_FREQ]() is rotary.inv_freq
+                 and old.inv_freq_version == rotary.inv_freq._version)
     device = _base(layers[0].self_attn.q_proj).weight.device
     indices = {("qkv", 0): qkv_index(config.num_attention_heads, config.num_key_value_heads, head_dim, device)}
     indices.update({("gate_up", n): gate_up_index(n, device)
                     for n in {_base(layer.mlp.gate_proj).weight.shape[0] for layer in layers}})
     return _Plan(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=head_dim,
-                 eps=config.rms_norm_eps, theta=float(config.rope_parameters["rope_theta"]),
+                 theta=float(config.rope_parameters["rope_theta"]),
                  inv_freq=old.inv_freq if same_rope else tuple(rotary.inv_freq.double().tolist()),
-                 windows=tuple(_WINDOW[arch](config, layer.self_attn) for layer in layers),
-                 qkv_bias=has_bias == {(True,) * 3}, indices=indices,
-                 watched=tuple(None if o is None else weakref.ref(o) for o in _watched(model)))
+                 inv_freq_version=rotary.inv_freq._version, qkv_bias=has_bias == {(True,) * 3}, indices=indices,
+                 watched=tuple(None if o is None else weakref.ref(o) for o in _watched(model)),
+                 bypassed=tuple((name, weakref.ref(m)) for name, m in _bypassed(model)))
 
 
 def _current_plan(model: nn.Module) -> _Plan:
     """The model's plan, made again when a planned module or parameter has been replaced since (LoRA wrapped
-    around a projection, a bias given to one, ``functional_call``'s parameters): a supported change is planned
-    for, an unsupported one raises :class:`CodaUnsupportedError` naming it."""
+    around a projection, a bias given to one, ``functional_call``'s parameters) or ``rotary_emb.inv_freq`` has been
+    replaced or changed in place (its version counter, not its data, is read; not under torch.compile, whose graphs
+    keep the frequencies they were traced with): a supported change is planned for, an unsupported one raises
+    :class:`CodaUnsupportedError` naming it."""
     plan: _Plan = model._coda_plan
     now = _watched(model)
-    if len(now) != len(plan.watched) or any((o is not None if r is None else r() is not o)
-                                            for r, o in zip(plan.watched, now)):
+    if (len(now) != len(plan.watched) or any((o is not None if r is None else r() is not o)
+                                             for r, o in zip(plan.watched, now))
+            or (not torch.compiler.is_compiling() and now[_INV_FREQ]._version != plan.inv_freq_version)):
         plan = model._coda_plan = _plan(model, plan)
     return plan
 
@@ -434,11 +524,54 @@ def _weight(m: nn.Module, name: str) -> tuple[torch.Tensor, Side | None]:
     return w, (side if beside else None)
 
 
-def _check_call(model: nn.Module, options: dict[str, Any]) -> None:
-    for name, value in options.items():
+def _use_cache(model: nn.Module, use_cache: bool | None) -> bool:
+    """``use_cache`` as the unpatched decoder resolves it (transformers' ``merge_with_config_defaults``): the call's,
+    else the config's; False where gradient checkpointing is on in training with gradients enabled."""
+    value = getattr(model.config, "use_cache", None) if use_cache is None else use_cache
+    base = model.model
+    return bool(value) and not (getattr(base, "gradient_checkpointing", False) and base.training
+                                and torch.is_grad_enabled())
+
+
+def _check_call(model: nn.Module, options: dict[str, Any], weight: torch.Tensor) -> None:
+    """Refuse (:class:`CodaUnsupportedError`) a call option, or one of the config's defaults of
+    :data:`_NEUTRAL_OPTIONS`, that the CODA forward does not compute, and autocast to a dtype other than the
+    weights' (the kernels compute in the weights' dtype)."""
+    defaults = {name: getattr(model.config, name, None) for name in _NEUTRAL_OPTIONS}
+    for name, value in {**defaults, **options}.items():
         if value is not None and not (name in _NEUTRAL_OPTIONS and value == _NEUTRAL_OPTIONS[name]):
             shown = repr(value) if isinstance(value, (bool, int, float, str)) else type(value).__name__
-            raise _refuse(f"the CODA forward does not support the option {name}={shown}")
+            where = "" if name in options else " (the config's)"
+            raise _refuse(f"the CODA forward does not support the option {name}={shown}{where}")
+    device = weight.device.type
+    if torch.is_autocast_enabled(device) and (dtype := torch.get_autocast_dtype(device)) != weight.dtype:
+        raise _refuse(f"torch.autocast to {dtype} over {weight.dtype} weights: the CODA kernels compute in the "
+                      f"weights' dtype; cast the model instead (model.to({dtype})), or call it under "
+                      "torch.autocast(..., enabled=False)")
+
+
+def _targets(labels: torch.Tensor, shift_labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor,
+             rows: int) -> torch.Tensor:
+    """The loss's [rows] targets, as Hugging Face's ``ForCausalLMLoss`` makes them: ``shift_labels`` flattened as
+    given, else ``labels`` shifted left by one along their last dim (-100 at the end) and flattened (flat [B * S]
+    labels too, shifted across rows as there). Raises as it does: ``ValueError`` where their number is not the
+    rows' (``Expected input batch_size (48) to match target batch_size (45).``), ``RuntimeError`` for a dtype
+    other than int64 / uint8 or non-contiguous ``shift_labels`` (``.view(-1)``). ``logits_to_keep`` with labels
+    (Hugging Face's loss is then over the kept positions only, and raises unless the labels are cut to them) is
+    refused: the fused loss covers every position."""
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        shown = logits_to_keep if isinstance(logits_to_keep, int) else type(logits_to_keep).__name__
+        raise _refuse(f"logits_to_keep={shown} with labels: the fused loss is over every position; call it without "
+                      "logits_to_keep, or without labels and compute the loss on the kept logits")
+    if shift_labels is None:
+        targets = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    else:
+        targets = shift_labels.view(-1)
+    if targets.numel() != rows:
+        raise ValueError(f"Expected input batch_size ({rows}) to match target batch_size ({targets.numel()}).")
+    if targets.dtype not in (torch.int64, torch.uint8):
+        raise RuntimeError(f"expected target dtype to be Long or Byte, but got {targets.dtype}")
+    return targets.long()
 
 
 def _check_targets(targets: torch.Tensor, vocab: int) -> None:
@@ -546,52 +679,59 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
                   labels: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
                   num_items_in_batch: torch.Tensor | int | None = None, shift_labels: torch.Tensor | None = None,
                   **options: Any):
-    """The CODA forward of :func:`apply_coda` (bound to the patched model as its ``forward``)."""
-    if labels is not None and _first_step(self, input_ids if input_ids is not None else inputs_embeds):
-        precompile_step(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
-                        num_items_in_batch=num_items_in_batch, shift_labels=shift_labels, **options)
+    """The CODA forward of :func:`apply_coda` (set as the patched model's ``forward``)."""
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    plan = _current_plan(self)
-    use_cache = options.pop("use_cache", None)
+    call = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "inputs_embeds": inputs_embeds, "labels": labels, "logits_to_keep": logits_to_keep, **options,
+            **{k: v for k, v in (("num_items_in_batch", num_items_in_batch), ("shift_labels", shift_labels))
+               if v is not None}}  # the call as given, for the model's own forward (its loss takes what is given)
+    layers = list(self.model.layers)[:self.config.num_hidden_layers]  # the layers the unpatched model runs
+    # A layer is checkpointed under the condition of transformers' GradientCheckpointingLayer.
+    checkpointed = [self.training and torch.is_grad_enabled() and bool(getattr(layer, "gradient_checkpointing", False))
+                    for layer in layers]
+    use_cache = _use_cache(self, options.pop("use_cache", None))
     cache, legacy = options.pop("cache", None), options.pop("past_key_values", None)
     cache = legacy if cache is None else cache
     if use_cache and cache is None:
         cache = DynamicCache(config=self.config)  # as the unpatched model makes one
-    if cache is not None and (cache.get_seq_length() > 0 or labels is not None or self.training):
-        # Decoding (and any cached call but an inference prefill): the model's own forward, with the cache (every
-        # module is still the model's own, adapters included).
-        loss_options = {k: v for k, v in (("num_items_in_batch", num_items_in_batch), ("shift_labels", shift_labels))
-                        if v is not None}
-        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
-                                  cache=cache, use_cache=use_cache, **loss_options, **options)
-    _check_call(self, options)
+    if cache is not None and (cache.get_seq_length() > 0 or any(checkpointed)):
+        # Decoding, or a cache with checkpointed layers (which drop it): the model's own forward, with the call's
+        # cache (every module is still the model's own, adapters included).
+        return type(self).forward(self, **call)
+    plan = _current_plan(self)
+    hooked = _hooked(plan)
+    if hooked is not None:
+        warnings.warn(f"apply_coda: {hooked} has a hook, which the CODA forward would not run: this call runs the "
+                      "model's own forward", stacklevel=4)
+        return type(self).forward(self, **call)
+    _check_call(self, options, _base(self.lm_head).weight)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
-    layers = self.model.layers
+    if labels is not None and _first_step(self, input_ids if input_ids is not None else inputs_embeds):
+        precompile_step(self, **call)
     embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     batch, seq, hidden = embeds.shape
-    # As in the unpatched model: with use_cache (the config's when not given) it builds its masks with a new, empty
-    # cache, and then does not look for packed sequences in position_ids; without, position_ids that restart at 0
-    # inside a row (packed sequences) give each sequence its own causal mask. The mask builder gets no default
-    # arange positions: it would search them for packed sequences and synchronize the host to find none.
-    mask_cache = cache if cache is not None else DynamicCache(config=self.config) if (
-        self.config.use_cache if use_cache is None else use_cache) else None
+    final: Consumer = Linear()
+    if labels is not None:
+        targets = _targets(labels, shift_labels, logits_to_keep, batch * seq)
+        _check_targets(targets, _base(self.lm_head).out_features)
+        final = CrossEntropy(targets.to(embeds.device), IGNORE_INDEX, "mean" if num_items_in_batch is None else "sum")
+    # As in the unpatched model: with use_cache it builds its masks with the cache, and then does not look for packed
+    # sequences in position_ids; without, position_ids that restart at 0 inside a row (packed sequences) give each
+    # sequence its own causal mask. The mask builder gets no default arange positions: it would search them for
+    # packed sequences and synchronize the host to find none. The windows, RMSNorm epsilons and RoPE frequencies are
+    # the modules' own at this call.
+    arch = type(self).__name__
+    windows = [_WINDOW[arch](self.config, layer.self_attn) for layer in layers]
     masks = {w: (create_causal_mask if w is None else create_sliding_window_causal_mask)(
-        self.config, embeds, attention_mask, mask_cache, position_ids) for w in set(plan.windows)}
+        self.config, embeds, attention_mask, cache, position_ids) for w in set(windows)}
     if position_ids is None:
         position_ids = torch.arange(seq, device=embeds.device)[None]
     positions = position_ids.expand(batch, seq).reshape(-1)
     rope = RoPE(positions, plan.heads, plan.kv_heads, plan.head_dim, plan.theta, plan.inv_freq)
-    final: Consumer = Linear()
-    if labels is not None:
-        targets = (shift_labels if shift_labels is not None else shifted_targets(labels)).reshape(-1)
-        _check_targets(targets, _base(self.lm_head).out_features)
-        final = CrossEntropy(targets.to(embeds.device), IGNORE_INDEX, "mean" if num_items_in_batch is None else "sum")
 
     def next_qkv(j: int, out: torch.Tensor, x: torch.Tensor, side: Side | None) -> torch.Tensor:
         """Layer j's rotated qkv: the kernel's ``out`` plus its LoRA terms beside the kernel, on the normalized x
@@ -602,28 +742,32 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         """Layer i's rotated qkv from its input x: its own norm + QKV GEMM + RoPE (a layer that starts the forward or
         a checkpointed one, whose recomputation then needs only x)."""
         w, side = _w_qkv(layers[i].self_attn, plan, f"model.layers.{i}.self_attn")
-        return next_qkv(i, norm_consumer(x, layers[i].input_layernorm.weight, w, rope, plan.eps)[0], x, side)
+        norm = layers[i].input_layernorm
+        return next_qkv(i, norm_consumer(x, norm.weight, w, rope, norm.variance_epsilon)[0], x, side)
 
     def mlp(i: int, a: torch.Tensor, residual: torch.Tensor, w_o: torch.Tensor, gamma: torch.Tensor | None,
-            w: torch.Tensor | None, consumer: Consumer | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layer i's block after attention: (x, consumer's out; None without a consumer: the block ends at x). One
-        fused block; or, with a LoRA term beside gate/up/down (SwiGLU's pre-activation and the down projection's
-        input are inside the block), the split form: out-proj + residual + norm + gate/up GEMM (+ SwiGLU when there is
-        no gate/up adapter), the adapters' terms and SwiGLU in torch, then down-proj + residual (+ norm + the
-        consumer; without one, a cuBLAS ``addmm``)."""
+            w: torch.Tensor | None, consumer: Consumer | None, eps: float | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i's block after attention: (x, consumer's out; None without a consumer: the block ends at x), eps
+        the epsilon of the consumer's norm. One fused block (one epsilon for its two norms); or the split form, with
+        a LoRA term beside gate/up/down (SwiGLU's pre-activation and the down projection's input are inside the
+        block) or where the two norms' epsilons differ: out-proj + residual + norm + gate/up GEMM (+ SwiGLU when
+        there is no gate/up adapter), the adapters' terms and SwiGLU in torch, then down-proj + residual (+ norm +
+        the consumer; without one, a cuBLAS ``addmm``)."""
         layer, name = layers[i], f"model.layers.{i}.mlp"
         (w_gate, s_gate), (w_up, s_up), (w_d, s_d) = (
             _weight(getattr(layer.mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
         w_gu = _w_gu(w_gate, w_up, plan)
-        gamma_mlp = layer.post_attention_layernorm.weight
+        gamma_mlp, eps_mlp = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
         if s_gate is None and s_up is None and s_d is None:
             if consumer is None:  # the block ends at x: its gamma and w are stand-ins nothing reads
-                return block(a, residual, w_o, gamma_mlp, w_gu, w_d, gamma_mlp, w_d, NoConsumer(), plan.eps)[0], None
-            return block(a, residual, w_o, gamma_mlp, w_gu, w_d, gamma, w, consumer, plan.eps)[:2]
+                return block(a, residual, w_o, gamma_mlp, w_gu, w_d, gamma_mlp, w_d, NoConsumer(), eps_mlp)[0], None
+            if eps == eps_mlp:
+                return block(a, residual, w_o, gamma_mlp, w_gu, w_d, gamma, w, consumer, eps)[:2]
         if s_gate is None and s_up is None:
-            x1, y = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, SwiGLU(), plan.eps)[:2]
+            x1, y = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, SwiGLU(), eps_mlp)[:2]
         else:
-            x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), plan.eps)[:2]
+            x1, z = producer_consumer(a, residual, w_o, gamma_mlp, w_gu, Linear(), eps_mlp)[:2]
             gate, up = z[:, 0::2], z[:, 1::2]
             h = layer.post_attention_layernorm(x1)
             gate = gate if s_gate is None else gate + s_gate(h)
@@ -632,14 +776,14 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         residual = x1 if s_d is None else x1 + s_d(y)
         if consumer is None:
             return torch.addmm(residual, y, w_d.T), None
-        return producer_consumer(y, residual, w_d, gamma, w, consumer, plan.eps)[:2]
+        return producer_consumer(y, residual, w_d, gamma, w, consumer, eps)[:2]
 
     def attention(i: int, x: torch.Tensor, qkv: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's attention output from its input x (and its rotated qkv, None: computed here from x)."""
         attn = layers[i].self_attn
         qkv = own_qkv(i, x) if qkv is None else qkv
-        return _attend(attn, _with_bias(qkv, attn, plan, positions), masks[plan.windows[i]], plan.windows[i],
-                       position_ids, plan, batch, seq, cache)
+        return _attend(attn, _with_bias(qkv, attn, plan, positions), masks[windows[i]], windows[i], position_ids, plan,
+                       batch, seq, cache)
 
     def block_step(i: int, a: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i's block after its attention output a, x the layer's input: x of layer i + 1 and the output of the
@@ -648,14 +792,14 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         w_o, s_o = _weight(layers[i].self_attn.o_proj, f"model.layers.{i}.self_attn.o_proj")
         residual = x if s_o is None else x + s_o(a)
         if ends_at_x(i):
-            return mlp(i, a, residual, w_o, None, None, None)
+            return mlp(i, a, residual, w_o, None, None, None, None)
         side = None
         if i + 1 < len(layers):
             w, side = _w_qkv(layers[i + 1].self_attn, plan, f"model.layers.{i + 1}.self_attn")
-            gamma, consumer = layers[i + 1].input_layernorm.weight, rope
+            norm, consumer = layers[i + 1].input_layernorm, rope
         else:
-            w, gamma, consumer = lm_head(), self.model.norm.weight, final
-        x, out = mlp(i, a, residual, w_o, gamma, w, consumer)
+            w, norm, consumer = lm_head(), self.model.norm, final
+        x, out = mlp(i, a, residual, w_o, norm.weight, w, consumer, norm.variance_epsilon)
         return x, (out if side is None else next_qkv(i + 1, out, x, side))
 
     def layer_step(i: int, x: torch.Tensor, qkv: torch.Tensor | None = None
@@ -675,8 +819,6 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     # ends at x, so that no qkv is kept for a recomputation. The LM head and the loss (gradients computed in forward)
     # are never inside a checkpoint. The last layer, when checkpointed, keeps its attention's tensors and recomputes
     # only its block: its backward comes first, and what it keeps is freed at the start of backward.
-    checkpointed = [self.training and bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers]
-
     def ends_at_x(i: int) -> bool:
         """Whether layer i's block ends at x: the next layer or, after the last, the LM head computes its own input
         from x, because that layer is checkpointed or this one is (the LM head stays outside)."""
@@ -691,9 +833,9 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         else:
             x, out = layer_step(i, x, out)
     if out is None:
-        out = norm_consumer(x, self.model.norm.weight, lm_head(), final, plan.eps)[0]
+        out = norm_consumer(x, self.model.norm.weight, lm_head(), final, self.model.norm.variance_epsilon)[0]
     if labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep], cache=cache)
     loss = out if num_items_in_batch is None else out / torch.as_tensor(num_items_in_batch, device=out.device)
-    return CausalLMOutputWithPast(loss=loss)
+    return CausalLMOutputWithPast(loss=loss, cache=cache)

@@ -1,0 +1,217 @@
+"""``apply_coda`` as a drop-in: calls where the patched model must do what the unpatched one does (kernels.coda.hf).
+
+Each test compares the patched model with an unpatched copy on the CPU (tiny fp32 models of ``test_hf``, the Triton
+kernels in the interpreter): the config defaults transformers resolves per call (``use_cache``, gradient
+checkpointing, ``num_hidden_layers``), the errors it raises for bad labels, hooks on the modules the CODA forward
+bypasses, the values it reads from the modules at every call (RoPE frequencies, RMSNorm epsilons), autocast, and
+pickling the patched model.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+from kernels.coda.hf import CodaUnsupportedError, apply_coda
+
+from kernel_helpers import launches
+from test_hf import SEQ, assert_close_to, batch, tiny, trainable_grads
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
+
+
+def pair(**overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(patched, unpatched) copies of one tiny Llama."""
+    ref = tiny(**overrides)
+    return apply_coda(copy.deepcopy(ref)), ref
+
+
+def assert_same_step(model: torch.nn.Module, ref: torch.nn.Module, **inputs) -> None:
+    """The loss and every trainable gradient of ``model`` are ``ref``'s; the CODA forward ran."""
+    torch.manual_seed(0)
+    with launches() as names:
+        loss, grads = trainable_grads(model, **inputs)
+    assert "gemm_cross_entropy_kernel" in names
+    torch.manual_seed(0)
+    ref_loss, ref_grads = trainable_grads(ref, **inputs)
+    assert_close_to("loss", loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert (grads[name] is None) == (g is None), name
+        if g is not None:
+            assert_close_to(name, grads[name], g, 1e-4)
+
+
+def test_packed_sequences_under_checkpointing_in_training_get_per_sequence_masks():
+    """Gradient checkpointing in training turns the config's use_cache=True off in the unpatched model
+    (``merge_with_config_defaults``), so its mask builder finds the packed sequences: each attends to itself."""
+    model, ref = pair()
+    for m in (model, ref):
+        m.train().gradient_checkpointing_enable()
+    ids, _, labels = batch()
+    pos = torch.cat([torch.arange(10), torch.arange(SEQ - 10)])[None].expand(ids.shape[0], SEQ)
+    assert_same_step(model, ref, input_ids=ids, position_ids=pos, labels=labels)
+
+
+def test_eval_with_the_configs_use_cache_returns_the_cache_a_decode_loop_continues_from():
+    """In eval, without use_cache in the call (the config's True), the unpatched model returns a filled cache;
+    the patched one returns the same keys and values, and the next step decoded from it gives the same logits."""
+    model, ref = pair()
+    model.eval(), ref.eval()
+    ids, _, _ = batch()
+    with torch.no_grad():
+        with launches() as names:
+            ours = model(ids)
+        theirs = ref(ids)
+        assert "gemm_rope_kernel" in names and type(ours.cache) is type(theirs.cache)
+        for a, b in zip(ours.cache.layers, theirs.cache.layers, strict=True):
+            assert_close_to("cached keys", a.keys, b.keys)
+            assert_close_to("cached values", a.values, b.values)
+        step = ours.logits[:, -1:].argmax(-1)
+        assert_close_to("decoded logits", model(step, cache=ours.cache).logits, ref(step, cache=theirs.cache).logits)
+
+
+def test_a_training_step_with_the_configs_use_cache_runs_coda_and_returns_the_cache():
+    """In training without checkpointing the config's use_cache=True holds: the unpatched model returns a cache
+    filled with the step's keys and values; so does the patched one, from the CODA forward."""
+    model, ref = pair()
+    ids, mask, labels = batch()
+    assert_same_step(model, ref, input_ids=ids, attention_mask=mask, labels=labels)
+    with torch.no_grad():
+        ours, theirs = model(ids, labels=labels).cache, ref(ids, labels=labels).cache
+    for a, b in zip(ours.layers, theirs.layers, strict=True):
+        assert_close_to("cached keys", a.keys, b.keys)
+
+
+@pytest.mark.parametrize("labels, shift_labels", [
+    (lambda ids: ids[:, :-1], None),  # one short: the loss read past the targets
+    (lambda ids: torch.cat([ids, ids[:, :3]], 1), None),
+    (lambda ids: ids[:, -1:], None),
+    (lambda ids: ids, lambda ids: torch.cat([ids, ids], 1)[:, 1:SEQ + 1]),  # the right numel, not contiguous
+    (lambda ids: ids, lambda ids: ids[:, 1:].contiguous()),
+    (lambda ids: ids.float(), None),
+    (lambda ids: ids.int(), None),
+])
+def test_labels_of_another_shape_or_dtype_raise_as_the_unpatched_model(labels, shift_labels):
+    model, ref = pair()
+    ids, _, _ = batch()
+    call = {"labels": labels(ids)} | ({} if shift_labels is None else {"shift_labels": shift_labels(ids)})
+    errors = []
+    for m in (ref, model):
+        with pytest.raises((ValueError, RuntimeError)) as err:
+            m(ids, **call)
+        errors.append(err.value)
+    assert type(errors[1]) is type(errors[0]) and "\n" not in str(errors[1])
+    if isinstance(errors[0], ValueError):
+        assert str(errors[1]) == str(errors[0])  # "Expected input batch_size (48) to match target batch_size (46)."
+
+
+def test_flat_labels_and_logits_to_keep_with_labels():
+    """Flat [B * S] labels: Hugging Face shifts them across the rows, and so does the patched model. logits_to_keep
+    with labels (Hugging Face's loss then covers the kept positions only) is refused in one line."""
+    model, ref = pair()
+    ids, _, labels = batch()
+    with torch.no_grad():
+        assert_close_to("loss", model(ids, labels=labels.reshape(-1)).loss, ref(ids, labels=labels.reshape(-1)).loss)
+        with pytest.raises(CodaUnsupportedError, match="logits_to_keep=4 with labels") as err:
+            model(ids, labels=labels, logits_to_keep=4)
+    assert "\n" not in str(err.value)
+
+
+def test_config_num_hidden_layers_below_the_layers_runs_only_the_first():
+    """``config.num_hidden_layers`` smaller than ``len(model.model.layers)``: the unpatched decoder runs
+    ``layers[:num_hidden_layers]``; so does the patched one (the last layer gets no gradient in either)."""
+    model, ref = pair(num_hidden_layers=3)
+    model.config.num_hidden_layers = ref.config.num_hidden_layers = 2
+    ids, mask, labels = batch()
+    assert_same_step(model, ref, input_ids=ids, attention_mask=mask, labels=labels)
+    assert model.model.layers[2].mlp.down_proj.weight.grad is None
+
+
+def test_hooks_on_bypassed_modules_run_the_models_own_forward():
+    """A forward hook that changes an MLP's output, a pre-hook on a projection, a global module hook: the call runs
+    the model's own forward (with a warning naming the module), so the hooks run and the loss is the unpatched
+    model's. An embedding hook, which the CODA forward calls, and transformers' own output-capturing hooks (inert
+    unless output_hidden_states is asked for) leave the CODA forward on."""
+    model, ref = pair()
+    ids, _, labels = batch()
+    calls = {"ours": 0, "theirs": 0}
+    for name, m in (("ours", model), ("theirs", ref)):
+        m.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out * 0.5)
+        m.model.layers[1].self_attn.q_proj.register_forward_pre_hook(
+            lambda mod, args, name=name: calls.__setitem__(name, calls[name] + 1))
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="model.layers.0.mlp has a hook"), launches() as names:
+            loss = model(ids, labels=labels).loss
+        assert_close_to("loss", loss, ref(ids, labels=labels).loss)
+        assert calls == {"ours": 1, "theirs": 1} and "gemm_cross_entropy_kernel" not in names
+
+        model, ref = pair()
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
+        try:
+            with pytest.warns(UserWarning, match="a global module hook"), launches() as names:
+                model(ids, labels=labels)
+        finally:
+            handle.remove()
+        assert "gemm_cross_entropy_kernel" not in names
+
+        type(model).forward(model, ids, output_hidden_states=True)  # installs transformers' capturing hooks
+        model.model.embed_tokens.register_forward_hook(lambda mod, args, out: out * 2)
+        ref.model.embed_tokens.register_forward_hook(lambda mod, args, out: out * 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with launches() as names:
+                loss = model(ids, labels=labels).loss
+        assert "gemm_cross_entropy_kernel" in names
+        assert_close_to("loss", loss, ref(ids, labels=labels).loss)
+
+
+def test_rope_frequencies_and_norm_epsilons_are_read_from_the_modules():
+    """``rotary_emb.inv_freq`` changed in place after apply_coda, and RMSNorm epsilons other than the config's
+    (all of them; then the post-attention norms' alone, which splits each fused block in two): the loss and
+    gradients follow the modules, as the unpatched model's do."""
+    model, ref = pair()
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    for m in (model, ref):
+        m.model.rotary_emb.inv_freq.mul_(0.5)
+    assert_same_step(model, ref, **inputs)
+    for m in (model, ref):
+        for name, norm in m.named_modules():
+            if hasattr(norm, "variance_epsilon"):
+                norm.variance_epsilon = 0.5 if "post_attention" in name else 0.25
+    assert_same_step(model, ref, **inputs)
+
+
+def test_autocast_to_another_dtype_than_the_weights_is_refused_in_one_line():
+    model = apply_coda(tiny())
+    ids, _, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(CodaUnsupportedError, match="torch.autocast") as e:
+        model(ids, labels=labels)
+    assert "\n" not in str(e.value) and "model.to(torch.bfloat16)" in str(e.value)
+
+
+def test_a_config_default_the_coda_forward_does_not_compute_is_refused():
+    model = apply_coda(tiny(output_hidden_states=True))
+    ids, _, labels = batch()
+    with pytest.raises(CodaUnsupportedError, match=r"output_hidden_states=True \(the config's\)"):
+        model(ids, labels=labels)
+
+
+def test_torch_save_and_load_of_a_patched_model():
+    """``torch.save(model)`` pickles the patched model (its plan without weak references); the loaded model plans
+    again at its first forward and gives the same loss on the CODA kernels."""
+    model = apply_coda(tiny())
+    ids, mask, labels = batch()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        with launches() as names:
+            loss = loaded(ids, attention_mask=mask, labels=labels).loss
+        assert torch.equal(loss, model(ids, attention_mask=mask, labels=labels).loss)
+    assert "gemm_cross_entropy_kernel" in names and len(loaded._coda_plan.watched) > 0
