@@ -244,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
 def _defined_models(args: argparse.Namespace, notes: list[str]) -> dict[str, ModelShape]:
     """The shapes of ``--model`` and ``--model-config``, by name; what the ops leave out of a config.json's model is
     appended to ``notes``."""
+    for spec in args.model:
+        name, _, body = spec.partition(":")
+        keys = [item.partition("=")[0].strip() for item in body.split(",") if item.strip()]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:  # parse_model_spec would keep the last value
+            raise UsageError(f"--model {name.strip()}: {', '.join(twice)} given more than once")
     try:
         shapes = [parse_model_spec(s) for s in args.model] + [from_hf_config(p, notes) for p in args.model_config]
     except ValueError as e:
@@ -376,7 +382,7 @@ def _summary(out: Path, code: int) -> int:
     """Print the counts of a written run and where its report is; the exit code (1 when cells failed)."""
     df, _, _ = load_run(out)
     counts = ", ".join(f"{v} {k}" for k, v in df["status"].value_counts().items())
-    failed = int((df["status"] == "error").sum() + (df["correct"] == False).sum())  # noqa: E712
+    failed = int(((df["status"] == "error") | (df["correct"] == False)).sum())  # noqa: E712 (each cell once)
     print(f"codabench: {counts}" + (f" ({failed} cells with errors or failing the error rule: exit code "
                                     f"{EXIT_CELL_ERRORS})" if failed and code == EXIT_OK else "") +
           f"\ncodabench: report {out / 'report.html'}\ncodabench: table  {out / 'results.csv'}")
@@ -456,12 +462,16 @@ def run_config(args: argparse.Namespace, suite: Suite, sel: Selection, device: t
 
 
 def _check_names(sel: Selection, registry, defined: dict[str, ModelShape]) -> None:
+    """Every name of the selection is known; an unknown op or implementation names the plugins that failed to load
+    (the name may be theirs)."""
+    failed = "".join(f"; plugin {source} failed to load: {err}" for source, err in registry.load_errors)
     for kind, given, known in (("op", sel.ops, OPS), ("model", sel.models, [*PRESETS, *defined]),
                                ("mode", sel.modes, MODES),
                                ("dtype", sel.dtypes, DTYPES), ("implementation", sel.impls or (), registry.names())):
         bad = [g for g in given if g not in known]
         if bad:
-            raise UsageError(f"unknown {kind}(s) {', '.join(bad)}; known: {', '.join(known)}")
+            raise UsageError(f"unknown {kind}(s) {', '.join(bad)}; known: {', '.join(known)}"
+                             + (failed if kind in ("op", "implementation") else ""))
 
 
 def default_out(suite: str, resume: bool = False, shard: tuple[int, int] | None = None) -> Path:

@@ -2,7 +2,8 @@
 
 :func:`discover` fills :data:`codabench.registry.REGISTRY`, in this order:
 
-1. the harness's own torch-eager and torch-compile (:mod:`codabench.eager`);
+1. the harness's own torch-eager and torch-compile (:mod:`codabench.eager`; after the plugins again, for the ops
+   a plugin added to ``workloads.ops.OPS``);
 2. the project's built-in implementations (``kernels/``): the ``codabench.plugins`` entry points that its
    pyproject.toml declares, found like any other plugin's (:func:`builtin_entry_points`);
 3. the ``codabench.plugins`` entry points of other installed packages (``entry_points=False``: skipped);
@@ -168,4 +169,5 @@ def discover(plugin_files: Iterable[str] = (), entry_points: bool = True, gate: 
             _import(f"entry point {ep.name}", ep.load, gate, done)
     for f in plugin_files:
         load_plugin_file(f, gate, done)
+    eager.register(REGISTRY)  # the baselines of the ops the plugins added
     return REGISTRY

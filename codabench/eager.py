@@ -82,7 +82,9 @@ class TorchCompile(TorchEager):
 
 
 def register(registry: Registry) -> None:
-    """torch-eager and torch-compile for every op of the catalogue."""
+    """torch-eager and torch-compile for every op of the catalogue that does not have them yet: discovery calls it
+    before any plugin and again after the plugins, for the ops a plugin added to the catalogue."""
     for op in OPS.values():
-        registry.add(TorchEager(op))
-        registry.add(TorchCompile(op))
+        for cls in (TorchEager, TorchCompile):
+            if (op.name, cls.name) not in registry.impls:
+                registry.add(cls(op))

@@ -33,7 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -143,6 +143,15 @@ class _Resident:
     note: str = ""
 
 
+CellErrors = Mapping[str, float | None]
+"""A cell's relative errors in its correctness pass, by compared output (errors.csv's ``output`` and ``rel_err``)."""
+
+
+def own_errors(err_rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """A cell's :data:`CellErrors` from its error rows (:func:`_error_row`), as the parent keeps them."""
+    return {r["output"]: r["rel_err"] for r in err_rows}
+
+
 class _Group:
     """The shared, lazily built state of one (op, model, mode, dtype) group."""
 
@@ -153,8 +162,9 @@ class _Group:
         self.timing_grads: Tensors | None = None
         self.expected: dict[int, verify.Expected] = {}
         """PyTorch's results on the verification inputs, by seed (the timing seed: the timed inputs A)."""
-        self.cell_errors: dict[str, dict[str, float | None]] = {}
-        """Per implementation: its errors in the correctness pass, by compared output."""
+        self.cell_errors: dict[str, CellErrors] = {}
+        """Per implementation: its errors in the correctness pass, by compared output (set by its correctness pass,
+        or, in a worker that replaced a crashed one, from the parent's record: :meth:`Measurer.sample`)."""
         self.cast_ms: float | None = None
         self.cast_note = ""
         self.resident: dict[str, _Resident] = {}
@@ -260,7 +270,7 @@ class Measurer:
         if outcome.errors:
             result.updates.update(_error("; ".join(outcome.errors)))
             return self._failed(result)
-        group.cell_errors[cell.impl] = {c.output: c.stats.rel_err for c in outcome.checks}
+        group.cell_errors[cell.impl] = own_errors(result.err_rows)
         try:
             resident = self._resident(cell, group, impl)
         except torch.cuda.OutOfMemoryError as e:
@@ -356,10 +366,12 @@ class Measurer:
         torch.cuda.synchronize(self.device)
         return graphs, flush
 
-    def again(self, cell: Cell) -> RoundResult:
+    def again(self, cell: Cell, own_errors: CellErrors) -> RoundResult:
         """A block round of a cell (the blocks fallback: the cell prepared anew, one warm-up call, its samples), then
-        the timed buffers checked once more; raises with the reason when the round fails."""
+        the timed buffers checked once more; raises with the reason when the round fails. ``own_errors``: the cell's
+        errors in its correctness pass (:meth:`sample`)."""
         group, impl = self._group_for(cell), self.registry.get(cell.op, cell.impl)
+        group.cell_errors[cell.impl] = dict(own_errors)
         later = replace(per_round(self.cfg.timing), warmup=1, warmup_ms=0.0)
         op = OPS[cell.op]
         try:
@@ -402,11 +414,14 @@ class Measurer:
 
     # ---- a group's sweeps ------------------------------------------------------------------------------
 
-    def sample(self, cells: list[Cell]) -> GroupSamples:
+    def sample(self, cells: list[Cell], own_errors: dict[str, CellErrors]) -> GroupSamples:
         """The interleaved sweeps of a group's checked cells and its speed-of-light GEMMs (module docstring): the
         resident ones, and those a crashed worker took with it, prepared again; the residents are released
-        afterwards."""
+        afterwards. ``own_errors``: each cell's errors in its correctness pass, by implementation, as the parent
+        recorded them: a worker that replaced a crashed one has not seen them, and the checks of the timed calls
+        allow for them (:func:`codabench.verify.allowed_error`)."""
         group = self._group_for(cells[0])
+        group.cell_errors.update({impl: dict(errors) for impl, errors in own_errors.items()})
         lost: dict[str, str] = {}
         for c in cells:  # a worker that replaced a crashed one has not seen the group's cells: make them resident
             if c.impl not in group.resident:

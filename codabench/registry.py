@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -32,6 +33,7 @@ import torch
 from codabench.case import Case, Context
 from workloads.fp8 import Recipe, TorchGemms
 from workloads.models import ModelShape
+from workloads.op import DTYPES, MODES
 from workloads.ops import OPS
 
 TUNE_ENV = "CODABENCH_TUNE"
@@ -104,9 +106,9 @@ class Implementation:
     modes: tuple[str, ...] = ("fwd", "bwd", "fwd_bwd")
     dtypes: tuple[str, ...] = ("fp32", "fp16", "bf16")
     requires: tuple[str, ...] = ()
-    """Requirement tokens: ``cuda``, ``sm90``, ``triton`` (GPU or interpreter), ``triton-dot`` (as ``triton``; its
-    kernels multiply tiles with ``tl.dot``, which the interpreter computes wrongly in bf16), ``cpu``,
-    ``pkg:<module>`` (:func:`requirement_missing`)."""
+    """Requirement tokens (:data:`REQUIREMENTS`): ``cuda``, ``sm90``, ``triton`` (GPU or interpreter), ``triton-dot``
+    (as ``triton``; its kernels multiply tiles with ``tl.dot``, which the interpreter computes wrongly in bf16),
+    ``cpu``, ``pkg:<module>`` (:func:`requirement_missing`)."""
     description: str = ""
     label: str = "baseline"
     """How the report groups it: ``baseline``, ``fused`` (CODA) or ``expert fused``."""
@@ -182,16 +184,25 @@ class Registry:
     """Every plugin file loaded (resolved paths), so that a worker process can load the same."""
 
     def add(self, impl: Implementation) -> Implementation:
+        """Register ``impl`` as ``(impl.op, impl.name)``. ValueError with one line: no name or op, an op that does
+        not exist, a mode, dtype or requirement the harness does not know (:func:`declaration_error`), or a name
+        the op already has (from any module, the same one included: a second registration never replaces the
+        first)."""
         if not impl.name or not impl.op:
             raise ValueError(f"implementation {impl!r} needs a name and an op")
         if impl.op not in OPS:
             raise ValueError(f"implementation {impl.name!r} registers op {impl.op!r}, which does not exist "
                              f"(ops: {', '.join(OPS)})")
+        bad = declaration_error(impl)
+        if bad:
+            raise ValueError(f"implementation {impl.name!r} of op {impl.op!r}: {bad}")
         key = (impl.op, impl.name)
         old = self.impls.get(key)
-        if old is not None and type(old) is not type(impl) and old.source != impl.source:
-            raise ValueError(f"implementation {impl.name!r} of op {impl.op!r} registered twice "
-                             f"({old.source} and {impl.source})")
+        if old is not None:
+            first, again = _where(old.source), _where(impl.source)
+            raise ValueError(f"implementation {impl.name!r} of op {impl.op!r} registered twice: by {first}"
+                             + (" (twice)" if again == first else f" and again by {again}")
+                             + "; a name must be unique per op")
         self.impls[key] = impl
         return impl
 
@@ -206,6 +217,25 @@ class Registry:
 
 
 REGISTRY = Registry()
+
+
+def _where(source: str) -> str:
+    """A registering module for a message: its file where it has one (a ``--plugin`` file's module name is made up)."""
+    return getattr(sys.modules.get(source), "__file__", None) or source or "an unnamed module"
+
+
+def declaration_error(impl: Implementation) -> str | None:
+    """What is wrong with ``impl``'s declared modes, dtypes and requirements (a value the harness does not know, with
+    the valid ones), or None. A typo would otherwise make every cell ``n/a``, or fail each one."""
+    for what, given, known in (("mode", impl.modes, MODES), ("dtype", impl.dtypes, DTYPES),
+                               ("requirement", impl.requires, (*REQUIREMENTS, f"{PKG}<module>"))):
+        if isinstance(given, str):
+            return f"{what}s={given!r} is a string; give a tuple, e.g. ({given!r},)"
+        bad = [g for g in given if not (g in known or what == "requirement" and isinstance(g, str)
+                                        and g.startswith(PKG) and len(g) > len(PKG))]
+        if bad:
+            return f"unknown {what}(s) {', '.join(map(repr, bad))} (valid: {', '.join(known)})"
+    return None
 
 
 def register(op: str | Iterable[str], name: str, *, modes: Iterable[str] | None = None,
@@ -234,8 +264,8 @@ def entry(impl: Implementation, op: str, name: str, source: str, description: st
     modes, dtypes, requirements and label given (None: its own)."""
     impl.op, impl.name, impl.source, impl.description = op, name, source, description
     for attr, value in (("modes", modes), ("dtypes", dtypes), ("requires", requires)):
-        if value is not None:
-            setattr(impl, attr, tuple(value))
+        if value is not None:  # a bare string stays one, for Registry.add to refuse
+            setattr(impl, attr, value if isinstance(value, str) else tuple(value))
     if label is not None:
         impl.label = label
     return impl
@@ -244,6 +274,12 @@ def entry(impl: Implementation, op: str, name: str, source: str, description: st
 INTERPRETER_NO_BF16 = "skipped: the Triton interpreter has no bf16 math; run bf16 on a GPU"
 """The row of a ``triton-dot`` implementation's bf16 cell on the CPU: the interpreter's bf16 ``tl.dot`` returns
 garbage (relative errors near 1e10), which would read as the kernel's failure."""
+
+
+REQUIREMENTS = ("cuda", "sm90", "cpu", "triton", "triton-dot")
+"""The requirement tokens an implementation may declare (``requires``), besides ``pkg:<module>``
+(:func:`requirement_missing` says what each needs)."""
+PKG = "pkg:"
 
 
 def requirement_missing(req: str, device: torch.device, dtype: str | None = None) -> str | None:
@@ -265,7 +301,7 @@ def requirement_missing(req: str, device: torch.device, dtype: str | None = None
         if req == "triton-dot" and not on_gpu and dtype == "bf16":
             return INTERPRETER_NO_BF16
         return None
-    if req.startswith("pkg:"):
-        mod = req[4:]
+    if req.startswith(PKG):
+        mod = req[len(PKG):]
         return None if importlib.util.find_spec(mod) is not None else f"skipped: package {mod} is not installed"
     raise ValueError(f"unknown requirement {req!r}")

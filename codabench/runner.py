@@ -28,7 +28,7 @@ from codabench.ceilings import floor_ms, sol_ms
 from codabench.config import RunConfig
 from codabench.env import command, gpu_state
 from codabench.matrix import PLUGIN_OP, Cell, groups
-from codabench.measure import CellResult, GroupSamples, RoundResult
+from codabench.measure import CellResult, GroupSamples, RoundResult, own_errors
 from codabench.progress import Progress
 from codabench.registry import Registry
 from codabench.results import KEY
@@ -137,7 +137,9 @@ class Runner:
         if not ready:
             return
         if not blocks:
-            answer = worker.call("sample", [p.cell for p in ready])
+            # each cell's correctness-pass errors from its row: a replaced worker has not seen them
+            answer = worker.call("sample", [p.cell for p in ready],
+                                 {p.cell.impl: own_errors(p.err_rows) for p in ready})
             self._check_device(worker)
             if not isinstance(answer, Failure):
                 self._sweeps_done(ready, answer, writer, progress)
@@ -183,7 +185,7 @@ class Runner:
             for p in cells:
                 if r > 0 and not p.rounds:
                     continue
-                answer = worker.call("again", p.cell)
+                answer = worker.call("again", p.cell, own_errors(p.err_rows))
                 self._check_device(worker)
                 if isinstance(answer, Failure):
                     p.rounds = []
@@ -260,6 +262,8 @@ class Runner:
 
     def _write(self, writer: RunWriter, progress: Progress, p: _Pending, ran: bool) -> None:
         row = p.row
+        if row["status"] != "ok":  # only an ok cell has a pass mark; errors.csv keeps each output's `passed`
+            row["correct"] = None
         row.pop("_min_bytes", None)
         samples = row.pop("_samples", None)
         row.update(finished_at=_now(), **gpu_state(self.cfg.device))

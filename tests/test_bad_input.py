@@ -138,6 +138,12 @@ def test_bad_model_configs(capsys, tmp_path, name):
     assert line.startswith(f"codabench: --model-config {path}: ") or "'tiny' is defined twice" in line, line
 
 
+def test_a_key_given_twice_in_model(capsys):
+    """The last value would silently win: refused, naming the key."""
+    line = _one_line_and_exit_2(capsys, ["--model", "m:hidden=64,ffn=96,heads=4,vocab=128,hidden=32", "--list"])
+    assert line == "codabench: --model m: hidden given more than once", line
+
+
 def test_a_folder_without_config_json(capsys, tmp_path):
     line = _one_line_and_exit_2(capsys, ["--model-config", str(tmp_path), "--list"])
     assert line.startswith(f"codabench: --model-config {tmp_path}: cannot read it"), line

@@ -9,10 +9,11 @@ import pandas as pd
 import pytest
 import torch
 
-from codabench.cli import GPU_ROUNDS, main, run_config, run_parser
+from codabench.cli import GPU_ROUNDS, _summary, main, run_config, run_parser
 from codabench.matrix import Selection
 from workloads.suites import get_suite
 from harness_helpers import PLUGINS, isolated_registry
+from synthetic_runs import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,6 +143,11 @@ def test_bad_names_and_paths_get_one_line_and_exit_2(capsys, tmp_path):
         for out in (a_file, a_file / "below"):
             line = _usage_error(capsys, common + ["--impls", "torch-eager", "--out", str(out)])
             assert line.startswith(f"codabench: --out {out}: "), line
+    with isolated_registry():  # the name asked for may be the one a plugin that failed to load registers
+        broken = (PLUGINS / "broken.py").resolve()
+        line = _usage_error(capsys, common + ["--impls", "test-broken", "--plugin", str(broken), "--inline"])
+        assert "unknown implementation(s) test-broken; known: " in line and line.endswith(
+            f"; plugin {broken} failed to load: ImportError: this plugin is broken on purpose ({broken}:2)"), line
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
 
@@ -200,6 +206,32 @@ def test_error_rows_give_exit_code_1_and_a_plugin_failure_is_printed(tmp_path, c
     df = pd.read_csv(tmp_path / "run" / "results.csv")
     assert set(df[df["status"] == "error"]["impl"]) == {"test-raises", str((PLUGINS / "broken.py").resolve())}
     assert set(df[df["status"] == "ok"]["impl"]) == {"torch-eager", "test-good"}
+
+
+def test_the_summary_counts_each_failing_cell_once_and_only_ok_rows_have_a_pass_mark(tmp_path, capsys):
+    """test-nan is an error row whose correctness pass ran (NaN), test-inaccurate an ok row that fails the error
+    rule: the exit summary counts each once, and an error row's `correct` is empty (docs/reports.md)."""
+    out = tmp_path / "run"
+    with isolated_registry():
+        code = main(["--ops", "gemm_out", "--modes", "fwd", "--impls", "torch-eager,test-nan,test-inaccurate,test-raises",
+                     "--out", str(out), "--plugin", str(PLUGINS / "faulty.py"), "--reps", "1", "--quiet", "--inline",
+                     "--no-entry-points"])
+    printed = capsys.readouterr().out
+    assert code == 1
+    df = pd.read_csv(out / "results.csv", keep_default_na=False, na_values=[""])
+    status = dict(zip(df["impl"], df["status"]))
+    assert status == {"torch-eager": "ok", "test-nan": "error", "test-inaccurate": "ok", "test-raises": "error"}
+    assert "(3 cells with errors or failing the error rule: exit code 1)" in printed, printed
+    errors = df[df["status"] == "error"]
+    assert errors["correct"].isna().all(), errors.to_dict("records")
+    assert dict(zip(df["impl"], df["correct"]))["test-inaccurate"] == False  # noqa: E712
+    err = pd.read_csv(out / "errors.csv")
+    assert not err[err["impl"] == "test-nan"]["passed"].any()  # what the correctness pass measured stays
+    # rows of an older version (a resumed run): an error row that says correct False is still one cell
+    old = write_run(tmp_path / "old", {("gemm_out", "tiny", "fwd", "fp32", impl): [[1.0]] for impl in "abc"},
+                    rows={("gemm_out", "tiny", "fwd", "fp32", "a"): {"status": "error", "correct": False},
+                          ("gemm_out", "tiny", "fwd", "fp32", "b"): {"correct": False}})
+    assert _summary(old, 0) == 1 and "(2 cells with errors or failing the error rule" in capsys.readouterr().out
 
 
 def test_the_readme_plugin_example_runs_on_the_cpu_as_written(tmp_path, capsys):

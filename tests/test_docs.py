@@ -121,3 +121,31 @@ def test_the_link_checker_catches_a_broken_link_and_a_missing_anchor(tmp_path, m
     page.write_text("`benchmarks/gone.py` and reports/h100-2026-01-01-gone\n")
     with pytest.raises(AssertionError, match="benchmarks/gone.py.*h100-2026-01-01-gone"):
         test_named_repository_paths_and_reports_exist(page)
+
+
+def test_the_op_example_of_writing_kernels_runs_in_the_harness_as_printed(tmp_path, capsys):
+    """docs/writing-kernels.md's op, as printed (under another name, added to OPS by a plugin file, as that page
+    allows), runs through the harness: its torch-eager cell calls ``reference`` the way every cell does and passes."""
+    import pandas as pd
+
+    from codabench.cli import main
+    from harness_helpers import isolated_registry
+    from workloads.ops import OPS
+
+    text = (ROOT / "docs" / "writing-kernels.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "class GemmBiasGelu(Op):" in b)
+    name = "doc_gemm_bias_gelu"
+    plugin = tmp_path / "doc_op.py"
+    plugin.write_text("import torch.nn.functional as F\nfrom workloads.op import Gemm, InputMaker, Op\n"
+                      f"from workloads.ops import OPS\n\n{block}\n\nclass Printed(GemmBiasGelu):\n"
+                      f"    name = {name!r}\n\n\nOPS[Printed.name] = Printed()\n")
+    out = tmp_path / "run"
+    try:
+        with isolated_registry():
+            code = main(["--ops", name, "--modes", "fwd,bwd", "--impls", "torch-eager", "--plugin", str(plugin),
+                         "--out", str(out), "--reps", "1", "--quiet", "--inline", "--no-entry-points"])
+    finally:
+        OPS.pop(name, None)
+    assert code == 0, capsys.readouterr().err
+    df = pd.read_csv(out / "results.csv")
+    assert len(df) == 2 and (df["status"] == "ok").all() and df["correct"].all(), df.to_dict("records")

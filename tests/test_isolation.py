@@ -65,6 +65,23 @@ def test_hangs_exits_and_crashes_cost_one_row_each(registry, tmp_path):
     assert (tmp_path / "env.json").exists()
 
 
+def test_a_replaced_worker_keeps_the_other_cells_verdicts(registry, tmp_path):
+    """test-inaccurate (1% off: ok, FAIL) is checked before test-sys-exit takes the worker down; its group is sampled
+    in a new worker, which must still allow for its own error in the correctness pass (from the parent's record),
+    not call it a cheat."""
+    load_plugin_file(PLUGINS / "crashers.py")
+    load_plugin_file(PLUGINS / "faulty.py")
+    impls = ["torch-eager", "test-inaccurate", "test-sys-exit"]
+    runner = make_runner(tmp_path, modes=("fwd",), impls=impls)
+    assert [c.impl for c in runner.cells] == impls
+    runner.run()
+    got = rows(tmp_path)
+    assert got["test-sys-exit"]["status"] == "error" and "exited with code 3" in got["test-sys-exit"]["message"]
+    off = got["test-inaccurate"]
+    assert off["status"] == "ok" and off["correct"] is False and off["n_samples"] > 0, off["message"]
+    assert got["torch-eager"]["status"] == "ok" and got["torch-eager"]["correct"] is True
+
+
 def test_a_plugin_that_exits_at_import_is_an_error_row(registry, tmp_path):
     load_plugin_file(PLUGINS / "exits_at_import.py")
     load_plugin_file(PLUGINS / "good.py")

@@ -15,7 +15,8 @@ import torch
 from codabench import discovery
 from codabench.case import Case
 from codabench.discovery import ENTRY_POINT_GROUP, builtin_entry_points, discover, load_plugin_file, other_entry_points
-from codabench.registry import REGISTRY, FunctionImplementation, Implementation, Registry, register, requirement_missing
+from codabench.registry import (REGISTRY, REQUIREMENTS, FunctionImplementation, Implementation, Registry, register,
+                                requirement_missing)
 from harness_helpers import CPU, PLUGINS, isolated_registry
 from workloads.models import PRESETS
 from workloads.ops import OPS
@@ -129,6 +130,63 @@ def test_same_name_from_two_sources_is_refused():
     reg.add(A())
     with pytest.raises(ValueError, match="registered twice"):
         reg.add(B())
+
+
+def _plugin(path, body: str):
+    path.write_text("import torch.nn.functional as F\nfrom codabench.registry import register\n" + body)
+    return path
+
+
+def test_a_name_registered_twice_is_refused_naming_both_sources(registry, tmp_path):
+    """From two plugin files, or twice in one: the second is the file's load error (one line naming both files), the
+    first stays; a plugin cannot take over a baseline's name either."""
+    one = "register('gemm_out', 'test-dup', dtypes=('fp32',))(lambda x, w: {'out': F.linear(x, w)})\n"
+    first, second = _plugin(tmp_path / "first.py", one), _plugin(tmp_path / "second.py", one.replace("w)}", "w) * 2}"))
+    same = _plugin(tmp_path / "same.py", one.replace("test-dup", "test-dup-same") * 2)
+    eager = _plugin(tmp_path / "eager.py", one.replace("test-dup", "torch-eager"))
+    for f in (first, second, same, eager):
+        load_plugin_file(f)
+    errors = dict(registry.load_errors)
+    assert f"registered twice: by {first} and again by {second}; a name must be unique per op" in errors[str(second)]
+    assert f"'test-dup-same' of op 'gemm_out' registered twice: by {same} (twice)" in errors[str(same)]
+    assert "'torch-eager' of op 'gemm_out' registered twice: by " in errors[str(eager)]
+    assert str(first) not in errors and registry.get("gemm_out", "test-dup").source.startswith("codabench_plugin_first")
+    assert registry.get("gemm_out", "torch-eager").source == "codabench.eager"
+    discover(entry_points=False)  # discovery again (as every test does) registers nothing twice
+    assert len(registry.load_errors) == len(errors)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ("dtypes=('fp33',)", "unknown dtype(s) 'fp33' (valid: fp32, fp16, bf16, fp8, fp8-row)"),
+    ("modes=('forward',)", "unknown mode(s) 'forward' (valid: fwd, bwd, fwd_bwd)"),
+    ("requires=('gpu',)", "unknown requirement(s) 'gpu' (valid: cuda, sm90, cpu, triton, triton-dot, pkg:<module>)"),
+    ("requires=('pkg:',)", "unknown requirement(s) 'pkg:'"),
+    ("dtypes='fp32'", "dtypes='fp32' is a string; give a tuple"),
+])
+def test_a_misspelled_declaration_is_refused_at_registration(registry, tmp_path, kwargs, says):
+    plugin = _plugin(tmp_path / "typo.py", f"register('gemm_out', 'test-typo', {kwargs})(lambda x, w: {{'out': x}})\n")
+    load_plugin_file(plugin)
+    err = dict(registry.load_errors)[str(plugin)]
+    assert f"ValueError: implementation 'test-typo' of op 'gemm_out': {says}" in err and err.endswith("typo.py:3)")
+    assert "test-typo" not in registry.names()
+
+
+def test_every_known_requirement_is_one_requirement_missing_answers():
+    for req in (*REQUIREMENTS, "pkg:torch"):
+        requirement_missing(req, CPU, "fp32")  # no ValueError
+
+
+def test_an_op_a_plugin_adds_gets_the_baselines(registry, tmp_path):
+    """discovery registers torch-eager and torch-compile again after the plugin files, for the ops they added."""
+    plugin = tmp_path / "new_op.py"
+    plugin.write_text("from workloads.ops import OPS\nfrom workloads.ops.gemm_bias_gelu import GemmBiasGelu\n\n\n"
+                      "class NewOp(GemmBiasGelu):\n    name = 'test_new_op'\n\n\nOPS[NewOp.name] = NewOp()\n")
+    try:
+        discover([plugin], entry_points=False)
+        assert {i.name for i in registry.for_op("test_new_op")} == {"torch-eager", "torch-compile"}
+        assert registry.get("test_new_op", "torch-eager").op_def is OPS["test_new_op"]
+    finally:
+        OPS.pop("test_new_op", None)
 
 
 def test_requirements():

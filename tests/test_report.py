@@ -349,14 +349,47 @@ def test_log_axes_get_at_least_two_labelled_ticks(lo, hi):
 
 
 def test_a_truncated_results_file_still_reports(run_dir, tmp_path):
+    """A run killed mid-row, before its report (no results.json yet)."""
     cut = tmp_path / "cut"
     shutil.copytree(run_dir, cut)
+    (cut / "results.json").unlink()
     data = (cut / tables.RESULTS).read_bytes()
     (cut / tables.RESULTS).write_bytes(data[: len(data) - 40])  # killed mid-row
     df, _, _ = load_run(cut)
     assert len(df) == len(load_run(run_dir)[0]) - 1
     assert finalize(cut).exists()
 
+
+
+@pytest.mark.parametrize("damage", ["results.csv cut", "errors.csv and env.json deleted"])
+def test_report_never_replaces_a_richer_results_json(run_dir, tmp_path, capsys, damage):
+    """A folder whose files hold less than its results.json is refused with one line and exit 2, every file left as
+    it was; a folder that only lacks samples.jsonl is reported, its samples kept from results.json."""
+    from codabench.cli import main
+
+    bad = tmp_path / "bad"
+    shutil.copytree(run_dir, bad)
+    if damage == "results.csv cut":
+        data = (bad / tables.RESULTS).read_bytes()
+        (bad / tables.RESULTS).write_bytes(data[: len(data) // 2])
+        says = "rows that the run's files no longer have"
+    else:
+        (bad / tables.ERRORS).unlink()
+        (bad / tables.ENV).unlink()
+        says = "error rows and env.json's record that the run's files no longer have"
+    before = {p.name: p.read_bytes() for p in bad.iterdir() if p.is_file()}
+    assert main(["report", str(bad)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert says in lines[-1] and "nothing was rewritten" in lines[-1], lines
+    assert {p.name: p.read_bytes() for p in bad.iterdir() if p.is_file()} == before
+
+    no_samples = tmp_path / "no-samples"
+    shutil.copytree(run_dir, no_samples)
+    (no_samples / tables.SAMPLES).unlink()
+    kept = json.loads((run_dir / "results.json").read_text())["results"]
+    assert main(["report", str(no_samples)]) == 0
+    again = json.loads((no_samples / "results.json").read_text())["results"]
+    assert [r["samples_ms"] for r in again] == [r["samples_ms"] for r in kept] and any(r["samples_ms"] for r in kept)
 
 
 def test_a_run_stopped_before_its_first_cell_still_reports(run_dir, tmp_path):

@@ -227,13 +227,13 @@ def test_a_group_whose_sweeps_fail_falls_back_to_rounds_of_blocks(registry, tmp_
     order = []
     again, gemm_samples = Measurer.again, GemmTimer.samples
 
-    def logged_again(self, cell):
+    def logged_again(self, cell, own_errors):
         order.append(cell.impl)
         if cell.impl == "test-flaky" and order.count(cell.impl) == 2:
             raise RuntimeError("flaky device")
-        return again(self, cell)
+        return again(self, cell, own_errors)
 
-    def no_sweeps(self, cells):
+    def no_sweeps(self, cells, own_errors):
         raise RuntimeError("sweeps broke")
 
     monkeypatch.setattr(Measurer, "again", logged_again)
