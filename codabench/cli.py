@@ -244,12 +244,6 @@ def main(argv: list[str] | None = None) -> int:
 def _defined_models(args: argparse.Namespace, notes: list[str]) -> dict[str, ModelShape]:
     """The shapes of ``--model`` and ``--model-config``, by name; what the ops leave out of a config.json's model is
     appended to ``notes``."""
-    for spec in args.model:
-        name, _, body = spec.partition(":")
-        keys = [item.partition("=")[0].strip() for item in body.split(",") if item.strip()]
-        twice = sorted({k for k in keys if keys.count(k) > 1})
-        if twice:  # parse_model_spec would keep the last value
-            raise UsageError(f"--model {name.strip()}: {', '.join(twice)} given more than once")
     try:
         shapes = [parse_model_spec(s) for s in args.model] + [from_hf_config(p, notes) for p in args.model_config]
     except ValueError as e:

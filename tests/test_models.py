@@ -44,6 +44,7 @@ def test_hf_config_defaults_and_nested_rope_theta(tmp_path):
     ("m:hidden=60,ffn=64,heads=4,vocab=99", "head_dim (15) must be even"),
     ("m:hidden=64,ffn=0,heads=4,vocab=99", "ffn must be a whole number from 1 to 262144, got 0"),
     ("llama-7b:hidden=64,ffn=64,heads=4,vocab=99", "that name is a preset"),
+    ("m:hidden=64,ffn=64,heads=4,vocab=99,hidden=32", "m: hidden given more than once"),
 ])
 def test_bad_inline_specs_say_what_is_wrong(spec, says):
     with pytest.raises(ValueError, match=None) as e:

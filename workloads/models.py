@@ -110,7 +110,7 @@ head_dim to hidden / heads."""
 
 def parse_model_spec(spec: str) -> ModelShape:
     """A shape from ``NAME:hidden=4096,ffn=14336,heads=32,kv_heads=8,head_dim=128,vocab=128256`` (ValueError with one
-    line when a key is unknown, missing or not a number, or the shape is inconsistent)."""
+    line when a key is unknown, missing, given twice or not a number, or the shape is inconsistent)."""
     name, sep, body = spec.partition(":")
     if not sep or not name.strip():
         raise ValueError(f"--model {spec!r}: expected NAME:hidden=...,ffn=...,heads=...,vocab=...")
@@ -123,6 +123,8 @@ def parse_model_spec(spec: str) -> ModelShape:
         key = key.strip()
         if key not in INLINE_KEYS or not eq:
             raise ValueError(f"--model {name}: {item!r} is not key=value with a key of {', '.join(INLINE_KEYS)}")
+        if key in values:  # the last value would silently win
+            raise ValueError(f"--model {name}: {key} given more than once")
         try:
             values[key] = INLINE_KEYS[key](text.strip())
         except ValueError:
