@@ -111,26 +111,31 @@ def built_gluon_rows(cases: list[str]) -> list[Row]:
         return compiled[-1]
 
     driver.set_active(compare_ptx._Sm90Driver())
+    run_was, hopper_was = JITFunction.run, program.hopper
     JITFunction.run, program.hopper = compile_only, lambda device: True
     rows = []
-    for case in cases:
-        name, dtype = case.rsplit("-", 1)
-        module_name, kernel_name, call, _ = compare_ptx.KERNELS[name]
-        module, host_name = importlib.import_module(module_name), kernel_name.removesuffix("_kernel")
-        host = getattr(module, host_name, None)
-        if not hasattr(host, "built_gluon"):  # not a declared kernel
-            continue
-        compiled.clear()
-        setattr(module, host_name, host.built_gluon)
-        try:
-            call(dtype == "fp8")
-        except Exception:  # after the launch: the host's results from meta tensors, as far as they go
-            pass
-        finally:
-            setattr(module, host_name, host)
-        kernel = next(k for k in compiled if k.name == f"{host_name}_gluon_kernel")
-        rows += gluon_rows({f"{case} {kernel.name}": f"{kernel.metadata.shared} B shared, {ptxas_usage(kernel)}"},
-                           lambda row: NO_SPILLS if name == "swiglu_bwd" else "")
+    try:
+        for case in cases:
+            name, dtype = case.rsplit("-", 1)
+            module_name, kernel_name, call, _ = compare_ptx.KERNELS[name]
+            module, host_name = importlib.import_module(module_name), kernel_name.removesuffix("_kernel")
+            host = getattr(module, host_name, None)
+            if not hasattr(host, "built_gluon"):  # not a declared kernel
+                continue
+            compiled.clear()
+            setattr(module, host_name, host.built_gluon)
+            try:
+                call(dtype == "fp8")
+            except Exception:  # after the launch: the host's results from meta tensors, as far as they go
+                if not any(k.name == f"{host_name}_gluon_kernel" for k in compiled):
+                    raise  # before it: the case's own failure
+            finally:
+                setattr(module, host_name, host)
+            kernel = next(k for k in compiled if k.name == f"{host_name}_gluon_kernel")
+            rows += gluon_rows({f"{case} {kernel.name}": f"{kernel.metadata.shared} B shared, {ptxas_usage(kernel)}"},
+                               lambda row: NO_SPILLS if name == "swiglu_bwd" else "")
+    finally:
+        JITFunction.run, program.hopper = run_was, hopper_was
     return rows
 
 

@@ -382,7 +382,9 @@ is asked for, they do nothing unless it is asked for in the call, which the CODA
 
 def _live_hooks(m: nn.Module) -> bool:
     """Whether ``m`` has a forward, forward-pre, backward or backward-pre hook other than transformers' inert
-    output-capturing ones."""
+    output-capturing ones (a module without hooks, the common case of a per-call check, by four dictionary tests)."""
+    if not (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks):
+        return False
     return any(getattr(hook, "__module__", None) != _INERT_HOOK_MODULE
                for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
                for hook in hooks.values())
@@ -398,8 +400,7 @@ def _hooked(plan: _Plan) -> str | None:
         return "a global module hook"
     for name, ref in plan.bypassed:
         m = ref()
-        if m is not None and (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
-                              or m._backward_hooks) and _live_hooks(m):
+        if m is not None and _live_hooks(m):
             return name
     return None
 
