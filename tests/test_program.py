@@ -379,20 +379,28 @@ def test_every_declared_kernel_gets_a_gluon_variant_where_it_applies(monkeypatch
         if case not in ("producer", "swiglu_bwd"):
             assert host.chooser.gluon.function is host.built_gluon, case
     monkeypatch.setattr(program, "hopper", lambda device: True)
+    decl = _host("producer").declaration
+
+    def gluon_applies(g: Gemm) -> bool:
+        return program.gluon_applies(g, decl)
+
     a, w = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(48, 32, dtype=torch.bfloat16)
     one = torch.ones(())
     fa, fw = Fp8(torch.empty(64, 32, dtype=E4M3), torch.ones(64, 1)), Fp8(torch.empty(48, 32, dtype=E4M3), one)
-    assert program.gluon_applies(Gemm(a, w.T)) and program.gluon_applies(Gemm(a, w.T.contiguous()))
-    assert program.gluon_applies(Gemm(a.half(), w.half().T))
-    assert program.gluon_applies(Gemm(fa, fw.T, Recipe(rowwise=True)))
-    assert not program.gluon_applies(Gemm(a.float(), w.float().T))  # no fp32 wgmma here
-    assert not program.gluon_applies(Gemm(a, w.half().T))  # mixed
-    assert not program.gluon_applies(Gemm(fa, fw.T, Recipe(rowwise=True, accum="promoted")))
-    assert not program.gluon_applies(Gemm(fa, Fp8(torch.empty(32, 48, dtype=E4M3), one)))  # fp8 B row-major
+    assert gluon_applies(Gemm(a, w.T)) and gluon_applies(Gemm(a, w.T.contiguous()))
+    assert gluon_applies(Gemm(a.half(), w.half().T))
+    assert gluon_applies(Gemm(fa, fw.T, Recipe(rowwise=True)))
+    assert not gluon_applies(Gemm(a.float(), w.float().T))  # no fp32 wgmma here
+    assert not gluon_applies(Gemm(a, w.half().T))  # mixed
+    assert not gluon_applies(Gemm(fa, fw.T, Recipe(rowwise=True, accum="promoted")))
+    assert not gluon_applies(Gemm(fa, Fp8(torch.empty(32, 48, dtype=E4M3), one)))  # fp8 B row-major
     odd = torch.empty(64, 33, dtype=torch.bfloat16)[:, :31]  # rows of 66 bytes: no descriptor without a copy
-    assert not program.gluon_applies(Gemm(odd, torch.empty(48, 31, dtype=torch.bfloat16).T))
+    assert not gluon_applies(Gemm(odd, torch.empty(48, 31, dtype=torch.bfloat16).T))
+    # a Tile input whose rows are so long that a sub-tile's offsets from its corner pass 2^31 elements: not Gluon
+    long_rows = torch.empty(64, 48, device="meta").as_strided((64, 48), (2 ** 27, 1))
+    assert not gluon_applies(Gemm(a, w.T, inputs=(long_rows,)))
     monkeypatch.setattr(program, "hopper", lambda device: False)
-    assert not program.gluon_applies(Gemm(a, w.T))
+    assert not gluon_applies(Gemm(a, w.T))
 
 
 def _gluon_case(case: str, operands: str, M: int, D: int, F: int, V: int) -> tuple[tuple, dict]:

@@ -432,7 +432,7 @@ def coda(epilogue: Callable, outputs: Sequence[Output], inputs: Sequence[str | T
 
         signature = inspect.signature(host).replace(return_annotation=Any)  # the outputs, not the declared Gemm
         fused.__signature__ = built_split.__signature__ = built_gluon.__signature__ = signature
-        built = gluon_kernel and Gluon(built_gluon, lambda arguments: gluon_applies(host(**arguments)))
+        built = gluon_kernel and Gluon(built_gluon, lambda arguments: gluon_applies(host(**arguments), decl))
         dispatch = with_split(split or built_split, safe=safe, gluon=gluon or built, fuses=fuses)(fused)
         dispatch.kernel, dispatch.rows_kernel, dispatch.binds = fused_kernel, rows_kernel, tuple(binds)
         dispatch.declaration = decl
@@ -491,10 +491,14 @@ def _returned(results: list[Any]) -> Any:
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def gluon_applies(g: Gemm) -> bool:
+def gluon_applies(g: Gemm, decl: Declaration) -> bool:
     """Where a declared kernel's Gluon variant takes a call: a Hopper GPU; a row-major A and a B row-major or the
     transposed view of an (N, K) tensor, both bf16 or fp16 of one dtype, or both fp8 (scales per tensor or per
-    row), B transposed, accumulated in the fast mode; both as a TMA descriptor can address them (no copy)."""
+    row), B transposed, accumulated in the fast mode; both as a TMA descriptor can address them (no copy); every
+    row-major matrix of the epilogue (Tile inputs, outputs) with rows short enough that a sub-tile's offsets from
+    its corner fit 32 bits (:func:`kernels.coda.epilogue.in_gluon`)."""
+    if not _offsets_fit(g, decl):
+        return False
     a, b = g.a, g.b
     fp8 = isinstance(a, Fp8) and isinstance(b, Fp8)
     if fp8:
@@ -508,6 +512,16 @@ def gluon_applies(g: Gemm) -> bool:
         return False
     storage, b_nk = operand(b)
     return (b_nk or not fp8) and is_aligned(a) and is_aligned(storage) and hopper(a.device)
+
+
+def _offsets_fit(g: Gemm, decl: Declaration) -> bool:
+    """Whether every [M, N * wide] matrix the Gluon variant's epilogue addresses by pointers (the Tile inputs given,
+    the outputs, given or made by :func:`kernels.coda.align.empty_rows` with at most 16 bytes of padding a row) has
+    a row stride for which a sub-tile's in-block offsets stay below 2^31 elements."""
+    from kernels.coda.gluon_program import SUB_M
+    widest = max([o.wide for o in decl.outputs] + [1]) * g.shape[1] + 16
+    strides = [t.stride(0) for t in (*g.inputs, *g.outputs.values()) if isinstance(t, torch.Tensor) and t.dim() == 2]
+    return max(strides + [widest]) * SUB_M < 2 ** 31
 
 
 def _run_fused(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, Any],
