@@ -3,8 +3,8 @@
 Each test compares the patched model with an unpatched copy on the CPU (tiny fp32 models of ``test_hf``, the Triton
 kernels in the interpreter): the config defaults transformers resolves per call (``use_cache``, gradient
 checkpointing, ``num_hidden_layers``), the errors it raises for bad labels, hooks on the modules the CODA forward
-bypasses, the values it reads from the modules at every call (RoPE frequencies, RMSNorm epsilons), autocast, and
-pickling the patched model.
+bypasses, the values it reads from the modules at every call (RoPE frequencies, RMSNorm epsilons), dtypes (autocast,
+float64 weights, the embeddings'), double backward, and pickling the patched model.
 """
 from __future__ import annotations
 
@@ -215,3 +215,175 @@ def test_torch_save_and_load_of_a_patched_model():
             loss = loaded(ids, attention_mask=mask, labels=labels).loss
         assert torch.equal(loss, model(ids, attention_mask=mask, labels=labels).loss)
     assert "gemm_cross_entropy_kernel" in names and len(loaded._coda_plan.watched) > 0
+
+
+def test_float64_weights_run_the_models_own_forward():
+    """The CODA kernels accumulate in float32: on a model cast to float64 after apply_coda a call runs the model's
+    own forward (with a warning), so its logits are the unpatched float64 model's, not float32-accurate ones."""
+    model, ref = pair()
+    model.double(), ref.double()
+    ids, mask, _ = batch()
+    with torch.no_grad(), pytest.warns(UserWarning, match="torch.float64 weights"), launches() as names:
+        logits = model(ids, attention_mask=mask).logits
+    assert not names and torch.equal(logits, ref(ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_embeddings_of_another_dtype_than_the_weights_are_refused_in_one_line(dtype):
+    """float16 embeddings into float32 weights: the unpatched model rounds its first norm's output to float16;
+    float64 ones: it raises. The patched model refuses both, saying to cast them."""
+    model = apply_coda(tiny())
+    ids, _, labels = batch()
+    with torch.no_grad(), pytest.raises(CodaUnsupportedError, match=f"{dtype} embeddings over torch.float32") as err:
+        model(inputs_embeds=model.model.embed_tokens(ids).to(dtype), labels=labels)
+    assert "\n" not in str(err.value) and "cast inputs_embeds" in str(err.value)
+
+
+def test_another_peft_method_is_refused_naming_its_class():
+    """IA3's layer class is also called ``Linear``: the message names its module."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny(), peft.IA3Config(target_modules=["k_proj", "down_proj"],
+                                                       feedforward_modules=["down_proj"]))
+    with pytest.raises(CodaUnsupportedError, match="k_proj is a Linear: .* not peft.tuners.ia3.layer.Linear") as err:
+        apply_coda(model)
+    assert "\n" not in str(err.value)
+
+
+def test_a_backward_with_create_graph_is_refused_in_one_line():
+    """A gradient penalty: the unpatched model (eager attention) differentiates its gradient; the CODA kernels'
+    gradients are constants, so ``loss + |dL/dx|^2`` would silently lose the penalty's gradients. The backward with
+    ``create_graph=True`` raises instead; a plain backward and an in-place change of the logits are unaffected."""
+    model, ref = pair(attn_implementation="eager")
+    ids, mask, labels = batch()
+    for m in (ref, model):
+        embeds = m.model.embed_tokens(ids).detach().requires_grad_()
+        loss = m(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss
+        if m is ref:
+            torch.autograd.grad(loss, embeds, create_graph=True)[0].pow(2).sum().backward()
+            assert ref.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+            continue
+        with pytest.raises(CodaUnsupportedError, match="create_graph=True") as err:
+            torch.autograd.grad(loss, embeds, create_graph=True)
+        assert "\n" not in str(err.value)
+    logits = model(ids, attention_mask=mask).logits
+    logits.mul_(0.5).logsumexp(-1).sum().backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def test_a_bypassed_modules_forward_replaced_runs_the_models_own_forward(monkeypatch):
+    """``mlp.forward`` set on a module, and ``LlamaAttention.forward`` monkeypatched on the class (after apply_coda
+    or before it): the CODA forward computes those modules without calling them, so the call runs the model's own
+    forward, with a warning, and the loss is the patched modules'."""
+    from transformers.models.llama import modeling_llama
+
+    model, ref = pair()
+    ids, mask, labels = batch()
+    for m in (model, ref):
+        m.model.layers[1].mlp.forward = lambda x, mlp=m.model.layers[1].mlp: 0.5 * type(mlp).forward(mlp, x)
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="model.layers.1.mlp has a forward other than its class's own"), \
+                launches() as names:
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+        assert not names
+        assert_close_to("loss", loss, ref(ids, attention_mask=mask, labels=labels).loss)
+
+        stock = modeling_llama.LlamaAttention.forward
+
+        def halved(self, *args, **kwargs):
+            out, weights = stock(self, *args, **kwargs)
+            return 0.5 * out, weights
+
+        for patch_first in (False, True):
+            model, ref = tiny(), tiny()
+            if not patch_first:
+                apply_coda(model)
+            monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", halved)
+            apply_coda(model)
+            with pytest.warns(UserWarning, match="self_attn has a forward other than its class's own"):
+                loss = model(ids, labels=labels).loss
+            assert_close_to("loss", loss, ref(ids, labels=labels).loss)
+            monkeypatch.undo()
+
+
+@pytest.mark.parametrize("name, message", [
+    ("model.layers.0.mlp.act_fn", "model.layers.0.mlp.act_fn is a GELU"),
+    ("model.layers.1.self_attn", "model.layers.1.self_attn is a test_hf_dropin.SinkAttention, not a LlamaAttention"),
+])
+def test_a_replaced_activation_or_attention_is_refused_naming_it(name, message):
+    """An MLP's ``act_fn`` or an attention module replaced after apply_coda (a subclass with its own forward): the
+    CODA forward would compute silu / the model's attention without calling them, so the next call is refused."""
+    model = apply_coda(tiny())
+    ids, _, labels = batch()
+    owner, _, attr = name.rpartition(".")
+    replaced = torch.nn.GELU() if attr == "act_fn" else copy.deepcopy(model.get_submodule(name))
+    if attr == "self_attn":
+        replaced.__class__ = SinkAttention
+    setattr(model.get_submodule(owner), attr, replaced)
+    with torch.no_grad(), pytest.raises(CodaUnsupportedError, match=message) as err:
+        model(ids, labels=labels)
+    assert "\n" not in str(err.value)
+
+
+class SinkAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """An attention of another forward (as attention-sink or long-context libraries write them)."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return 0.5 * out, weights
+
+
+def test_return_dict_false_gives_the_unpatched_tuple_without_labels():
+    """``return_dict=False`` in the call: without labels the unpatched model's tuple, (logits,) or (logits, cache);
+    with labels, whose tuple holds the logits the fused loss never writes, refused. (As the config's default it
+    stays refused: the unpatched model's own decoder then returns a tuple its forward cannot read.)"""
+    model, ref = pair()
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        for call in ({"use_cache": False}, {}):
+            ours, theirs = model(ids, attention_mask=mask, return_dict=False, **call), \
+                ref(ids, attention_mask=mask, return_dict=False, **call)
+            assert type(ours) is tuple and len(ours) == len(theirs) == (1 if call else 2)
+            assert_close_to("logits", ours[0], theirs[0])
+        with pytest.raises(CodaUnsupportedError, match="return_dict=False with labels") as err:
+            model(ids, labels=labels, return_dict=False)
+    assert "\n" not in str(err.value)
+
+
+def test_qwen2_generate_with_a_static_cache_reads_the_masks_built_ahead():
+    """Qwen2's ``generate(cache_implementation="static")`` builds its masks ahead and passes them as a dict by layer
+    type (``attention_mask={"full_attention": ..., "sliding_attention": ...}``): the prefill on the CODA kernels
+    reads them as the unpatched model does, and the greedy tokens are its."""
+    ref = tiny("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    model = apply_coda(copy.deepcopy(ref))
+    model.eval(), ref.eval()
+    ids, mask, _ = batch()
+    args = {"attention_mask": mask[:, :12], "max_new_tokens": 4, "do_sample": False, "cache_implementation": "static"}
+    with torch.no_grad():
+        with launches() as names:
+            ours = model.generate(ids[:, :12], **args)
+        assert "gemm_rope_kernel" in names
+        assert torch.equal(ours, ref.generate(ids[:, :12], **args))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_peft_modules_to_save_on_the_lm_head_and_a_projection(tie):
+    """LoRA with ``modules_to_save=["lm_head", "embed_tokens", "o_proj"]`` (the recipe for added tokens): the CODA
+    forward uses the active adapter's copies (trained away from the originals here), and the originals inside
+    ``disable_adapter()``, as PEFT's wrapper does: the loss and every trainable gradient are unpatched PEFT's."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, init_lora_weights=False, target_modules=["q_proj", "v_proj", "down_proj"],
+                             modules_to_save=["lm_head", "embed_tokens", "o_proj"])
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(tiny(tie_word_embeddings=tie), config)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    model = apply_coda(copy.deepcopy(ref))
+    ids, mask, labels = batch()
+    assert_same_step(model, ref, input_ids=ids, attention_mask=mask, labels=labels)
+    with torch.no_grad(), model.disable_adapter(), ref.disable_adapter():
+        with launches() as names:
+            loss = model(input_ids=ids, labels=labels).loss
+        assert "gemm_cross_entropy_kernel" in names
+        assert_close_to("loss", loss, ref(input_ids=ids, labels=labels).loss)

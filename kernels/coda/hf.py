@@ -51,30 +51,33 @@ projection after patching, a projection replaced or given a bias, ``torch.func.f
 ``inv_freq`` edited in place) makes the plan again: a supported model runs, an unsupported one raises
 :class:`CodaUnsupportedError` naming the module. The RMSNorm epsilons, sliding windows and
 ``config.num_hidden_layers`` are read at every call. A call where a module the CODA forward bypasses has a hook
-runs the model's own forward (:func:`_hooked`).
+or a forward other than its class's own runs the model's own forward (:func:`_runs_own_forward`).
 
 Sizes: any vocabulary, FFN and hidden size, also where rows are not a multiple of 16 bytes (the tensor descriptors'
 rule; 32001: Llama-2 and a pad token, an FFN of 90 in fp32): the kernels lay such tensors out with padded row
 strides themselves (:mod:`kernels.coda.align`), so nothing here pads, and the results are the unpadded math's.
 
-Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf.md``): Llama, Mistral,
-Qwen2; GQA/MQA, any head_dim; tied or untied embeddings; RoPE default / linear / llama3; padding, position_ids,
-packed sequences, sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary, FFN
-and hidden size; labels (bad ones, of the wrong shape or dtype, raise as unpatched), num_items_in_batch,
-shift_labels, inputs_embeds, logits_to_keep without labels; use_cache as the unpatched model resolves it (the
-returned cache included); config.num_hidden_layers below the layers; hooks (the call runs the model's own forward);
-state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching,
-dropout included, disable_adapter / merge_adapter; gradient checkpointing (reentrant or not); generate() (prefill
-on the CODA kernels, decode through the model's own forward); torch.compile(model), fullgraph included (the CODA
-kernels as opaque ``coda::`` ops, :mod:`kernels.coda.ops`); a model changed after patching (planned again);
-torch.save(model).
+Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf.md``): Llama, Mistral, Qwen2; GQA/MQA,
+any head_dim; tied or untied embeddings; RoPE default / linear / llama3; padding, position_ids, packed sequences,
+sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary, FFN and hidden size; labels
+(bad ones, of the wrong shape or dtype, raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds,
+logits_to_keep without labels; use_cache as the unpatched model resolves it (the returned cache included);
+config.num_hidden_layers below the layers; hooks and replaced forwards (the call runs the model's own forward);
+state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching, dropout
+included, disable_adapter / merge_adapter, modules_to_save; gradient checkpointing (reentrant or not); generate()
+(prefill on the CODA kernels, decode through the model's own forward); torch.compile(model), fullgraph included (the
+CODA kernels as opaque ``coda::`` ops, :mod:`kernels.coda.ops`); a model changed after patching (planned again);
+torch.save(model); float64 weights (the call runs the model's own forward); return_dict=False in a call without labels;
+masks built ahead (a dict by layer type, as Qwen2's generate with a static cache passes them).
 
-Refused in one line (:class:`CodaUnsupportedError`): other architectures, activations, RoPE types or a partial
-rotary factor; biases on o_proj, the MLP or the LM head; projections that are neither nn.Linear nor PEFT LoRA on
-one (other PEFT methods, quantized layers); other norms; a custom loss_function; a model split across devices;
-LoRA variants (DoRA, ...), lora_bias, LoRA dropout in training on the LM head; output_attentions,
-output_hidden_states, return_dict=False (called or the config's) and any other call option; logits_to_keep with
-labels; torch.autocast to a dtype other than the weights'.
+Refused in one line (:class:`CodaUnsupportedError`): other architectures, activations (``config.hidden_act`` or an MLP's
+``act_fn``), RoPE types or a partial rotary factor; a decoder, layer, attention or MLP of another class; biases on
+o_proj, the MLP or the LM head; projections that are neither nn.Linear nor PEFT LoRA on one (other PEFT methods,
+quantized layers); other norms; a custom loss_function; a model split across devices; LoRA variants (DoRA, ...),
+lora_bias, LoRA dropout in training on the LM head; output_attentions, output_hidden_states (called or the config's),
+return_dict=False with labels or as the config's, and any other call option; logits_to_keep with labels; torch.autocast
+to a dtype other than the weights'; embeddings of a dtype other than the weights'; a backward with create_graph=True
+(the CODA kernels' gradients are not differentiable).
 """
 from __future__ import annotations
 
@@ -101,6 +104,9 @@ SILU_NAMES = ("silu", "swish")
 """``hidden_act`` values that Hugging Face computes as silu (its ACT2FN maps "swish" to the same SiLU)."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE types whose cos/sin are exactly those of ``pos * inv_freq``: no attention factor, no dynamic update."""
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The weight dtypes the CODA kernels compute in (accumulating in float32); a call on other weights (float64) runs
+the model's own forward."""
 TRANSFORMERS_RANGE = ("5.24", "6")
 """The transformers versions the drop-in follows (>= the first, < the second: the model classes' forward, outputs and
 checkpointing it reproduces change between major versions); pyproject.toml's ``[hf]`` extra says the same."""
@@ -140,9 +146,9 @@ class _Plan:
     watched: tuple[weakref.ref | None, ...]
     """Weak references to the modules and parameters the plan was made for (:func:`_watched`; None for a missing
     bias): the plan keeps none of them alive (``functional_call``'s weights go when the call's caller drops them)."""
-    bypassed: tuple[tuple[str, weakref.ref], ...]
-    """(name, weak reference) of every module the CODA forward computes without calling it (:func:`_bypassed`),
-    whose hooks a call looks for (:func:`_hooked`)."""
+    bypassed: tuple[tuple[str, weakref.ref, Callable[..., Any] | None], ...]
+    """(name, weak reference, its class's own forward) of every module the CODA forward computes without calling it
+    (:func:`_bypassed`, :func:`_own_forward`), whose hooks and forward a call looks at (:func:`_runs_own_forward`)."""
 
     def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
         """Pickled (``torch.save(model)``, ``copy.deepcopy``) without its weak references, which cannot be: the
@@ -193,8 +199,9 @@ def apply_coda(model: nn.Module) -> nn.Module:
     module in them, the final norm, the LM head and their adapters; not the embedding) has a forward, forward-pre,
     backward or backward-pre hook, or where a global module hook is registered (``torch.nn.modules.module``),
     runs the model's own forward instead, so that the hooks run (with a warning naming the module,
-    :func:`_hooked`). transformers' own output-capturing hooks, inert unless hidden states or attentions are asked
-    for, do not count.
+    :func:`_runs_own_forward`). transformers' own output-capturing hooks, inert unless hidden states or attentions
+    are asked for, do not count. So does a call where such a module's forward is not its class's own: set on the
+    module (``module.forward = ...``), or on its class by another module than the class's (a monkeypatch).
 
     ``torch.compile(model)``, ``fullgraph=True`` included, traces the CODA forward and its backward into graphs:
     the CODA kernels and the weight packing are custom ops (:mod:`kernels.coda.ops`) with fake-tensor rules and
@@ -229,15 +236,19 @@ def apply_coda(model: nn.Module) -> nn.Module:
     ``hidden_act`` silu or swish, any vocabulary, FFN and hidden size, PEFT LoRA (``model`` may be the PEFT model: its
     base model is patched and ``model`` returned), activation checkpointing, ``generate()``.
 
-    Refused with :class:`CodaUnsupportedError`, by this function or by a forward after the model changed (the
-    message names the module): other architectures, ``hidden_act`` other than silu/swish, biases on o_proj, the
-    MLP or the LM head, projections that are neither ``nn.Linear`` nor PEFT LoRA on one (other adapters,
-    quantized layers), norms that are not the model's RMSNorm, RoPE types other than the three above (dynamic,
-    yarn, longrope, ...) or a partial rotary factor, a custom ``loss_function``, a model split across devices.
+    Refused with :class:`CodaUnsupportedError`, by this function or by a forward after the model changed (the message
+    names the module): other architectures, ``hidden_act`` other than silu/swish (or an MLP's ``act_fn``), a decoder,
+    layer, attention or MLP of another class than the architecture's (a subclass too), biases on o_proj, the MLP or the
+    LM head, projections that are neither ``nn.Linear`` nor PEFT LoRA on one (other adapters, quantized layers), norms
+    that are not the model's RMSNorm, RoPE types other than the three above (dynamic, yarn, longrope, ...) or a partial
+    rotary factor, a custom ``loss_function``, a model split across devices.
     By a forward: LoRA variants (DoRA, ...), ``lora_bias``, lora_dropout > 0 in training on the LM head,
-    ``output_attentions``/``output_hidden_states``, ``return_dict=False`` (in the call or as the config's
-    default), any other keyword, ``logits_to_keep`` with labels, ``torch.autocast`` to a dtype other than the
-    weights' (cast the model instead). Refused too: a transformers version outside :data:`TRANSFORMERS_RANGE`.
+    ``output_attentions``/``output_hidden_states`` (in the call or as the config's default), ``return_dict=False`` with
+    labels (the tuple's logits are not written) or as the config's default, any other keyword, ``logits_to_keep`` with
+    labels, ``torch.autocast`` to a dtype other than the weights' (cast the model instead), embeddings of a dtype other
+    than the weights' (cast them). By the backward: ``create_graph=True`` (:func:`_first_order`). Refused too: a
+    transformers version outside :data:`TRANSFORMERS_RANGE`. A call on float64 weights runs the model's own forward
+    (with a warning); ``return_dict=False`` in a call without labels returns the unpatched model's tuple.
 
     ``torch.save(model)`` pickles the patched model (the plan without its weak references; the loaded model plans
     again at its first forward).
@@ -331,8 +342,22 @@ def _lora_linear_type() -> type | None:
     return getattr(layer, "Linear", None)
 
 
+def _computing(m: nn.Module) -> nn.Module:
+    """The module whose output is ``m``'s: for PEFT's ``modules_to_save`` wrapper the active adapter's copy (its
+    original module where adapters are disabled, none is active or an active one has no copy, as its forward
+    chooses), else m itself."""
+    wrapper = getattr(sys.modules.get("peft.utils.other"), "ModulesToSaveWrapper", None)
+    if type(m) is not wrapper:
+        return m
+    if m.disable_adapters or not m.active_adapters or any(a not in m._adapters for a in m.active_adapters):
+        return m.original_module
+    return m.modules_to_save[m.active_adapters[0]]
+
+
 def _base(m: nn.Module) -> nn.Module:
-    """The ``nn.Linear`` that computes ``m``'s ``x W^T + b``: m itself, or a LoRA layer's base layer."""
+    """The ``nn.Linear`` that computes ``m``'s ``x W^T + b``: m itself (or the copy of PEFT's ``modules_to_save``
+    wrapper that computes it, :func:`_computing`), or a LoRA layer's base layer."""
+    m = _computing(m)
     return m.base_layer if type(m) is _lora_linear_type() else m
 
 
@@ -349,13 +374,14 @@ _INV_FREQ = 2
 
 def _watched(model: nn.Module) -> list[Any]:
     """What a plan is made for: the embedding, the RoPE module and its ``inv_freq`` buffer, the decoder, its layers
-    with their attention and MLP modules, the norms and projections (LoRA layers and their base layers) and their
-    weight and bias Parameters. A forward compares their identities with the plan's (no data is read)."""
+    with their attention and MLP modules and the MLPs' activations, the norms and projections (LoRA layers and their
+    base layers, the copy a ``modules_to_save`` wrapper computes with) and their weight and bias Parameters. A forward
+    compares their identities with the plan's (no data is read)."""
     base = model.model
     norms = [base.norm] + [n for layer in base.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     out: list[Any] = [base.embed_tokens, base.rotary_emb, base.rotary_emb.inv_freq, base, base.layers]
     for layer in base.layers:
-        out += (layer, layer.self_attn, layer.mlp)
+        out += (layer, layer.self_attn, layer.mlp, getattr(layer.mlp, "act_fn", None))
     for m in norms:
         out += (m, m.weight)
     for _, m in _linears(model):
@@ -390,18 +416,32 @@ def _live_hooks(m: nn.Module) -> bool:
                for hook in hooks.values())
 
 
-def _hooked(plan: _Plan) -> str | None:
-    """The name of a module the CODA forward would bypass that has a hook (:func:`_live_hooks`), "a global module
-    hook" for one of torch's ``register_module_*_hook``; None where there is none. Dictionary lookups only."""
+def _own_forward(m: nn.Module) -> Callable[..., Any] | None:
+    """The forward of ``m``'s class where the class that defines it (itself or a base) was given it by its own module
+    (decorators that keep ``__module__`` included); None where another module set it (a monkeypatch)."""
+    owner = next(c for c in type(m).__mro__ if "forward" in c.__dict__)
+    forward = owner.__dict__["forward"]
+    return forward if getattr(forward, "__module__", None) == owner.__module__ else None
+
+
+def _runs_own_forward(plan: _Plan) -> str | None:
+    """Why a call runs the model's own forward: a module the CODA forward would bypass has a hook
+    (:func:`_live_hooks`), or a forward other than its class's own (:func:`_own_forward`: one set on the module,
+    or on its class by another module, before the plan or since), or a global module hook (torch's
+    ``register_module_*_hook``) is registered; None where none of these holds. Dictionary lookups only."""
     from torch.nn.modules import module as torch_module
 
     if (torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks
             or torch_module._global_backward_pre_hooks or torch_module._global_backward_hooks):
-        return "a global module hook"
-    for name, ref in plan.bypassed:
+        return "a global module hook is registered"
+    for name, ref, forward in plan.bypassed:
         m = ref()
-        if m is not None and _live_hooks(m):
-            return name
+        if m is None:
+            continue
+        if _live_hooks(m):
+            return f"{name} has a hook"
+        if forward is None or type(m).forward is not forward or "forward" in m.__dict__:
+            return f"{name} has a forward other than its class's own"
     return None
 
 
@@ -413,11 +453,13 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
     arch = type(model).__name__
     if arch not in _WINDOW:
         raise _refuse(f"{arch} is not supported (supported: {', '.join(_WINDOW)})")
+    from transformers.activations import ACT2FN
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     config, base = model.config, model.model
     layers = list(base.layers)
-    norm_cls = f"{arch.removesuffix('ForCausalLM')}RMSNorm"
+    prefix = arch.removesuffix("ForCausalLM")
+    norm_cls = f"{prefix}RMSNorm"
     if config.hidden_act not in SILU_NAMES:
         raise _refuse(f"hidden_act={config.hidden_act!r}: the CODA MLP is SwiGLU with silu")
     if model.loss_function is not ForCausalLMLoss:
@@ -425,10 +467,13 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
     if len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1:
         raise _refuse("the model is split across devices (device_map)")
     lora = _lora_linear_type()
-    for name, m in _linears(model):
+    for name, m in ((name, _computing(m)) for name, m in _linears(model)):
         if type(m) is not nn.Linear and (type(m) is not lora or type(m.base_layer) is not nn.Linear):
+            shown = type(m.base_layer if type(m) is lora else m)
             raise _refuse(f"{name} is a {type(m).__name__}: the projections must be nn.Linear or PEFT LoRA on "
-                          "an nn.Linear (other adapters, quantized or otherwise replaced layers are not fused)")
+                          f"an nn.Linear, not {'LoRA on ' if type(m) is lora else ''}"
+                          f"{shown.__module__}.{shown.__qualname__} (other adapters, quantized or otherwise "
+                          "replaced layers are not fused)")
     norms = [("model.norm", base.norm)] + [(f"model.layers.{i}.{k}", getattr(layer, k))
                                            for i, layer in enumerate(layers)
                                            for k in ("input_layernorm", "post_attention_layernorm")]
@@ -437,6 +482,19 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
         raise _refuse(f"{other[0]} is a {other[1].__module__}.{other[1].__qualname__}, not a {norm_cls}: the CODA "
                       "forward fuses the model's own RMSNorm (a model built after another library patched "
                       "transformers' classes has that library's)")
+    parts = [("model", base, "Model"), ("model.rotary_emb", base.rotary_emb, "RotaryEmbedding")] + [
+        (f"model.layers.{i}{name}", m, cls) for i, layer in enumerate(layers)
+        for name, m, cls in (("", layer, "DecoderLayer"), (".self_attn", layer.self_attn, "Attention"),
+                             (".mlp", layer.mlp, "MLP"))]
+    other = next(((name, type(m), prefix + cls) for name, m, cls in parts if type(m).__name__ != prefix + cls), None)
+    if other is not None:  # the CODA forward computes these modules' math, and would bypass another class's
+        raise _refuse(f"{other[0]} is a {other[1].__module__}.{other[1].__qualname__}, not a {other[2]}: the CODA "
+                      "forward computes the model's own decoder, layers, attention and MLP")
+    silu = {type(ACT2FN[name]) for name in SILU_NAMES}
+    act = next(((i, type(layer.mlp.act_fn)) for i, layer in enumerate(layers) if type(layer.mlp.act_fn) not in silu),
+               None)
+    if act is not None:
+        raise _refuse(f"model.layers.{act[0]}.mlp.act_fn is a {act[1].__qualname__}: the CODA MLP is SwiGLU with silu")
     biased = [name for name, m in _linears(model) if _base(m).bias is not None
               and not name.endswith(("q_proj", "k_proj", "v_proj"))]
     if biased:
@@ -463,7 +521,7 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
                  inv_freq=old.inv_freq if same_rope else tuple(rotary.inv_freq.double().tolist()),
                  inv_freq_version=rotary.inv_freq._version, qkv_bias=has_bias == {(True,) * 3}, indices=indices,
                  watched=tuple(None if o is None else weakref.ref(o) for o in _watched(model)),
-                 bypassed=tuple((name, weakref.ref(m)) for name, m in _bypassed(model)))
+                 bypassed=tuple((name, weakref.ref(m), _own_forward(m)) for name, m in _bypassed(model)))
 
 
 def _current_plan(model: nn.Module) -> _Plan:
@@ -488,12 +546,13 @@ Side = Callable[[torch.Tensor], torch.Tensor]
 def _weight(m: nn.Module, name: str) -> tuple[torch.Tensor, Side | None]:
     """``(W, side)``: the weight a kernel uses for ``m``'s output, and the LoRA term beside it (None: none).
 
-    nn.Linear: its own weight. PEFT LoRA (unless its adapters are disabled or merged into W): each active adapter
-    whose dropout is the identity (p = 0, or eval mode) is merged, ``W + s B A`` in the autograd graph; one whose
-    dropout is active (training, p > 0) is left to ``side``, which applies it on the projection's input as PEFT
-    does, adapter by adapter in PEFT's order (so the dropout masks are those of the unpatched model's forward
-    under the same seed). Refused (:class:`CodaUnsupportedError`, naming the module): LoRA variants (DoRA, ...)
-    and a LoRA bias."""
+    nn.Linear (or the copy of PEFT's ``modules_to_save`` wrapper that computes ``m``, :func:`_computing`): its own
+    weight. PEFT LoRA (unless its adapters are disabled or merged into W): each active adapter whose dropout is the
+    identity (p = 0, or eval mode) is merged, ``W + s B A`` in the autograd graph; one whose dropout is active
+    (training, p > 0) is left to ``side``, which applies it on the projection's input as PEFT does, adapter by adapter
+    in PEFT's order (so the dropout masks are those of the unpatched model's forward under the same seed). Refused
+    (:class:`CodaUnsupportedError`, naming the module): LoRA variants (DoRA, ...) and a LoRA bias."""
+    m = _computing(m)
     if type(m) is nn.Linear:
         return m.weight, None
     w = m.base_layer.weight
@@ -664,6 +723,17 @@ def _attend(attn: nn.Module, qkv: torch.Tensor, mask: Any, window: int | None, p
     return out.reshape(batch * seq, -1).contiguous()
 
 
+def _first_order(grad: torch.Tensor) -> torch.Tensor:
+    """The hook on the CODA forward's output (the loss or the logits): refuses a backward that builds a graph of the
+    gradients (``create_graph=True``: double backward, Hessian-vector products), whose hooks run with gradients
+    enabled. The CODA kernels' gradients are not differentiable: a second-order term would be silently zero, or
+    partial (LoRA's A and B get autograd's part)."""
+    if torch.is_grad_enabled():
+        raise _refuse("a backward with create_graph=True (double backward, Hessian-vector products): the CODA "
+                      "kernels' gradients are not differentiable")
+    return grad
+
+
 def _checkpoint(checkpoint: Callable[..., Any], step: Callable[..., Any], *inputs: torch.Tensor) -> Any:
     """``checkpoint(step, *inputs)``, the layer's own checkpoint function. Where that is torch's non-reentrant
     checkpoint (``functools.partial`` of it, as ``gradient_checkpointing_enable`` makes it) without a ``context_fn`` of
@@ -703,17 +773,30 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
         # cache (every module is still the model's own, adapters included).
         return type(self).forward(self, **call)
     plan = _current_plan(self)
-    hooked = _hooked(plan)
-    if hooked is not None:
-        warnings.warn(f"apply_coda: {hooked} has a hook, which the CODA forward would not run: this call runs the "
-                      "model's own forward", stacklevel=4)
+    reason = _runs_own_forward(plan)
+    if reason is not None:
+        warnings.warn(f"apply_coda: {reason}, which the CODA forward would not run: this call runs the model's own "
+                      "forward", stacklevel=4)
         return type(self).forward(self, **call)
-    _check_call(self, options, _base(self.lm_head).weight)
+    weight = _base(self.lm_head).weight
+    if weight.dtype not in KERNEL_DTYPES:
+        warnings.warn(f"apply_coda: {weight.dtype} weights, which the CODA kernels do not compute in (they accumulate "
+                      "in float32): this call runs the model's own forward", stacklevel=4)
+        return type(self).forward(self, **call)
+    return_dict = options.pop("return_dict", None)  # the call's (the config's False is refused: HF's own call fails)
+    as_tuple = return_dict is not None and not return_dict
+    if as_tuple and labels is not None:
+        raise _refuse("return_dict=False with labels: the tuple's logits are not computed (the fused cross-entropy "
+                      "writes none); use the output's .loss, or call without labels")
+    _check_call(self, options, weight)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
     if labels is not None and _first_step(self, input_ids if input_ids is not None else inputs_embeds):
         precompile_step(self, **call)
     embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    if embeds.dtype != weight.dtype:  # the unpatched model raises, or rounds its first norm's output to their dtype
+        raise _refuse(f"{embeds.dtype} embeddings over {weight.dtype} weights: the CODA kernels take them in the "
+                      f"weights' dtype; cast inputs_embeds (or the embedding) to {weight.dtype}")
     batch, seq, hidden = embeds.shape
     final: Consumer = Linear()
     if labels is not None:
@@ -727,8 +810,11 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     # the modules' own at this call.
     arch = type(self).__name__
     windows = [_WINDOW[arch](self.config, layer.self_attn) for layer in layers]
-    masks = {w: (create_causal_mask if w is None else create_sliding_window_causal_mask)(
-        self.config, embeds, attention_mask, cache, position_ids) for w in set(windows)}
+    if isinstance(attention_mask, dict):  # masks built ahead by layer type (Qwen2's generate with a static cache)
+        masks = {w: attention_mask["full_attention" if w is None else "sliding_attention"] for w in set(windows)}
+    else:
+        masks = {w: (create_causal_mask if w is None else create_sliding_window_causal_mask)(
+            self.config, embeds, attention_mask, cache, position_ids) for w in set(windows)}
     if position_ids is None:
         position_ids = torch.arange(seq, device=embeds.device)[None]
     positions = position_ids.expand(batch, seq).reshape(-1)
@@ -835,8 +921,11 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
             x, out = layer_step(i, x, out)
     if out is None:
         out = norm_consumer(x, self.model.norm.weight, lm_head(), final, self.model.norm.variance_epsilon)[0]
+    if out.requires_grad and not torch.compiler.is_compiling():
+        out.register_hook(_first_order)
     if labels is None:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep], cache=cache)
+        output = CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep], cache=cache)
+        return output.to_tuple() if as_tuple else output  # (logits, cache) without None, as HF's tuple
     loss = out if num_items_in_batch is None else out / torch.as_tensor(num_items_in_batch, device=out.device)
     return CausalLMOutputWithPast(loss=loss, cache=cache)
