@@ -11,8 +11,24 @@ function of the harness given another ``__code__``, a trace or profile hook that
   each of its globals (and a global added later under a builtin's name, which would shadow it), each method,
   property and other callable of the classes it defines (not their data: class-level caches change as they should), and for each function or method it defines its ``__code__``, ``__defaults__``,
   ``__kwdefaults__`` and closure cell contents;
+- the contents of every table of those modules (each module-level dict, list and set, and those nested in them:
+  the pass rule's floors, the t quantiles, the op catalogue ``OPS``): each entry's identity, none removed or
+  replaced (a dict may gain entries: an op a plugin adds to ``OPS`` is its own);
+- every op of the catalogue (:data:`workloads.ops.OPS`): its class and its attributes, and every attribute, data
+  included, of each class of the harness it derives from (what an op computes, returns and compares: a
+  ``reference`` set on the op or its class would move the float64 reference, PyTorch's results and the error
+  allowed, all at once);
 - the ``sys.modules`` entry of each of those modules, every name of ``builtins``, and the trace and profile hooks
-  (``sys.gettrace()``, ``sys.getprofile()``, ``threading.gettrace()``, ``threading.getprofile()``).
+  (``sys.gettrace()``, ``sys.getprofile()``, ``threading.gettrace()``, ``threading.getprofile()``);
+- the process-wide state that changes what or how fast every later call computes: the environment variables
+  that configure the stack (:func:`_environ_changes`: none the run started with changed or removed, none added that
+  decides what runs, such as ``TRITON_INTERPRET``, which decides whether Triton kernels run at all), and
+  (:data:`PROCESS_STATE`) torch's: the torch-function and dispatch mode stacks (a mode left entered sees every torch call of every cell, the float64
+  reference's too), the global ``nn.Module`` hooks, the default dtype, the intra-op threads, the float32 matmul
+  precision and the TF32 and reduced-precision flags, cuDNN's and oneDNN's switches, deterministic algorithms, and
+  the kernels registered through ``torch.library`` over the computing kernels of torch's own ops
+  (:func:`_kernel_overrides`; a registration made through ``torch._C`` directly, or struck from
+  ``torch.library._impls``, is not seen).
 
 :func:`tampered` lists what now differs, :func:`restore` puts the originals back (so the baselines' times stay
 true), :func:`tamper_message` is the error row's text. Discovery checks after every plugin import (the plugin gets a
@@ -43,7 +59,9 @@ lists); only a process boundary stops that.
 from __future__ import annotations
 
 import builtins
+import gc
 import math
+import os
 import statistics
 import sys
 import threading
@@ -68,6 +86,158 @@ HOOK_FUNCTIONS: dict[str, tuple[Any, tuple[str, ...]]] = {
 }
 """The functions that set or show trace and profile hooks (a plugin could hide its hook behind a false getter)."""
 HARNESS_PACKAGES = ("codabench", "workloads")
+
+
+def _mode_stack(length: Callable[[], int], at: Callable[[int], Any]) -> Callable[[], tuple]:
+    return lambda: tuple(at(i) for i in range(length()))
+
+
+def _put_mode_stack(length: Callable[[], int], pop: Callable[[], Any],
+                    push: Callable[[Any], None]) -> Callable[[tuple], None]:
+    def put(modes: tuple) -> None:
+        while length():
+            pop()
+        for mode in modes:
+            push(mode)
+    return put
+
+
+def _global_hooks(module: types.ModuleType, name: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """A dict of hooks that a module keeps as a global (``torch.nn.modules.module._global_forward_hooks``): the dict
+    and its entries, and how to put both back."""
+    def get() -> tuple:
+        hooks = getattr(module, name)
+        return hooks, tuple(hooks.items())
+
+    def put(state: tuple) -> None:
+        hooks, items = state
+        setattr(module, name, hooks)
+        hooks.clear()
+        hooks.update(items)
+    return get, put
+
+
+FP32_PRECISIONS = (("generic", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"),
+                   ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"))
+"""The backends and ops of ``torch.backends.*.fp32_precision`` (TF32, bf16 for float32 math; ``allow_tf32`` reads
+them)."""
+
+
+def _fp32_precision() -> tuple[Callable[[], tuple], Callable[[tuple], None]]:
+    """``torch.get_float32_matmul_precision`` (the legacy setting: "mixed" where it raises, once the backends differ)
+    and each backend's ``fp32_precision``; put back in that order (the legacy setter sets the backends too)."""
+    C = torch._C
+    get_legacy, set_legacy = C._get_float32_matmul_precision, C._set_float32_matmul_precision
+    get_one, set_one = C._get_fp32_precision_getter, C._set_fp32_precision_setter
+
+    def get() -> tuple:
+        try:
+            legacy = get_legacy()
+        except RuntimeError:
+            legacy = "mixed"
+        return (legacy, *(get_one(backend, op) for backend, op in FP32_PRECISIONS))
+
+    def put(values: tuple) -> None:
+        set_legacy(values[0])
+        for (backend, op), value in zip(FP32_PRECISIONS, values[1:]):
+            set_one(backend, op, value)
+    return get, put
+
+
+ENVIRON_PREFIXES = ("CODABENCH", "TRITON", "TORCH", "PYTORCH", "CUDA", "CUBLAS", "CUDNN", "NCCL", "NVIDIA", "OMP_",
+                    "MKL_", "KMP_", "LD_", "PYTHON")
+"""The environment variables that configure the harness, torch, Triton, CUDA and the math libraries, by prefix (not
+the others: pytest, for one, sets ``PYTEST_CURRENT_TEST`` around each test). None of those the run started with may
+be changed or removed."""
+DECIDING_PREFIXES = ("CODABENCH", "TRITON_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE", "CUDA_LAUNCH_BLOCKING")
+"""Of those, the ones that decide what the harness and the compilers run (``TRITON_INTERPRET``, the CODA strategy,
+torch.compile's switches), which may not be added either. Others may: libraries set defaults of their own at first
+use (Inductor's ``CUBLAS_WORKSPACE_CONFIG``, ``TORCH_WARM_POOL``), as they set file locations (names ending in
+:data:`LOCATION_SUFFIXES`: ``TRITON_CACHE_DIR``, ``TRITON_PTXAS_PATH``)."""
+LOCATION_SUFFIXES = ("_DIR", "_PATH", "_HOME")
+
+
+def _settings_in_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(ENVIRON_PREFIXES)}
+
+
+def _environ_changes(recorded: dict[str, str]) -> list[str]:
+    """The variables (:data:`ENVIRON_PREFIXES`) changed or removed since ``recorded``, and those added that decide
+    what runs (:data:`DECIDING_PREFIXES`, not a location)."""
+    now = _settings_in_environ()
+    added = [k for k in now if k not in recorded and k.startswith(DECIDING_PREFIXES)
+             and not k.endswith(LOCATION_SUFFIXES)]
+    return sorted([k for k, v in recorded.items() if now.get(k) != v] + added)
+
+
+def _put_environ(recorded: dict[str, str], name: str) -> None:
+    if name in recorded:
+        os.environ[name] = recorded[name]
+    else:
+        os.environ.pop(name, None)
+
+
+def _process_state() -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
+    """label: (getter, setter) of each piece of :data:`PROCESS_STATE`, bound to the os's and torch's own functions now
+    (the guard is imported before any plugin)."""
+    C, nn_module = torch._C, sys.modules["torch.nn.modules.module"]
+    state = {
+        "torch function modes (a mode is entered)": (
+            _mode_stack(C._len_torch_function_stack, C._get_function_stack_at),
+            _put_mode_stack(C._len_torch_function_stack, C._pop_torch_function_stack,
+                            C._push_on_torch_function_stack)),
+        "torch dispatch modes (a mode is entered)": (
+            _mode_stack(C._len_torch_dispatch_stack, C._get_dispatch_stack_at),
+            _put_mode_stack(C._len_torch_dispatch_stack, lambda: C._pop_torch_dispatch_stack(None),
+                            C._push_on_torch_dispatch_stack)),
+        "torch.get_default_dtype": (torch.get_default_dtype, torch.set_default_dtype),
+        "torch.get_num_threads": (torch.get_num_threads, torch.set_num_threads),
+        "the float32 precision (torch.backends.*.fp32_precision)": _fp32_precision(),
+        "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction": (
+            C._get_cublas_allow_fp16_reduced_precision_reduction,
+            lambda v: C._set_cublas_allow_fp16_reduced_precision_reduction(*v)),
+        "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction": (
+            C._get_cublas_allow_bf16_reduced_precision_reduction,
+            lambda v: C._set_cublas_allow_bf16_reduced_precision_reduction(*v)),
+        "torch.backends.cudnn.enabled": (C._get_cudnn_enabled, C._set_cudnn_enabled),
+        "torch.backends.cudnn.benchmark": (C._get_cudnn_benchmark, C._set_cudnn_benchmark),
+        "torch.backends.cudnn.deterministic": (C._get_cudnn_deterministic, C._set_cudnn_deterministic),
+        "torch.backends.mkldnn.enabled": (C._get_mkldnn_enabled, C._set_mkldnn_enabled),
+        "torch deterministic algorithms": (
+            lambda: (C._get_deterministic_algorithms(), C._get_deterministic_algorithms_warn_only()),
+            lambda v: C._set_deterministic_algorithms(v[0], warn_only=v[1])),
+        "torch.utils.deterministic.fill_uninitialized_memory": (C._get_deterministic_fill_uninitialized_memory,
+                                                                C._set_deterministic_fill_uninitialized_memory),
+    }
+    for name in [n for n in vars(nn_module) if n.startswith("_global_") and n.endswith("_hooks")]:
+        state[f"torch.nn.modules.module.{name}"] = _global_hooks(nn_module, name)
+    return state
+
+
+COMPUTE_KEYS = ("CPU", "CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutograd", "Autograd", "AutogradCPU",
+                "AutogradCUDA", "")
+"""Dispatch keys whose kernel computes an op's values ("": the library's default, CompositeImplicitAutograd)."""
+_LIBRARY = sys.modules["torch.library"]
+
+
+def _kernel_overrides(kernels: frozenset[str], ops: frozenset[str]) -> list[str]:
+    """The kernels registered through ``torch.library`` since the record (``kernels``: its ``_impls`` then) that
+    replace the computing kernel of an op that existed then (``ops``), as ``ns/op/key``: a plugin's own ops are its
+    own, a new kernel for ``aten::mm`` on the CPU changes every GEMM, the float64 reference's included."""
+    new = getattr(_LIBRARY, "_impls", set()) - kernels
+    return [k for k in new if k.rsplit("/", 1)[-1] in COMPUTE_KEYS and "::".join(k.split("/")[:2]) in ops]
+
+
+def _drop_kernels(names: list[str]) -> None:
+    """Destroy the ``torch.library.Library`` objects that registered ``names`` (torch's kernels are back)."""
+    for lib in [o for o in gc.get_objects() if isinstance(o, _LIBRARY.Library)]:
+        if set(getattr(lib, "_op_impls", ())) & set(names):
+            lib._destroy()
+
+
+PROCESS_STATE = _process_state()
+"""The process-wide state (the environment variables, torch's settings), label: (getter, setter). Grad mode is not
+in it: the harness sets it around each call itself (the timing loops check the guard inside ``torch.no_grad()``)."""
 
 _MISSING = object()
 _EMPTY = object()
@@ -130,13 +300,55 @@ class _Function(NamedTuple):
     contents: tuple
 
 
+class _Contents(NamedTuple):
+    """The entries of a table of the harness (a dict, list or set), or the namespace of an object or class of the op
+    catalogue (``owner``; its ``__class__`` counts as an entry), as recorded."""
+
+    label: str
+    container: Any
+    owner: Any
+    """The object or class whose ``vars()`` ``container`` is (entries are put back with setattr); None: a table."""
+    items: tuple
+    """(key, value) pairs; a list's keys are its indices, a set's are its values."""
+    grows: bool
+    """New keys are allowed (a dict of the harness: an entry a plugin adds is its own)."""
+
+
+class _Registered(NamedTuple):
+    """A registered implementation as it was registered: what it runs."""
+
+    label: str
+    entries: dict
+    """The registry's dict, in which ``key`` must still name ``impl`` (while it names anything)."""
+    key: Any
+    impl: Any
+    cls: type
+    methods: frozenset
+    """The names of the callables of the classes of its MRO (no instance attribute may shadow one)."""
+    held: tuple
+    """(name, value) of the callables it held as attributes (a registered function)."""
+
+
 class _Record:
     """What :func:`snapshot` recorded: the watch list, precomputed so that a check is one pass over flat lists."""
 
     def __init__(self) -> None:
         self.guarded: list[_Attr] = []
         self.harness: list[_Attr] = []
+        self.contents: list[_Contents] = []
+        self.process_state: dict[str, Any] = {}
+        self.environ: dict[str, str] = {}
+        """The environment variables of :data:`ENVIRON_PREFIXES` when recorded."""
+        self.kernels: frozenset[str] = frozenset()
+        """``torch.library._impls`` (the kernels registered through torch.library) when recorded."""
+        self.ops: frozenset[str] = frozenset()
+        """The dispatcher's ops (``ns::name``) when recorded."""
         self.functions: list[_Function] = []
+        self.implementations: dict[tuple[int, Any], _Registered] = {}
+        """By (id of the registry's dict, key): what each registered implementation runs (:func:`watch_registered`)."""
+        self.methods: dict[int, list[_Attr]] = {}
+        """By id of the class: the methods of the classes of registered implementations defined outside the harness
+        (the harness's own are in ``harness``)."""
         self.modules: list[tuple[str, types.ModuleType, set[str]]] = []
         self.builtins: dict[str, Any] = {}
         self.hooks: tuple = ()
@@ -203,17 +415,174 @@ def _record_harness(record: _Record) -> None:
                       ("torch.cuda.synchronize", torch.cuda.synchronize)):
         _watch_function(functions, label, fn)  # the private clocks' Python code
     record.functions = list(functions.values())
+    record.contents = _record_contents()
+
+
+_TABLES = (dict, list, set)
+
+
+def _entries(container: Any, owner: Any = None) -> tuple:
+    """The (key, value) pairs of a table, or of an object's or class's namespace (``owner``), as :class:`_Contents`
+    records them."""
+    if owner is not None:
+        return ((("__class__", type(owner)),) if not isinstance(owner, type) else ()) + tuple(container.items())
+    if isinstance(container, dict):
+        return tuple(container.items())
+    return tuple(enumerate(container)) if isinstance(container, list) else tuple((v, v) for v in container)
+
+
+def _record_contents() -> list[_Contents]:
+    """The tables of the harness's modules (nested ones too) and the op catalogue's objects and classes, each once
+    (a table several modules import is labelled by the first: ``workloads`` before ``codabench``)."""
+    seen: set[int] = set()
+    out: list[_Contents] = []
+
+    def table(label: str, value: Any) -> None:
+        if isinstance(value, tuple):
+            for i, v in enumerate(value):
+                table(f"{label}[{i}]", v)
+            return
+        if not isinstance(value, _TABLES) or id(value) in seen:
+            return
+        seen.add(id(value))
+        out.append(_Contents(label, value, None, _entries(value), isinstance(value, dict)))
+        for key, v in (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list)
+                       else ()):
+            table(f"{label}[{key!r}]", v)
+
+    def namespace(label: str, owner: Any) -> None:
+        if id(owner) not in seen:
+            seen.add(id(owner))
+            out.append(_Contents(label, vars(owner), owner, _entries(vars(owner), owner), False))
+
+    modules = sorted((m for m in list(sys.modules) if harness_module(m) and m != __name__),
+                     key=lambda m: (not m.startswith("workloads"), m))
+    for modname in modules:
+        for name, value in list(vars(sys.modules[modname]).items()):
+            if not name.startswith("__"):
+                table(f"{modname}.{name}", value)
+    ops = sys.modules.get("workloads.ops")
+    for name, op in (vars(ops).get("OPS", {}) if ops is not None else {}).items():
+        namespace(f"workloads.ops.OPS[{name!r}]", op)
+        for cls in type(op).__mro__:
+            if harness_module(cls.__module__):
+                namespace(f"{cls.__module__}.{cls.__qualname__}", cls)
+    return out
+
+
+def _entry(c: _Contents, key: Any) -> Any:
+    """The entry ``key`` of ``c`` now (an object's ``__class__`` included)."""
+    if key == "__class__" and c.owner is not None and not isinstance(c.owner, type):
+        return type(c.owner)
+    return c.container.get(key, _MISSING)
+
+
+def _changed_entries(c: _Contents) -> list[str]:
+    """Labels of the entries of ``c`` that were replaced or removed, and (unless it may grow) of those added."""
+    now = c.container
+    if isinstance(now, list):
+        same = len(now) == len(c.items) and all(a is b for a, (_, b) in zip(now, c.items))
+        return [] if same else [f"{c.label} (a list)"]
+    if isinstance(now, set):
+        return [] if len(now) == len(c.items) and all(v in now for v, _ in c.items) else [f"{c.label} (a set)"]
+    bad = [k for k, v in c.items if _entry(c, k) is not v]
+    if not c.grows:
+        recorded = {k for k, _ in c.items}
+        bad += [k for k in list(now) if k not in recorded]
+    return [f"{c.label}.{k}" if c.owner is not None else f"{c.label}[{k!r}]" for k in bad]
+
+
+def _put_entries(c: _Contents) -> None:
+    """Put the recorded entries of ``c`` back (and remove the added ones where it may not grow)."""
+    now, items = c.container, c.items
+    if isinstance(now, list):
+        now[:] = [v for _, v in items]
+    elif isinstance(now, set):
+        now.clear()
+        now.update(v for v, _ in items)
+    elif c.owner is None:
+        for k, v in items:
+            now[k] = v
+    else:
+        recorded = dict(items)
+        for k in [k for k in list(now) if k not in recorded]:
+            delattr(c.owner, k)
+        for k, v in items:
+            if _entry(c, k) is not v:
+                setattr(c.owner, k, v)
+
+
+def watch_registered(entries: dict, key: Any, impl: Any) -> None:
+    """Record what the implementation just registered as ``entries[key]`` runs: its entry, its class, its classes'
+    methods and the callables it holds (a registered function). From now on a change to any of them (the entry
+    replaced, the class swapped, a method replaced, or shadowed by an instance attribute) is tampering: no later
+    plugin slows another's calls or changes what they compute. An entry removed is not (its cells fail by name)."""
+    cls = type(impl)
+    for c in cls.__mro__[:-1]:
+        if not harness_module(c.__module__) and id(c) not in _RECORD.methods:
+            _RECORD.methods[id(c)] = [_Attr(f"{c.__module__}.{c.__qualname__}.{name}", c, vars(c), name, value)
+                                      for name, value in _callables(c).items()]
+    methods = frozenset(name for c in cls.__mro__[:-1] for name in _callables(c))
+    held = tuple((name, value) for name, value in vars(impl).items() if callable(value))
+    _RECORD.implementations[(id(entries), key)] = _Registered(f"the registered implementation {key!r}", entries, key,
+                                                              impl, cls, methods, held)
+
+
+def _record_registered(record: _Record) -> None:
+    """Record the registered implementations (those still registered) and their classes' methods again."""
+    registered = [r for r in record.implementations.values() if r.key in r.entries]
+    record.implementations, record.methods = {}, {}
+    for r in registered:
+        watch_registered(r.entries, r.key, r.entries[r.key])
+
+
+def _changed_implementation(reg: _Registered) -> list[str]:
+    """What differs in ``reg`` but its classes' methods (watched per class)."""
+    impl = reg.entries.get(reg.key, reg.impl)
+    if impl is not reg.impl:
+        return [f"{reg.label} (replaced)"]
+    state = vars(impl)
+    bad = [] if type(impl) is reg.cls else [f"{reg.label}.__class__"]
+    bad += [f"{reg.label}.{name}" for name, value in reg.held if state.get(name, _MISSING) is not value]
+    if len(state) != len(reg.held):
+        held = {name for name, _ in reg.held}
+        bad += [f"{reg.label}.{name} (shadows its method)" for name in state if name in reg.methods
+                and name not in held]
+    return bad
+
+
+def _put_implementation(reg: _Registered) -> None:
+    impl, held = reg.impl, dict(reg.held)
+    if reg.key in reg.entries:
+        reg.entries[reg.key] = impl
+    if type(impl) is not reg.cls:
+        impl.__class__ = reg.cls
+    for name in [n for n in vars(impl) if n in reg.methods and n not in held]:
+        delattr(impl, name)
+    for name, value in reg.held:
+        setattr(impl, name, value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """A piece of torch's state is as recorded: the same objects (a mode, a hook), or equal plain values."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b or (type(a) is type(b) and type(a) in (bool, int, float, str) and a == b)
 
 
 def snapshot(refresh: bool = False) -> None:
     """Record what the guard watches (once per process: later calls keep the first record).
 
-    ``refresh``: record the harness's own modules again as they are now (an ``--inline`` run adopts the patches of
-    the test or debugger that runs it; plugins' import-time changes were already undone by discovery); the clocks,
-    torch functions, builtins and hooks keep their first record."""
+    ``refresh``: record the harness's own modules, the registered implementations and the process-wide state again
+    as they are now (an ``--inline`` run adopts the patches and settings of the test or debugger that runs it;
+    plugins' import-time changes were already undone by discovery); the clocks, torch functions, builtins, hooks and
+    kernels keep their first record."""
     if _RECORD.clocks is not None:
         if refresh:
             _record_harness(_RECORD)
+            _record_registered(_RECORD)
+            _RECORD.process_state = {label: get() for label, (get, _) in PROCESS_STATE.items()}
+            _RECORD.environ = _settings_in_environ()
         return
     import torch._dynamo  # noqa: F401  (on import it wraps torch.manual_seed: settle that before the record)
 
@@ -223,6 +592,10 @@ def snapshot(refresh: bool = False) -> None:
                         for label, (owner, names) in HOOK_FUNCTIONS.items() for name in names]
     _RECORD.builtins = {k: v for k, v in vars(builtins).items() if k != "_"}
     _RECORD.hooks = _hooks()
+    _RECORD.process_state = {label: get() for label, (get, _) in PROCESS_STATE.items()}
+    _RECORD.environ = _settings_in_environ()
+    _RECORD.kernels = frozenset(getattr(_LIBRARY, "_impls", ()))
+    _RECORD.ops = frozenset(torch._C._dispatch_get_all_op_names())
     _RECORD.clocks = Clocks(time.perf_counter, torch.cuda.Event, torch.cuda.Event.record,
                             torch.cuda.Event.elapsed_time, torch.cuda.synchronize, verify_clocks,
                             torch.cuda.Event.synchronize, getattr(torch._C, "_cuda_sleep", torch.cuda._sleep))
@@ -236,6 +609,25 @@ def _scan() -> Iterator[tuple[str, Callable[[], None]]]:
         yield a.label, lambda a=a: setattr(a.owner, a.name, a.original)
     for a in [a for a in r.harness if a.namespace.get(a.name, _MISSING) is not a.original]:
         yield a.label, lambda a=a: setattr(a.owner, a.name, a.original)
+    for c in r.contents:
+        for label in _changed_entries(c):
+            yield label, lambda c=c: _put_entries(c)
+    for name in _environ_changes(r.environ):
+        yield f"os.environ[{name!r}]", lambda name=name: _put_environ(r.environ, name)
+    for label, recorded in r.process_state.items():
+        get, put = PROCESS_STATE[label]
+        if not _same(get(), recorded):
+            yield label, lambda put=put, v=recorded: put(v)
+    overrides = _kernel_overrides(r.kernels, r.ops)
+    if overrides:
+        yield (f"torch's kernel of {', '.join(sorted(overrides))} (replaced through torch.library)",
+               lambda: _drop_kernels(overrides))
+    for methods in list(r.methods.values()):
+        for a in [a for a in methods if a.namespace.get(a.name, _MISSING) is not a.original]:
+            yield a.label, lambda a=a: setattr(a.owner, a.name, a.original)
+    for reg in list(r.implementations.values()):
+        for label in _changed_implementation(reg):
+            yield label, lambda reg=reg: _put_implementation(reg)
     builtin_names = r.builtins
     for modname, module, names in r.modules:
         if sys.modules.get(modname) is not module:
@@ -289,14 +681,14 @@ def _put_cell(cell: types.CellType, content: Any) -> None:
 
 def tampered() -> list[str]:
     """What has been replaced, deleted, set or swapped since :func:`snapshot` (``module.name``-style labels)."""
-    return [label for label, _ in _scan()]
+    return list(dict.fromkeys(label for label, _ in _scan()))  # an op class's method is watched twice
 
 
 def restore(names: list[str] | None = None) -> list[str]:
     """Put every replaced thing back (only those in ``names``, where given); returns what it put back."""
     fixed = []
     for label, fix in list(_scan()):
-        if names is None or label in names:
+        if (names is None or label in names) and label not in fixed:
             fix()
             fixed.append(label)
     return fixed

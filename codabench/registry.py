@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from codabench import guard
 from codabench.case import Case, Context
 from workloads.fp8 import Recipe, TorchGemms
 from workloads.models import ModelShape
@@ -187,7 +188,7 @@ class Registry:
         """Register ``impl`` as ``(impl.op, impl.name)``. ValueError with one line: no name or op, an op that does
         not exist, a mode, dtype or requirement the harness does not know (:func:`declaration_error`), or a name
         the op already has (from any module, the same one included: a second registration never replaces the
-        first)."""
+        first). The guard records what it runs (:func:`codabench.guard.watch_registered`)."""
         if not impl.name or not impl.op:
             raise ValueError(f"implementation {impl!r} needs a name and an op")
         if impl.op not in OPS:
@@ -204,6 +205,7 @@ class Registry:
                              + (" (twice)" if again == first else f" and again by {again}")
                              + "; a name must be unique per op")
         self.impls[key] = impl
+        guard.watch_registered(self.impls, key, impl)
         return impl
 
     def get(self, op: str, name: str) -> Implementation:

@@ -99,7 +99,8 @@ class RunFolderError(Exception):
 
 class AppendWriter:
     """Appends rows to a CSV (header written once), durable after each row. A file of an earlier column list (a
-    subset of ``columns``) is first rewritten whole under the new header, its rows kept."""
+    subset of ``columns``) is first rewritten whole under the new header, its rows kept. It knows what the file must
+    hold (what it found, and what it appended since), so that :meth:`restore` undoes what any other writer did."""
 
     def __init__(self, path: Path, columns: list[str]):
         self.path, self.columns = path, columns
@@ -111,20 +112,34 @@ class AppendWriter:
                     write_atomic(path, _csv_text(list(reader), columns))
         else:
             write_atomic(path, _csv_text([], columns))
+        self.expected = path.read_bytes()
+        """What the file must hold: what this writer found (or began it with) and the rows it appended."""
 
     def write(self, rows: Iterable[dict[str, Any]]) -> None:
-        with open(self.path, "a", newline="") as f:
-            w = csv.DictWriter(f, self.columns, extrasaction="raise")
-            for row in rows:
-                w.writerow({k: _cell(row.get(k)) for k in self.columns})
+        text = _csv_text(rows, self.columns, header=False).encode()
+        with open(self.path, "ab") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        self.expected += text
+
+    def restore(self) -> bool:
+        """Put the file back as this writer left it where it holds anything else (a process that is not the run
+        wrote into it, or removed it); True if it did."""
+        try:
+            if self.path.read_bytes() == self.expected:
+                return False
+        except OSError:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, self.expected)
+        return True
 
 
-def _csv_text(rows: Iterable[dict[str, Any]], columns: list[str]) -> str:
+def _csv_text(rows: Iterable[dict[str, Any]], columns: list[str], header: bool = True) -> str:
     buf = StringIO()
     w = csv.DictWriter(buf, columns, extrasaction="raise")
-    w.writeheader()
+    if header:
+        w.writeheader()
     for row in rows:
         w.writerow({k: _cell(row.get(k)) for k in columns})
     return buf.getvalue()
@@ -357,9 +372,13 @@ def sample_rounds(run_dir: Path, env: dict[str, Any]) -> dict[tuple[str, ...], l
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Strict JSON, indented, except that each element of a list of dicts (a row) takes one line; written
-    atomically."""
-    write_atomic(path, _dumps(_json_safe(obj), 0) + "\n")
+    """:func:`json_text`, written atomically."""
+    write_atomic(path, json_text(obj))
+
+
+def json_text(obj: Any) -> str:
+    """Strict JSON, indented, except that each element of a list of dicts (a row) takes one line."""
+    return _dumps(_json_safe(obj), 0) + "\n"
 
 
 def _dumps(obj: Any, depth: int) -> str:

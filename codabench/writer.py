@@ -136,13 +136,37 @@ class RunWriter:
             """Keys of the cells that already have a row (resume)."""
             self._results = results.AppendWriter(path, results.RESULT_COLUMNS)
             self._errors = results.AppendWriter(out_dir / results.ERRORS, results.ERROR_COLUMNS)
+            self._env: dict[str, Any] | None = None
+            """env.json as this run wrote it (None until :meth:`write_env`)."""
+            self._env_text = ""
         except BaseException:
             self._lock.release()
             raise
 
     def close(self) -> None:
-        """Let go of the run directory."""
-        self._lock.release()
+        """Put back what another process changed in the run's tables and env.json while the run wrote them (a plugin
+        writing into the run folder: its rows never reach the report), say so (stderr, and ``run_folder_restored``
+        in env.json), and let go of the run directory."""
+        try:
+            restored = [w.path.name for w in (self._results, self._errors) if w.restore()]
+            if self._env is not None and self._env_changed():
+                restored.append(results.ENV)
+            if restored:
+                print(f"codabench: {', '.join(restored)} of {self.out_dir} changed while the run wrote it (a plugin "
+                      "writing into the run folder?): put back as the run wrote it", file=sys.stderr)
+                self._write_env({**(self._env or {}), "run_folder_restored": restored})
+        finally:
+            self._lock.release()
+
+    def _env_changed(self) -> bool:
+        try:
+            return (self.out_dir / results.ENV).read_text() != self._env_text
+        except (OSError, UnicodeDecodeError):
+            return True
+
+    def _write_env(self, env: dict[str, Any]) -> None:
+        self._env, self._env_text = env, results.json_text(env)
+        results.write_atomic(self.out_dir / results.ENV, self._env_text)
 
     def _done_keys(self) -> set[tuple]:
         df = results.read_csv(self.out_dir / results.RESULTS, results.RESULT_COLUMNS)
@@ -175,9 +199,8 @@ class RunWriter:
         if resume and path.exists():
             old = results.read_env(self.out_dir)
             env["earlier_sessions"] = old.pop("earlier_sessions", []) + [old]
-        results.write_json(path, env)
+        self._write_env(env)
 
     def update_env(self, **fields: Any) -> None:
-        env = results.read_env(self.out_dir)
-        env.update(fields)
-        results.write_json(self.out_dir / results.ENV, env)
+        """env.json as this run wrote it, with ``fields`` (never what another process wrote there meanwhile)."""
+        self._write_env({**(self._env if self._env is not None else results.read_env(self.out_dir)), **fields})

@@ -1,5 +1,6 @@
 """The guard: what it watches (the harness's own modules too), what it restores, its cost, and the private clocks."""
 import builtins
+import os
 import subprocess
 import sys
 import threading
@@ -11,12 +12,17 @@ import torch
 
 import codabench.metrics
 import codabench.registry
+import codabench.stats
 import codabench.timing
 from codabench import guard, sweep
 from codabench.clocks import ClockSampler
 from codabench.discovery import load_plugin_file
+from codabench.eager import TorchEager
 from codabench.results import load_run
 from codabench.timing import TimingConfig
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from workloads.ops import OPS
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 
 
@@ -172,6 +178,24 @@ def _mutate_kwdefaults():
     codabench.registry.register.__kwdefaults__["modes"] = ("fwd",)
 
 
+def _shadow_registered():
+    codabench.registry.Registry().add(TorchEager(OPS["gemm_out"])).run = lambda native: {}
+
+
+def _override_aten_kernel():
+    global _LIBRARY  # kept alive, as a plugin keeps it; the guard's restore destroys it
+    _LIBRARY = torch.library.Library("aten", "IMPL")
+    _LIBRARY.impl("mm", lambda a, b: torch.zeros(a.shape[0], b.shape[1]), "CPU")
+
+
+def _enter_function_mode():
+    TorchFunctionMode().__enter__()
+
+
+def _enter_dispatch_mode():
+    TorchDispatchMode().__enter__()
+
+
 TAMPERING = {
     "a harness global": (lambda: setattr(codabench.timing, "first_call", lambda *a: 0.0),
                          "codabench.timing.first_call"),
@@ -190,6 +214,34 @@ TAMPERING = {
     "a harness module in sys.modules": (_swap_module, "sys.modules['codabench.timing']"),
     "a torch function": (lambda: setattr(codabench.timing.torch.cuda, "synchronize", lambda *a: None),
                          "torch.cuda.synchronize"),
+    "an entry of a harness table": (lambda: codabench.metrics.FLOOR.__setitem__(torch.float32, 1.0),
+                                    "codabench.metrics.FLOOR[torch.float32]"),
+    "an element of a harness list": (lambda: codabench.stats._T975.__setitem__(0, 0.0), "codabench.stats._T975 (a list)"),
+    "an op of the catalogue replaced": (lambda: OPS.__setitem__("gemm_out", OPS["gemm_qkv"]),
+                                        "workloads.ops.OPS['gemm_out']"),
+    "an op's method set on the op": (lambda: setattr(OPS["gemm_out"], "reference", lambda *a, **k: {}),
+                                     "workloads.ops.OPS['gemm_out'].reference"),
+    "an op's class swapped": (lambda: setattr(OPS["gemm_out"], "__class__", type(OPS["gemm_qkv"])),
+                              "workloads.ops.OPS['gemm_out'].__class__"),
+    "the data of an op's class": (lambda: setattr(type(OPS["gemm_out"]), "outputs", ()),
+                                  "workloads.ops.gemm.Gemm_gemm_out.outputs"),
+    "a registered implementation's method shadowed": (
+        _shadow_registered, "the registered implementation ('gemm_out', 'torch-eager').run (shadows its method)"),
+    "a kernel of aten": (_override_aten_kernel, "torch's kernel of aten/mm/CPU (replaced through torch.library)"),
+    "an environment variable": (lambda: os.environ.__setitem__("TRITON_INTERPRET", "0"),
+                                "os.environ['TRITON_INTERPRET']"),
+    "an environment variable that decides what runs, added": (
+        lambda: os.environ.__setitem__("CODABENCH_ADDED_BY_A_PLUGIN", "1"), "os.environ['CODABENCH_ADDED_BY_A_PLUGIN']"),
+    "a torch function mode": (_enter_function_mode, "torch function modes (a mode is entered)"),
+    "a torch dispatch mode": (_enter_dispatch_mode, "torch dispatch modes (a mode is entered)"),
+    "torch's default dtype": (lambda: torch.set_default_dtype(torch.float64), "torch.get_default_dtype"),
+    "torch's threads": (lambda: torch.set_num_threads(torch.get_num_threads() + 1), "torch.get_num_threads"),
+    "the float32 matmul precision": (lambda: torch.set_float32_matmul_precision("medium"),
+                                     "the float32 precision (torch.backends.*.fp32_precision)"),
+    "oneDNN's fp32 precision": (lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"),
+                                "the float32 precision (torch.backends.*.fp32_precision)"),
+    "a global module hook": (lambda: torch.nn.modules.module.register_module_forward_hook(lambda *a: None),
+                             "torch.nn.modules.module._global_forward_hooks"),
 }
 
 
@@ -210,6 +262,35 @@ def test_the_guard_sees_and_restores(kind):
     assert sys.modules["codabench.timing"] is timing_module and codabench.metrics.rel_err.__code__ is rel_err_code
     assert sys.gettrace() is None and sys.getprofile() is None and threading.gettrace() is None
     assert codabench.registry.register.__kwdefaults__["modes"] is None and not hasattr(codabench.timing, "sorted")
+    assert codabench.metrics.FLOOR[torch.float32] == 1e-6 and OPS["gemm_out"].name == "gemm_out"
+    assert "reference" not in vars(OPS["gemm_out"]) and type(OPS["gemm_out"]).outputs == ("out",)
+    assert torch._C._len_torch_function_stack() == 0 and torch._C._len_torch_dispatch_stack() == 0
+    assert torch.get_default_dtype() is torch.float32 and torch.get_float32_matmul_precision() == "highest"
+    assert not torch.nn.modules.module._global_forward_hooks
+    assert torch.mm(torch.ones(1, 1), torch.ones(1, 1)).item() == 1.0
+
+
+def test_defaults_and_locations_a_library_adds_to_the_environment_are_not_tampering(monkeypatch):
+    """Libraries set variables of their own at first use (Inductor: ``TORCH_WARM_POOL``, ``CUBLAS_WORKSPACE_CONFIG``,
+    ``TRITON_CACHE_DIR`` where unset): added, not deciding what runs, they are left alone; changing one the run
+    started with is not."""
+    names = ("TORCH_WARM_POOL", "CUBLAS_WORKSPACE_CONFIG", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    guard.snapshot(refresh=True)
+    try:
+        os.environ.update(TORCH_WARM_POOL="0", CUBLAS_WORKSPACE_CONFIG=":4096:8", TRITON_CACHE_DIR="/tmp/x",
+                          TRITON_PTXAS_PATH="/tmp/ptxas")
+        assert guard.tampered() == []
+        guard.snapshot(refresh=True)
+        os.environ["TRITON_CACHE_DIR"] = "/tmp/y"
+        assert guard.tampered() == ["os.environ['TRITON_CACHE_DIR']"]
+        guard.restore()
+        assert os.environ["TRITON_CACHE_DIR"] == "/tmp/x"
+    finally:
+        for name in names:
+            os.environ.pop(name, None)
+        guard.snapshot(refresh=True)  # the record without them, before monkeypatch puts the run's values back
 
 
 def test_the_spin_before_each_sample_is_the_original_builtin_not_a_lookup():

@@ -367,3 +367,19 @@ def test_an_earlier_column_list_is_rewritten_whole_before_rows_are_appended(tmp_
     df = pd.read_csv(path)
     assert list(df.columns) == tables.RESULT_COLUMNS and list(df["op"]) == ["gemm_out", "gemm_down"]
     assert df["check_s"].isna().tolist() == [True, False]
+
+
+def test_what_a_plugin_writes_into_the_run_folder_does_not_survive_the_run(registry, tmp_path, monkeypatch, capsys):
+    """A plugin whose calls (in the worker process) append forged rows to results.csv and errors.csv and replace
+    env.json: the run puts back what it wrote, says so, and the forged rows never reach the tables it reports from."""
+    from codabench.discovery import load_plugin_file
+    from harness_helpers import PLUGINS
+
+    monkeypatch.setenv("CODABENCH_TEST_RUN_DIR", str(tmp_path))
+    load_plugin_file(PLUGINS / "adv_writes_run_folder.py")
+    make_runner(tmp_path, modes=("fwd",), impls=["torch-eager", "adv-writes-run-folder"]).run()
+    df, err, env = tables.load_run(tmp_path)
+    assert sorted(df["impl"]) == ["adv-writes-run-folder", "torch-eager"]
+    assert "adv-forged" not in set(err["impl"])
+    assert "forged" not in env and set(env["run_folder_restored"]) >= {"results.csv", "errors.csv"}
+    assert "put back as the run wrote it" in capsys.readouterr().err

@@ -1,0 +1,66 @@
+"""Plugins that attack what the harness compares against or what the other implementations run on (tests/plugins/
+adv_*.py), in a worker process as the command line runs them: each gets the blame, and no verdict it did not earn."""
+import pandas as pd
+import pytest
+
+from codabench import guard
+from codabench.discovery import load_plugin_file
+from codabench.results import load_run
+from harness_helpers import PLUGINS, isolated_registry, make_runner
+
+IMPORT_ATTACKS = {
+    "adv_op_reference.py": ("adv-op-reference", "workloads.ops.OPS['gemm_out'].reference"),
+    "adv_function_mode.py": ("adv-function-mode", "torch function modes (a mode is entered)"),
+    "adv_pass_floor.py": ("adv-pass-floor", "codabench.metrics.FLOOR[torch.float32]"),
+    "adv_aten_kernel.py": ("adv-aten-kernel", "torch's kernel of aten/mm/CPU (replaced through torch.library)"),
+}
+"""Plugin file: (its implementation, which returns a wrong output, and what it changes while being imported)."""
+
+
+@pytest.fixture
+def registry():
+    with isolated_registry() as reg:
+        yield reg
+    guard.restore()  # this process imported the plugins too
+
+
+def test_what_the_harness_compares_against_cannot_be_moved_to_a_wrong_output(registry, tmp_path):
+    """Each plugin moves the reference and PyTorch's results (an op's method, a torch function mode, a kernel of
+    aten) or the pass rule's floor while being imported, to agree with its wrong output: the change is its load
+    error, the originals are back before any cell, so its cell fails the pass rule, and the honest cells
+    (torch-eager, test-good) stay correct."""
+    for f in [*IMPORT_ATTACKS, "good.py"]:
+        load_plugin_file(PLUGINS / f)
+    make_runner(tmp_path, modes=("fwd",), impls=["torch-eager", "test-good",
+                                                 *(impl for impl, _ in IMPORT_ATTACKS.values())]).run()
+    df, _, _ = load_run(tmp_path)
+    got = {r["impl"]: r for _, r in df.iterrows()}
+    for f, (impl, changed) in IMPORT_ATTACKS.items():
+        load_error = got[str((PLUGINS / f).resolve())]
+        assert load_error["status"] == "error" and f"tampered with {changed} while being imported" in (
+            load_error["message"]), (f, load_error["message"])
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is False, (impl, got[impl]["message"])
+    for impl in ("torch-eager", "test-good"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["rel_err"])
+
+
+def test_what_the_others_run_cannot_be_slowed(registry, tmp_path):
+    """A plugin that gives a baseline's registry entry a slower ``run`` while being imported gets the blame (its load
+    error) and the baseline keeps its time; a call that leaves a torch function mode entered (every later torch call,
+    the other cells' included, would run through it) is its cell's error row, and the honest cell after it is correct
+    and keeps a time."""
+    for f in ("adv_slows_a_baseline.py", "adv_slows_others.py", "good.py"):
+        load_plugin_file(PLUGINS / f)
+    make_runner(tmp_path, modes=("fwd",), impls=["torch-eager", "adv-slows-a-baseline", "adv-slows-others",
+                                                 "test-good"]).run()
+    df, _, _ = load_run(tmp_path)
+    got = {r["impl"]: r for _, r in df.iterrows()}
+    load_error = got[str((PLUGINS / "adv_slows_a_baseline.py").resolve())]
+    assert "tampered with the registered implementation ('gemm_out', 'torch-eager').run (shadows its method)" in (
+        load_error["message"]), load_error["message"]
+    assert got["torch-eager"]["status"] == "ok" and got["torch-eager"]["median_ms"] < 25, got["torch-eager"]
+    assert got["adv-slows-others"]["status"] == "error" and (
+        "tampered with torch function modes (a mode is entered)" in got["adv-slows-others"]["message"])
+    assert pd.isna(got["adv-slows-others"]["median_ms"])
+    for impl in ("test-good", "adv-slows-a-baseline"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
