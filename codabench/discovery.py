@@ -125,7 +125,10 @@ def plugin_module_name(path: Path) -> str:
 
 
 def load_plugin_file(path: str | os.PathLike, gate: Gate | None = None, done: Done | None = None) -> None:
-    """Import a plugin file (once: a file already imported is left alone); ``gate``, ``done``: see the module."""
+    """Import a plugin file (once: a file already imported is left alone); ``gate``, ``done``: see the module. Its
+    folder is appended to ``sys.path``, so that it imports the modules beside it by name (``from my_helpers import
+    ...``); appended, so a module of a name that is taken (``kernels``, ``codabench``, an installed package) is the
+    taken one."""
     guard.snapshot()
     path = Path(path).resolve()
     if str(path) not in REGISTRY.plugin_files:
@@ -137,6 +140,8 @@ def load_plugin_file(path: str | os.PathLike, gate: Gate | None = None, done: Do
     def load() -> None:
         if not path.is_file():
             raise FileNotFoundError(f"no such plugin file: {path}")
+        if str(path.parent) not in sys.path:  # modules beside the plugin import by name, after every other place
+            sys.path.append(str(path.parent))  # (a module of the harness's or an installed package's name is those)
         spec = importlib.util.spec_from_file_location(mod_name, path)
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot load {path} as a Python module")

@@ -265,3 +265,24 @@ def test_first_calls_arm_once_per_shape():
     assert first.take() is None
     first.arm(("70b", "bf16"), "cuda:1")
     assert first.take() == "cuda:1"
+
+
+def test_a_plugin_imports_a_module_beside_it(registry, tmp_path):
+    """The plugin's folder is searched after every other place: its helper module imports by name, and a module
+    beside it named like one of the harness's packages does not replace the harness's."""
+    (tmp_path / "codabench_sibling_helper.py").write_text("def double(t):\n    return 2 * t\n")
+    (tmp_path / "workloads.py").write_text("raise RuntimeError('a shadow of the harness package was imported')\n")
+    plugin = _plugin(tmp_path / "uses_helper.py",
+                     "import workloads.ops\n"
+                     "from codabench_sibling_helper import double\n"
+                     "from codabench.registry import register\n"
+                     "@register('gemm_out', 'sibling-gemm', modes=('fwd',), dtypes=('fp32',))\n"
+                     "def f(x, w):\n    return {'out': double(x @ w.T) / 2}\n")
+    try:
+        load_plugin_file(plugin)
+        assert not [e for e in registry.load_errors if str(plugin) in e[0]], registry.load_errors
+        assert ("gemm_out", "sibling-gemm") in registry.impls
+    finally:
+        sys.modules.pop("codabench_sibling_helper", None)
+        if str(tmp_path) in sys.path:
+            sys.path.remove(str(tmp_path))
