@@ -230,7 +230,7 @@ def _kernel_overrides(kernels: frozenset[str], ops: frozenset[str]) -> list[str]
 
 def _drop_kernels(names: list[str]) -> None:
     """Destroy the ``torch.library.Library`` objects that registered ``names`` (torch's kernels are back)."""
-    for lib in [o for o in gc.get_objects() if isinstance(o, _LIBRARY.Library)]:
+    for lib in [o for o in gc.get_objects() if issubclass(type(o), _LIBRARY.Library)]:
         if set(getattr(lib, "_op_impls", ())) & set(names):
             lib._destroy()
 
