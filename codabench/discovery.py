@@ -18,7 +18,8 @@ the blame never falls on a later plugin or cell.
 
 Each import can be watched from outside (the cell worker reports them to its parent, :mod:`codabench.worker`): a
 ``gate`` asked before it may veto it (a reason, recorded as the plugin's load error: its import hung or crashed a
-worker before), and ``done`` hears how many seconds it took.
+worker before, or left a thread of its own running), and ``done`` hears how many seconds it took and whether it left
+such a thread.
 """
 from __future__ import annotations
 
@@ -82,8 +83,9 @@ def describe_load_error(exc: BaseException) -> str:
 
 Gate = Callable[[str], str | None]
 """Asked with a plugin's source before its import: a reason not to import it (its load error), or None."""
-Done = Callable[[str, float], None]
-"""Told a plugin's source and the seconds its import took (failed or not)."""
+Done = Callable[[str, float, str | None], None]
+"""Told a plugin's source, the seconds its import took (failed or not) and, where it left threads of its own running
+(:func:`codabench.guard.own_threads`), the load error that says so (a worker is replaced without that plugin)."""
 
 
 def _record_failure(source: str, exc: BaseException) -> None:
@@ -104,6 +106,7 @@ def _import(source: str, load: Callable[[], None], gate: Gate | None, done: Done
         return
     clock = guard.private_clocks().perf_counter
     before = set(guard.tampered())  # already changed (by a test or debugger that runs discovery): not this plugin
+    threads = guard.running_threads()
     t0 = clock()
     try:
         load()
@@ -114,8 +117,13 @@ def _import(source: str, load: Callable[[], None], gate: Gate | None, done: Done
     if bad:
         guard.restore(bad)
         REGISTRY.load_errors.append((source, import_tamper_message(bad)))
+    started = guard.own_threads(threads)
+    threaded = (f"left {guard.listing(started)} running its own code after its import (a thread beside the timed "
+                "calls slows every implementation)") if started else None
+    if threaded:
+        REGISTRY.load_errors.append((source, threaded))
     if done is not None:
-        done(source, seconds)
+        done(source, seconds, threaded)
 
 
 def plugin_module_name(path: Path) -> str:

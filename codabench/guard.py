@@ -62,8 +62,10 @@ import builtins
 import gc
 import math
 import os
+import site
 import statistics
 import sys
+import sysconfig
 import threading
 import time
 import types
@@ -698,6 +700,45 @@ def private_clocks() -> Clocks:
     """The timing loops' clocks (see the module docstring for how to use them); takes the snapshot if none was."""
     snapshot()
     return _RECORD.clocks
+
+
+def running_threads() -> set[int]:
+    """The idents of the threads alive now (what :func:`own_threads` compares with)."""
+    return {t.ident for t in threading.enumerate()}
+
+
+def _library_roots() -> tuple[str, ...]:
+    """The folders of the standard library and of installed packages: the interpreter's, the site folders, and the
+    entries of ``sys.path`` that hold installed distributions (``*.dist-info``: ``pip install --target``)."""
+    paths = sysconfig.get_paths()
+    roots = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")] + site.getsitepackages()
+    for entry in sys.path:
+        try:
+            if entry and any(name.endswith(".dist-info") for name in os.listdir(entry)):
+                roots.append(entry)
+        except OSError:
+            continue
+    return tuple({os.path.realpath(r) + os.sep for r in roots})
+
+
+def own_threads(before: set[int]) -> list[str]:
+    """The names of the threads started since ``before`` (:func:`running_threads`) that are still alive and run code
+    of their own: a frame of their stack in a file outside the standard library and the installed packages (a
+    plugin's own code, or a module beside it). A library's threads (a compile pool, a monitor) run the library's
+    code and are not counted; a plugin installed as a package is not told from one."""
+    roots, frames, me = _library_roots(), sys._current_frames(), threading.get_ident()
+    names = []
+    for t in threading.enumerate():
+        if t.ident in before or t.ident == me:
+            continue
+        frame = frames.get(t.ident)
+        while frame is not None:
+            file = frame.f_code.co_filename
+            if not file.startswith("<") and not os.path.realpath(file).startswith(roots):
+                names.append(t.name)
+                break
+            frame = frame.f_back
+    return names
 
 
 def verify_clocks() -> None:

@@ -13,7 +13,8 @@ name. The next request starts a fresh worker. The worker ignores SIGINT: Ctrl-C 
 worker and writes the report.
 
 Starting, the worker reports each plugin import to the parent (:func:`codabench.discovery.discover`'s ``gate`` and
-``done``). An import that takes longer than the cell timeout, or that ends the worker process, is vetoed: the worker
+``done``). An import that takes longer than the cell timeout, that ends the worker process, or that leaves a thread
+running its own code (:func:`codabench.guard.own_threads`: it would run beside every timed call) is vetoed: the worker
 is stopped and started again without that plugin, which gets a load error, in this worker and every later one, and in
 the parent's registry (:meth:`WorkerProcess.import_verdict` lets the parent's own discovery skip it too, so a hanging
 import never hangs the command line). An import slower than :data:`SLOW_IMPORT_S` is printed and
@@ -108,7 +109,7 @@ def serve(conn: Connection) -> None:
 
     try:
         registry = discover(cfg.plugin_files, entry_points=cfg.entry_points, gate=gate,
-                            done=lambda source, seconds: conn.send(("imported", (source, seconds))))
+                            done=lambda source, seconds, threaded: conn.send(("imported", (source, seconds, threaded))))
     except OSError:  # the parent is gone
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: a plugin's import may have set its own handler
@@ -244,8 +245,11 @@ class WorkerProcess:
         if kind == "importing":
             self._importing = (value, time.monotonic())
         elif kind == "imported":
-            source, seconds = value
+            source, seconds, threaded = value
             self._importing = None
+            if threaded:  # the thread dies with this worker's process group; the next worker does not import it
+                self._veto(source, f"{threaded}: the worker was stopped and started again without this plugin")
+                return
             self.verdicts[source] = None
             if seconds > SLOW_IMPORT_S and source not in self.slow_imports:
                 self.slow_imports[source] = seconds

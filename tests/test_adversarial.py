@@ -1,5 +1,7 @@
 """Plugins that attack what the harness compares against or what the other implementations run on (tests/plugins/
 adv_*.py), in a worker process as the command line runs them: each gets the blame, and no verdict it did not earn."""
+import sys
+
 import pandas as pd
 import pytest
 
@@ -63,4 +65,23 @@ def test_what_the_others_run_cannot_be_slowed(registry, tmp_path):
         "tampered with torch function modes (a mode is entered)" in got["adv-slows-others"]["message"])
     assert pd.isna(got["adv-slows-others"]["median_ms"])
     for impl in ("test-good", "adv-slows-a-baseline"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+
+
+def test_a_plugin_that_leaves_a_thread_running_its_code_is_vetoed(registry, tmp_path):
+    """A plugin whose import leaves a thread running its own code (a busy loop beside every timed call) gets a load
+    error naming the thread; the worker that imported it is replaced by one that does not import it, so the honest
+    cells are timed without it."""
+    path = (PLUGINS / "adv_thread.py").resolve()
+    load_plugin_file(path)
+    next(m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == str(path)).STOP.set()
+    assert any(source == str(path) and "left adv-burner running its own code" in error
+               for source, error in registry.load_errors), registry.load_errors
+    load_plugin_file(PLUGINS / "good.py")
+    make_runner(tmp_path, modes=("fwd",), impls=["torch-eager", "test-good", "adv-thread"]).run()
+    df, _, _ = load_run(tmp_path)
+    got = {r["impl"]: r for _, r in df.iterrows()}
+    assert "started again without this plugin" in got[str(path)]["message"], got[str(path)]["message"]
+    assert got.get("adv-thread") is None or got["adv-thread"]["status"] == "error", got["adv-thread"]
+    for impl in ("torch-eager", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])

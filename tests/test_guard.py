@@ -293,6 +293,25 @@ def test_defaults_and_locations_a_library_adds_to_the_environment_are_not_tamper
         guard.snapshot(refresh=True)  # the record without them, before monkeypatch puts the run's values back
 
 
+def test_own_threads_are_those_started_since_that_run_code_outside_the_libraries():
+    """A thread started since the record whose stack has a frame of this file counts; a library's thread (a Timer,
+    waiting in the standard library) does not, nor one that ended."""
+    before = guard.running_threads()
+    stop = threading.Event()
+    mine = threading.Thread(target=stop.wait, name="waits-in-the-library")
+    timer = threading.Timer(60, lambda: None)
+    spinning = threading.Thread(target=lambda: [None for _ in iter(lambda: stop.is_set(), True)], name="spins-here")
+    for t in (mine, timer, spinning):
+        t.start()
+    try:
+        assert guard.own_threads(before) == ["spins-here"]
+    finally:
+        stop.set(), timer.cancel()
+        for t in (mine, timer, spinning):
+            t.join()
+    assert guard.own_threads(before) == []
+
+
 def test_the_spin_before_each_sample_is_the_original_builtin_not_a_lookup():
     """The lead's spin runs before each sample's start event (codabench/sweep.py): a ``torch._C._cuda_sleep``
     replaced after the snapshot (to enqueue a plugin's work there, untimed) does not reach the loops. The clocks are
