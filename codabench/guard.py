@@ -180,8 +180,8 @@ def _put_environ(recorded: dict[str, str], name: str) -> None:
 
 
 def _process_state() -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
-    """label: (getter, setter) of each piece of :data:`PROCESS_STATE`, bound to the os's and torch's own functions now
-    (the guard is imported before any plugin)."""
+    """label: (getter, setter) of each piece of :data:`PROCESS_STATE`, bound to torch's own functions now (the guard
+    is imported before any plugin)."""
     C, nn_module = torch._C, sys.modules["torch.nn.modules.module"]
     state = {
         "torch function modes (a mode is entered)": (
@@ -238,8 +238,9 @@ def _drop_kernels(names: list[str]) -> None:
 
 
 PROCESS_STATE = _process_state()
-"""The process-wide state (the environment variables, torch's settings), label: (getter, setter). Grad mode is not
-in it: the harness sets it around each call itself (the timing loops check the guard inside ``torch.no_grad()``)."""
+"""torch's process-wide state, label: (getter, setter); the environment variables are checked apart
+(:func:`_environ_changes`). Grad mode is not in it: the harness sets it around each call itself (the timing loops
+check the guard inside ``torch.no_grad()``)."""
 
 _MISSING = object()
 _EMPTY = object()
@@ -572,6 +573,12 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or (type(a) is type(b) and type(a) in (bool, int, float, str) and a == b)
 
 
+def _record_process(record: _Record) -> None:
+    """Record torch's process-wide state and the environment variables as they are now."""
+    record.process_state = {label: get() for label, (get, _) in PROCESS_STATE.items()}
+    record.environ = _settings_in_environ()
+
+
 def snapshot(refresh: bool = False) -> None:
     """Record what the guard watches (once per process: later calls keep the first record).
 
@@ -583,8 +590,7 @@ def snapshot(refresh: bool = False) -> None:
         if refresh:
             _record_harness(_RECORD)
             _record_registered(_RECORD)
-            _RECORD.process_state = {label: get() for label, (get, _) in PROCESS_STATE.items()}
-            _RECORD.environ = _settings_in_environ()
+            _record_process(_RECORD)
         return
     import torch._dynamo  # noqa: F401  (on import it wraps torch.manual_seed: settle that before the record)
 
@@ -594,8 +600,7 @@ def snapshot(refresh: bool = False) -> None:
                         for label, (owner, names) in HOOK_FUNCTIONS.items() for name in names]
     _RECORD.builtins = {k: v for k, v in vars(builtins).items() if k != "_"}
     _RECORD.hooks = _hooks()
-    _RECORD.process_state = {label: get() for label, (get, _) in PROCESS_STATE.items()}
-    _RECORD.environ = _settings_in_environ()
+    _record_process(_RECORD)
     _RECORD.kernels = frozenset(getattr(_LIBRARY, "_impls", ()))
     _RECORD.ops = frozenset(torch._C._dispatch_get_all_op_names())
     _RECORD.clocks = Clocks(time.perf_counter, torch.cuda.Event, torch.cuda.Event.record,
@@ -607,9 +612,8 @@ def snapshot(refresh: bool = False) -> None:
 def _scan() -> Iterator[tuple[str, Callable[[], None]]]:
     """(label, the fix that restores it) of everything that differs from the record."""
     r = _RECORD
-    for a in [a for a in r.guarded if a.namespace.get(a.name, _MISSING) is not a.original]:
-        yield a.label, lambda a=a: setattr(a.owner, a.name, a.original)
-    for a in [a for a in r.harness if a.namespace.get(a.name, _MISSING) is not a.original]:
+    methods = [a for attrs in r.methods.values() for a in attrs]
+    for a in [a for a in (*r.guarded, *r.harness, *methods) if a.namespace.get(a.name, _MISSING) is not a.original]:
         yield a.label, lambda a=a: setattr(a.owner, a.name, a.original)
     for c in r.contents:
         for label in _changed_entries(c):
@@ -624,9 +628,6 @@ def _scan() -> Iterator[tuple[str, Callable[[], None]]]:
     if overrides:
         yield (f"torch's kernel of {', '.join(sorted(overrides))} (replaced through torch.library)",
                lambda: _drop_kernels(overrides))
-    for methods in list(r.methods.values()):
-        for a in [a for a in methods if a.namespace.get(a.name, _MISSING) is not a.original]:
-            yield a.label, lambda a=a: setattr(a.owner, a.name, a.original)
     for reg in list(r.implementations.values()):
         for label in _changed_implementation(reg):
             yield label, lambda reg=reg: _put_implementation(reg)
