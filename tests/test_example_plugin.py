@@ -30,4 +30,5 @@ def test_example_is_discovered_and_correct(dtype):
     finally:
         del kernel.fn.run
     assert launched == [1]
+    assert impl.describe(None) == "bias_gelu:fused"  # the report's strategy column: the path the kernel took
     assert outcome.correct, (outcome.errors, [(c.output, c.stats, c.torch_rel_err) for c in outcome.checks])

@@ -67,7 +67,7 @@ from kernels.coda.host import cdiv
 from kernels.coda.launch import MAINLOOP_PARAMS, FusedGemm
 from kernels.coda.mainloop import INTERPRET, coda_autotune, operand, tile_desc
 from kernels.coda.reduce import col_partials, launched_tiles, row_partials
-from kernels.coda.strategy import Gluon, always, binder, hopper, with_split
+from kernels.coda.strategy import Gluon, Recorder, always, binder, hopper, summary, with_split
 from kernels.coda.tile_programs import blocks_program, fused_program
 from workloads.fp8 import Fp8, Recipe, promoted
 from workloads.ops import OPS
@@ -625,13 +625,19 @@ def _run_split(decl: Declaration, kernel: Callable, g: Gemm, named: dict[str, An
 
 class Entry(Implementation):
     """A host function as one op's implementation: ``run`` calls ``call`` (a :class:`Binding`'s run) on the cell's
-    native inputs."""
+    native inputs; ``describe`` names the path (fused, split, gluon) each declared kernel of its last call took, the
+    report's ``strategy`` column, as for ``coda-triton``."""
 
     def __init__(self, call: Callable[[Native], dict[str, Any]]):
         self.call = call
+        self.recorder = Recorder()
 
     def run(self, native: Native) -> dict[str, Any]:
+        self.recorder.start()
         return self.call(native)
+
+    def describe(self, native: Native) -> str:
+        return summary(self.recorder.launches())
 
 
 def register(host: Callable, name: str, implementation: Callable[..., Any] | None = None,
