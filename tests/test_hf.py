@@ -47,7 +47,7 @@ def tiny(arch: str = "llama", seed: int = 0, **overrides) -> nn.Module:
     config = getattr(transformers, config_cls)(
         **{"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
            "head_dim": 16, "vocab_size": VOCAB, "num_hidden_layers": 2, "max_position_embeddings": 64,
-           "rms_norm_eps": 1e-5, "initializer_range": 0.2, **extra, **overrides})
+           "rms_norm_eps": 1e-5, "initializer_range": 0.2, **copy.deepcopy(extra), **overrides})
     torch.manual_seed(seed)
     return getattr(transformers, model_cls)(config)
 
@@ -65,9 +65,10 @@ def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, labels
 
 
-def assert_passes(name: str, ours: torch.Tensor, torch_out: torch.Tensor, ref: torch.Tensor) -> None:
+def assert_passes(name: str, ours: torch.Tensor, torch_out: torch.Tensor, ref: torch.Tensor,
+                  dtype: torch.dtype = torch.float32) -> None:
     torch_err, err = rel_err(torch_out, ref), rel_err(ours, ref)
-    assert passes(err, torch_err, torch.float32), f"{name}: rel_err {err:.2e} vs unpatched fp32 {torch_err:.2e}"
+    assert passes(err, torch_err, dtype), f"{name}: rel_err {err:.2e} vs unpatched {dtype} {torch_err:.2e}"
 
 
 def loss_and_grads(model: nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor], object]:
@@ -527,11 +528,11 @@ def test_packed_sequences_follow_the_unpatched_model(use_cache):
     assert (rel_err(ours[:, 10:], alone) < 1e-5) == (not use_cache)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_generate_greedy_tokens_equal_the_unpatched_model(arch):
-    """generate() with the KV cache, left padding (and Mistral's sliding window): the prefill runs on the CODA
-    kernels and fills the cache with Hugging Face's keys and values, the decode steps run the model's own forward
-    from it; the greedy tokens are the unpatched model's."""
+    """generate() with the KV cache, left padding (Mistral's sliding window, Qwen2's biases): the prefill runs on the
+    CODA kernels and fills the cache with Hugging Face's keys and values, the decode steps run the model's own
+    forward from it; the greedy tokens are the unpatched model's."""
     model, ref = apply_coda(tiny(arch).eval()), tiny(arch).eval()
     ids, mask, _ = batch()
     args = {"attention_mask": mask, "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}

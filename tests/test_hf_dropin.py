@@ -4,12 +4,15 @@ Each test compares the patched model with an unpatched copy on the CPU (tiny fp3
 kernels in the interpreter): the config defaults transformers resolves per call (``use_cache``, gradient
 checkpointing, ``num_hidden_layers``), the errors it raises for bad labels, hooks on the modules the CODA forward
 bypasses, the values it reads from the modules at every call (RoPE frequencies, RMSNorm epsilons), dtypes (autocast,
-float64 weights, the embeddings'), double backward, and pickling the patched model.
+float64 weights, the embeddings', bf16 under the interpreter, float16), double backward, pickling the patched model,
+call shapes (position_ids, input_ids), an LM head of another width than config.vocab_size, cache_position,
+logits_to_keep tensors, num_items_in_batch=0, and generate() without the cache.
 """
 from __future__ import annotations
 
 import copy
 import io
+import os
 import warnings
 
 import pytest
@@ -18,14 +21,14 @@ import torch
 from kernels.coda.hf import CodaUnsupportedError, apply_coda
 
 from kernel_helpers import launches
-from test_hf import SEQ, assert_close_to, batch, tiny, trainable_grads
+from test_hf import BATCH, SEQ, VOCAB, assert_close_to, assert_passes, batch, tiny, trainable_grads
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
 
 
-def pair(**overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(patched, unpatched) copies of one tiny Llama."""
-    ref = tiny(**overrides)
+def pair(arch: str = "llama", **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(patched, unpatched) copies of one tiny model (Llama unless ``arch`` says)."""
+    ref = tiny(arch, **overrides)
     return apply_coda(copy.deepcopy(ref)), ref
 
 
@@ -387,3 +390,165 @@ def test_peft_modules_to_save_on_the_lm_head_and_a_projection(tie):
             loss = model(input_ids=ids, labels=labels).loss
         assert "gemm_cross_entropy_kernel" in names
         assert_close_to("loss", loss, ref(input_ids=ids, labels=labels).loss)
+
+
+# ---- call shapes, vocabulary widths, options transformers ignores, dtypes the interpreter cannot compute ----------
+
+def test_position_ids_or_input_ids_of_another_shape_run_the_models_own_forward():
+    """The model's RoPE broadcasts the cos/sin of ``position_ids`` against [batch, heads, seq, head_dim]: a 1-D [seq]
+    one raises there (24 positions against 4 heads), or, where seq is the number of heads and of kv heads, gives head
+    h position h. 1-D input_ids raise there too. The patched call runs the model's own forward, with a warning: the
+    same error, the same loss. [batch, 1] positions (one per row) are read per token by both, on the CODA kernels."""
+    model, ref = pair()
+    ids, _, labels = batch()
+    for call in ({"input_ids": ids, "position_ids": torch.arange(SEQ)}, {"input_ids": ids[0], "labels": labels[0]}):
+        with torch.no_grad(), pytest.raises(RuntimeError) as theirs:
+            ref(**call)
+        with torch.no_grad(), pytest.warns(UserWarning, match=r"of shape \[24\]"), pytest.raises(RuntimeError) as ours:
+            model(**call)
+        assert str(ours.value) == str(theirs.value)
+    model, ref = pair(num_key_value_heads=4)
+    call = {"input_ids": ids[:, :4], "position_ids": torch.arange(4), "labels": labels[:, :4]}
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match=r"position_ids of shape \[4\]"), launches() as names:
+            loss = model(**call).loss
+        assert not names and torch.equal(loss, ref(**call).loss)
+    assert_same_step(model, ref, input_ids=ids, position_ids=torch.tensor([[3], [5]]), labels=labels)
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda m: setattr(m, "lm_head", torch.nn.Linear(64, m.config.vocab_size + 7, bias=False)),
+     "shape '[-1, 256]' is invalid for input of size 12624"),
+    (lambda m: setattr(m, "lm_head", torch.nn.Linear(64, 2 * m.config.vocab_size, bias=False)),
+     "Expected input batch_size (96) to match target batch_size (48)."),
+    (lambda m: setattr(m.config, "vocab_size", m.config.vocab_size + 4),
+     "shape '[-1, 260]' is invalid for input of size 12288"),
+], ids=["a wider head", "a head twice as wide", "the config changed"])
+def test_an_lm_head_of_another_width_than_config_vocab_size_raises_with_labels_as_unpatched(change, error):
+    """Hugging Face's loss views the logits as [-1, config.vocab_size]: an LM head replaced by a wider one, or a
+    config changed without it, raises there (the view's RuntimeError, or where the size divides, the
+    cross-entropy's ValueError on the rows it makes). The patched model raises the same; without labels both
+    return the head's logits."""
+    model, ref = pair(tie_word_embeddings=False)
+    for m in (model, ref):
+        torch.manual_seed(5)
+        change(m)
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        for m in (ref, model):
+            with pytest.raises((RuntimeError, ValueError)) as err:
+                m(ids, attention_mask=mask, labels=labels)
+            assert str(err.value) == error
+        assert_close_to("logits", model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_resize_token_embeddings_matches_the_unpatched_model(tie):
+    """``resize_token_embeddings`` updates config.vocab_size with the embedding and LM head (tied or not): the
+    patched model, planned again, gives the unpatched loss and gradients, a target in the new rows included."""
+    model, ref = pair(tie_word_embeddings=tie)
+    for m in (model, ref):
+        torch.manual_seed(5)
+        m.resize_token_embeddings(VOCAB + 13)
+    ids, mask, labels = batch()
+    labels[0, 4] = VOCAB + 12
+    assert_same_step(model, ref, input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_cache_position_is_ignored_as_the_unpatched_model_ignores_it():
+    """transformers 5 reads no ``cache_position`` in these models (the caches count their own tokens): any value
+    leaves the unpatched results alone. The patched model takes it too, on the CODA kernels, in a training step and
+    in a prefill + decode loop over a static and a dynamic cache that passes it as older transformers did."""
+    model, ref = pair()
+    ids, mask, labels = batch()
+    assert_same_step(model, ref, input_ids=ids, attention_mask=mask, labels=labels, cache_position=torch.arange(SEQ))
+    model.eval(), ref.eval()
+    for cache_cls in (transformers.StaticCache, transformers.DynamicCache):
+        steps = []
+        for m in (model, ref):
+            size = {"max_cache_len": 20} if cache_cls is transformers.StaticCache else {}
+            cache = cache_cls(config=m.config, **size)
+            with torch.no_grad(), launches() as names:
+                out = m(ids[:, :12], cache=cache, cache_position=torch.arange(12))
+                logits = [out.logits[:, -1]]
+                for t in range(12, 14):
+                    out = m(out.logits[:, -1:].argmax(-1), cache=out.cache, cache_position=torch.tensor([t]))
+                    logits.append(out.logits[:, -1])
+            steps.append(torch.stack(logits))
+            if m is model:
+                assert names.count("gemm_rope_kernel") == 2  # the prefill's two layers
+        assert_close_to(f"{cache_cls.__name__} logits", steps[0], steps[1])
+
+
+@pytest.mark.parametrize("keep", [torch.tensor([0, 5, 7]), torch.tensor([[0, 5], [3, 9]]),
+                                  torch.arange(SEQ)[None].expand(BATCH, SEQ) % 3 == 0],
+                         ids=["positions", "positions by row", "a mask"])
+def test_logits_to_keep_tensors_select_as_the_unpatched_model(keep):
+    """``logits_to_keep`` as positions for every row (1-D), positions per row (2-D int: gathered) or a 2-D bool mask
+    (the kept rows flattened): Hugging Face's ``slice_logits_to_keep``."""
+    model, ref = pair()
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        ours, theirs = (m(ids, attention_mask=mask, logits_to_keep=keep).logits for m in (model, ref))
+    assert ours.shape == theirs.shape
+    assert_close_to("kept logits", ours, theirs)
+
+
+def test_num_items_in_batch_zero_with_every_label_ignored_leaves_zero_gradients():
+    """A batch whose labels are all -100 (a truncated prompt) with the Trainer's ``num_items_in_batch=0``: the
+    unpatched loss is 0 / 0 = NaN, and its gradients are zeros (torch's cross-entropy gives ignored targets none),
+    so an optimizer step moves nothing. The patched model's are zeros too, not NaN."""
+    model, ref = pair()
+    ids, mask, labels = batch()
+    ignored = torch.full_like(labels, -100)
+    for m in (model, ref):
+        m(ids, attention_mask=mask, labels=ignored, num_items_in_batch=torch.tensor(0)).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad) and not p.grad.any(), name
+    with torch.no_grad():
+        assert model(ids, labels=ignored, num_items_in_batch=0).loss.isnan()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter's limit")
+def test_bf16_weights_under_the_interpreter_run_the_models_own_forward():
+    """The Triton interpreter has no bf16 math: the CODA kernels' results on bf16 weights there would be garbage
+    (a loss of 5.5 for the unpatched 7.0). The call runs the model's own forward instead, with a warning."""
+    model, ref = pair()
+    model.bfloat16(), ref.bfloat16()
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="under the Triton interpreter"), launches() as names:
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+        assert not names and torch.equal(loss, ref(ids, attention_mask=mask, labels=labels).loss)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_generate_without_the_cache_runs_every_step_on_coda(arch):
+    """``generate(use_cache=False)``: each step is a forward over the whole sequence without a cache, which runs on
+    the CODA kernels (left padding, Mistral's sliding window, Qwen2's biases); the greedy tokens are the unpatched
+    model's."""
+    model, ref = pair(arch)
+    model.eval(), ref.eval()
+    ids, mask, _ = batch()
+    args = {"attention_mask": mask, "max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "use_cache": False}
+    with torch.no_grad():
+        with launches() as names:
+            ours = model.generate(ids, **args)
+        assert names.count("gemm_rope_kernel") == 3 * 2  # every step's two layers
+        assert torch.equal(ours, ref.generate(ids, **args))
+
+
+def test_a_float16_model_passes_the_suites_rule():
+    """``model.half()`` on the CPU (the interpreter computes float16): the loss and every gradient pass the suite's
+    rule against the unpatched model in float64, as the unpatched float16 model's error sets it."""
+    ref = tiny(tie_word_embeddings=False)
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    loss64, grads64 = trainable_grads(copy.deepcopy(ref).double(), **inputs)
+    loss16, grads16 = trainable_grads(copy.deepcopy(ref).half(), **inputs)
+    with launches() as names:
+        loss, grads = trainable_grads(apply_coda(ref).half(), **inputs)
+    assert "gemm_cross_entropy_kernel" in names
+    assert_passes("loss", loss, loss16, loss64, torch.float16)
+    for name, g in grads64.items():
+        assert_passes(name, grads[name], grads16[name], g, torch.float16)

@@ -60,15 +60,17 @@ strides themselves (:mod:`kernels.coda.align`), so nothing here pads, and the re
 Works, with the unpatched model's results (details: :func:`apply_coda`, ``docs/hf.md``): Llama, Mistral, Qwen2; GQA/MQA,
 any head_dim; tied or untied embeddings; RoPE default / linear / llama3; padding, position_ids, packed sequences,
 sliding windows, attention dropout; Qwen2's q/k/v biases; silu or swish; any vocabulary, FFN and hidden size; labels
-(bad ones, of the wrong shape or dtype, raise as unpatched), num_items_in_batch, shift_labels, inputs_embeds,
-logits_to_keep without labels; use_cache as the unpatched model resolves it (the returned cache included);
+(bad ones, of the wrong shape or dtype, or with an LM head whose width is not config.vocab_size, raise as unpatched),
+num_items_in_batch, shift_labels, inputs_embeds, logits_to_keep (an int or a tensor) without labels; cache_position
+(ignored, as transformers 5 ignores it); use_cache as the unpatched model resolves it (the returned cache included);
 config.num_hidden_layers below the layers; hooks and replaced forwards (the call runs the model's own forward);
 state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projection, before or after patching, dropout
 included, disable_adapter / merge_adapter, modules_to_save; gradient checkpointing (reentrant or not); generate()
 (prefill on the CODA kernels, decode through the model's own forward); torch.compile(model), fullgraph included (the
 CODA kernels as opaque ``coda::`` ops, :mod:`kernels.coda.ops`); a model changed after patching (planned again);
-torch.save(model); float64 weights (the call runs the model's own forward); return_dict=False in a call without labels;
-masks built ahead (a dict by layer type, as Qwen2's generate with a static cache passes them).
+torch.save(model); float64 weights, bf16 ones under the Triton interpreter, and position_ids or inputs of a shape the
+model reads otherwise (a 1-D [seq] position_ids) run the model's own forward; return_dict=False in a call without
+labels; masks built ahead (a dict by layer type, as Qwen2's generate with a static cache passes them).
 
 Refused in one line (:class:`CodaUnsupportedError`): other architectures, activations (``config.hidden_act`` or an MLP's
 ``act_fn``), RoPE types or a partial rotary factor; a decoder, layer, attention or MLP of another class; biases on
@@ -95,6 +97,7 @@ from torch import nn
 from kernels import layouts as L
 from kernels.coda.functions import (Consumer, CrossEntropy, Linear, NoConsumer, Recomputation, RoPE, SwiGLU,
                                     block, norm_consumer, producer_consumer)
+from kernels.coda.mainloop import INTERPRET
 from kernels.coda.pack import gate_up_index, pack_rows, qkv_index
 from kernels.coda.precompile import Precompiled, compiles_here, dry_pass, precompile_autograd
 from kernels.coda.rope import rope_freq_table
@@ -106,7 +109,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE types whose cos/sin are exactly those of ``pos * inv_freq``: no attention factor, no dynamic update."""
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The weight dtypes the CODA kernels compute in (accumulating in float32); a call on other weights (float64) runs
-the model's own forward."""
+the model's own forward, and so does one on bfloat16 weights under the Triton interpreter, which has no bf16 math."""
 TRANSFORMERS_RANGE = ("5.24", "6")
 """The transformers versions the drop-in follows (>= the first, < the second: the model classes' forward, outputs and
 checkpointing it reproduces change between major versions); pyproject.toml's ``[hf]`` extra says the same."""
@@ -119,6 +122,10 @@ _WINDOW: dict[str, Callable[[Any, nn.Module], int | None]] = {
 }
 # Call options whose value is also the unpatched model's default behaviour. Any other option is refused.
 _NEUTRAL_OPTIONS = {"output_attentions": False, "output_hidden_states": False, "return_dict": True}
+_IGNORED_OPTIONS = ("cache_position",)
+"""Call options that the unpatched model takes into its ``**kwargs`` and never reads, whatever their value (transformers
+5 removed ``cache_position`` from these models, whose caches count their own tokens; ``generate()`` makes one only
+for remote-code models): the CODA forward ignores them too."""
 
 
 class CodaUnsupportedError(ValueError):
@@ -171,8 +178,12 @@ def apply_coda(model: nn.Module) -> nn.Module:
     by it, as the Trainer uses it. ``.logits`` is then None, because the fused cross-entropy never writes the
     logits. ``shift_labels`` (given with labels) are used as the targets unshifted, as in Hugging Face. Without
     labels, the last norm + LM head run as a CODA linear consumer and ``.logits`` is returned (``logits_to_keep``
-    as in Hugging Face). ``attention_mask`` (padding) and ``position_ids`` are supported: they go to the
-    model's own mask builder and attention, and to the RoPE positions. ``use_cache`` is resolved as the unpatched
+    as in Hugging Face: an int, or a 1-D or 2-D tensor of positions or a 2-D bool mask). ``attention_mask``
+    (padding) and ``position_ids`` are supported: they go to the model's own mask builder and attention, and to the
+    RoPE positions. ``position_ids`` of another shape than [batch or 1, seq or 1] or [1] (a 1-D [seq]), which the
+    model's RoPE broadcasts against the heads (it raises, or gives each head its own position), and ``input_ids``
+    not [batch, seq], make the call run the model's own forward, with a warning (:func:`_other_shapes`).
+    ``cache_position`` is ignored, as the unpatched model ignores it. ``use_cache`` is resolved as the unpatched
     decoder does (:func:`_use_cache`): the call's, else the config's, and False under gradient checkpointing in
     training with gradients. Packed sequences (position_ids that restart at 0 inside a row, no attention_mask) then
     get the unpatched model's masks: each sequence its own causal mask when it is False, one causal mask over the
@@ -184,9 +195,12 @@ def apply_coda(model: nn.Module) -> nn.Module:
     Labels are checked as Hugging Face's loss takes them (:func:`_targets`): a number of targets other than the
     tokens raises its ``ValueError`` ("Expected input batch_size (48) to match target batch_size (45)."), a dtype
     other than int64 / uint8 a ``RuntimeError``; flat [B * S] labels are shifted across rows as there;
-    ``logits_to_keep`` with labels is refused. A label that is neither -100 nor in [0, vocab) raises torch's
-    ``IndexError("Target 300 is out of bounds.")`` on the CPU and fails a device-side assertion on a GPU, as the
-    unpatched loss does.
+    ``logits_to_keep`` with labels is refused. Its view of the logits as ``[-1, config.vocab_size]`` is followed
+    too: an LM head whose width is not ``config.vocab_size`` (replaced, or resized without the config) raises with
+    labels as there (``model.resize_token_embeddings`` updates the config, and runs). ``num_items_in_batch=0``
+    where every label is -100 gives the unpatched NaN loss and zero gradients (:class:`_DividedLoss`). A label that
+    is neither -100 nor in [0, vocab) raises torch's ``IndexError("Target 300 is out of bounds.")`` on the CPU and
+    fails a device-side assertion on a GPU, as the unpatched loss does.
 
     KV caches: where ``use_cache`` is True (the config's default included) or a ``cache`` / ``past_key_values`` is
     given empty, the CODA forward, in eval or training, with labels or without, fills the cache with the keys and
@@ -247,8 +261,9 @@ def apply_coda(model: nn.Module) -> nn.Module:
     labels (the tuple's logits are not written) or as the config's default, any other keyword, ``logits_to_keep`` with
     labels, ``torch.autocast`` to a dtype other than the weights' (cast the model instead), embeddings of a dtype other
     than the weights' (cast them). By the backward: ``create_graph=True`` (:func:`_first_order`). Refused too: a
-    transformers version outside :data:`TRANSFORMERS_RANGE`. A call on float64 weights runs the model's own forward
-    (with a warning); ``return_dict=False`` in a call without labels returns the unpatched model's tuple.
+    transformers version outside :data:`TRANSFORMERS_RANGE`. A call on float64 weights, or on bfloat16 weights under
+    the Triton interpreter (which has no bf16 math), runs the model's own forward (with a warning);
+    ``return_dict=False`` in a call without labels returns the unpatched model's tuple.
 
     ``torch.save(model)`` pickles the patched model (the plan without its weak references; the loaded model plans
     again at its first forward).
@@ -593,6 +608,38 @@ def _use_cache(model: nn.Module, use_cache: bool | None) -> bool:
                                 and torch.is_grad_enabled())
 
 
+def _other_dtype(dtype: torch.dtype) -> str | None:
+    """Why the CODA kernels would not compute a call on weights of ``dtype`` as the model does, or None: float64
+    (they accumulate in float32), bfloat16 under the Triton interpreter (it has no bf16 math: its results would be
+    wrong)."""
+    if dtype not in KERNEL_DTYPES:
+        return f"{dtype} weights, which the CODA kernels do not compute in (they accumulate in float32)"
+    if INTERPRET and dtype == torch.bfloat16:
+        return f"{dtype} weights under the Triton interpreter, which has no bf16 math (run bf16 on a GPU)"
+    return None
+
+
+def _other_shapes(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                  position_ids: torch.Tensor | None) -> str | None:
+    """Why the model would not read the call's tokens as [batch, seq] rows with the positions ``position_ids``
+    broadcast to [batch, seq], as the CODA forward does, or None. ``input_ids`` must be [batch, seq] and
+    ``inputs_embeds`` [batch, seq, hidden]. The model's RoPE broadcasts the cos/sin of ``position_ids`` (their shape +
+    head dim, a head axis inserted at 1) against the [batch, heads, seq, head_dim] queries and keys: it reads a 2-D
+    [batch or 1, seq or 1] tensor, or a single position [1], per token; others raise there (a 1-D [seq] one, unless
+    seq is the number of heads: then head h gets position h) or earlier, in the mask builder."""
+    x, name, dims = ((input_ids, "input_ids", 2) if input_ids is not None else
+                     (inputs_embeds, "inputs_embeds", 3))
+    if x is None:
+        return None
+    if x.dim() != dims:
+        return f"{name} of shape {list(x.shape)}, not [batch, seq{', hidden' if dims == 3 else ''}]"
+    shape = None if position_ids is None else tuple(position_ids.shape)
+    if shape in (None, (1,)) or (len(shape) == 2 and shape[0] in (1, x.shape[0]) and shape[1] in (1, x.shape[1])):
+        return None
+    return (f"position_ids of shape {list(shape)}, not [batch or 1, seq or 1], which the model's RoPE broadcasts "
+            "against the attention heads")
+
+
 def _check_call(model: nn.Module, options: dict[str, Any], weight: torch.Tensor) -> None:
     """Refuse (:class:`CodaUnsupportedError`) a call option, or one of the config's defaults of
     :data:`_NEUTRAL_OPTIONS`, that the CODA forward does not compute, and autocast to a dtype other than the
@@ -611,18 +658,24 @@ def _check_call(model: nn.Module, options: dict[str, Any], weight: torch.Tensor)
 
 
 def _targets(labels: torch.Tensor, shift_labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor,
-             rows: int) -> torch.Tensor:
+             rows: int, vocab: int, vocab_size: int) -> torch.Tensor:
     """The loss's [rows] targets, as Hugging Face's ``ForCausalLMLoss`` makes them: ``shift_labels`` flattened as
     given, else ``labels`` shifted left by one along their last dim (-100 at the end) and flattened (flat [B * S]
     labels too, shifted across rows as there). Raises as it does: ``ValueError`` where their number is not the
     rows' (``Expected input batch_size (48) to match target batch_size (45).``), ``RuntimeError`` for a dtype
-    other than int64 / uint8 or non-contiguous ``shift_labels`` (``.view(-1)``). ``logits_to_keep`` with labels
-    (Hugging Face's loss is then over the kept positions only, and raises unless the labels are cut to them) is
-    refused: the fused loss covers every position."""
+    other than int64 / uint8 or non-contiguous ``shift_labels`` (``.view(-1)``). It views the [rows, vocab] logits
+    as ``[-1, config.vocab_size]``: an LM head of another width than ``vocab_size`` (replaced, or resized without
+    the config) raises that view's ``RuntimeError`` (``shape '[-1, 256]' is invalid for input of size 12624``), or
+    where the size divides, the ``ValueError`` of the rows that view makes. ``logits_to_keep`` with labels (Hugging
+    Face's loss is then over the kept positions only, and raises unless the labels are cut to them) is refused: the
+    fused loss covers every position."""
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         shown = logits_to_keep if isinstance(logits_to_keep, int) else type(logits_to_keep).__name__
         raise _refuse(f"logits_to_keep={shown} with labels: the fused loss is over every position; call it without "
                       "logits_to_keep, or without labels and compute the loss on the kept logits")
+    if (rows * vocab) % vocab_size:
+        raise RuntimeError(f"shape '[-1, {vocab_size}]' is invalid for input of size {rows * vocab}")
+    rows = rows * vocab // vocab_size
     if shift_labels is None:
         targets = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     else:
@@ -734,6 +787,24 @@ def _first_order(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+class _DividedLoss(torch.autograd.Function):
+    """``total / items``: the loss of a call with ``num_items_in_batch``, the fused loss's sum over the targets divided
+    as Hugging Face's loss divides it. Its backward passes ``grad / items`` on, or zeros where no target is counted
+    (``counted`` False): torch's cross-entropy gives an ignored target no gradient whatever the incoming one, so the
+    unpatched model's gradients stay 0 for a batch whose labels are all -100 with ``num_items_in_batch=0`` (a loss of
+    0 / 0 = NaN), where the fused loss's gradients (zeros, computed in forward) times ``1 / 0`` would be NaN."""
+
+    @staticmethod
+    def forward(ctx: Any, total: torch.Tensor, items: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(items, counted)
+        return total / items
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        items, counted = ctx.saved_tensors
+        return torch.where(counted, grad / items, torch.zeros_like(grad)), None, None
+
+
 def _checkpoint(checkpoint: Callable[..., Any], step: Callable[..., Any], *inputs: torch.Tensor) -> Any:
     """``checkpoint(step, *inputs)``, the layer's own checkpoint function. Where that is torch's non-reentrant
     checkpoint (``functools.partial`` of it, as ``gradient_checkpointing_enable`` makes it) without a ``context_fn`` of
@@ -754,6 +825,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_utils import slice_logits_to_keep
 
     call = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
             "inputs_embeds": inputs_embeds, "labels": labels, "logits_to_keep": logits_to_keep, **options,
@@ -763,6 +835,8 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     # A layer is checkpointed under the condition of transformers' GradientCheckpointingLayer.
     checkpointed = [self.training and torch.is_grad_enabled() and bool(getattr(layer, "gradient_checkpointing", False))
                     for layer in layers]
+    for name in _IGNORED_OPTIONS:
+        options.pop(name, None)
     use_cache = _use_cache(self, options.pop("use_cache", None))
     cache, legacy = options.pop("cache", None), options.pop("past_key_values", None)
     cache = legacy if cache is None else cache
@@ -779,9 +853,9 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
                       "forward", stacklevel=4)
         return type(self).forward(self, **call)
     weight = _base(self.lm_head).weight
-    if weight.dtype not in KERNEL_DTYPES:
-        warnings.warn(f"apply_coda: {weight.dtype} weights, which the CODA kernels do not compute in (they accumulate "
-                      "in float32): this call runs the model's own forward", stacklevel=4)
+    reason = _other_dtype(weight.dtype) or _other_shapes(input_ids, inputs_embeds, position_ids)
+    if reason is not None:
+        warnings.warn(f"apply_coda: {reason}: this call runs the model's own forward", stacklevel=4)
         return type(self).forward(self, **call)
     return_dict = options.pop("return_dict", None)  # the call's (the config's False is refused: HF's own call fails)
     as_tuple = return_dict is not None and not return_dict
@@ -800,9 +874,11 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     batch, seq, hidden = embeds.shape
     final: Consumer = Linear()
     if labels is not None:
-        targets = _targets(labels, shift_labels, logits_to_keep, batch * seq)
-        _check_targets(targets, _base(self.lm_head).out_features)
-        final = CrossEntropy(targets.to(embeds.device), IGNORE_INDEX, "mean" if num_items_in_batch is None else "sum")
+        vocab = _base(self.lm_head).out_features
+        targets = _targets(labels, shift_labels, logits_to_keep, batch * seq, vocab, self.config.vocab_size)
+        _check_targets(targets, vocab)
+        targets = targets.to(embeds.device)
+        final = CrossEntropy(targets, IGNORE_INDEX, "mean" if num_items_in_batch is None else "sum")
     # As in the unpatched model: with use_cache it builds its masks with the cache, and then does not look for packed
     # sequences in position_ids; without, position_ids that restart at 0 inside a row (packed sequences) give each
     # sequence its own causal mask. The mask builder gets no default arange positions: it would search them for
@@ -924,8 +1000,11 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     if out.requires_grad and not torch.compiler.is_compiling():
         out.register_hook(_first_order)
     if labels is None:
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        output = CausalLMOutputWithPast(logits=out.view(batch, seq, -1)[:, keep], cache=cache)
+        output = CausalLMOutputWithPast(logits=slice_logits_to_keep(out.view(batch, seq, -1), logits_to_keep),
+                                        cache=cache)
         return output.to_tuple() if as_tuple else output  # (logits, cache) without None, as HF's tuple
-    loss = out if num_items_in_batch is None else out / torch.as_tensor(num_items_in_batch, device=out.device)
+    if num_items_in_batch is None:
+        return CausalLMOutputWithPast(loss=out, cache=cache)
+    loss = _DividedLoss.apply(out, torch.as_tensor(num_items_in_batch, device=out.device),
+                              (targets != IGNORE_INDEX).any())
     return CausalLMOutputWithPast(loss=loss, cache=cache)
