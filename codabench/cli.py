@@ -376,9 +376,10 @@ def _summary(out: Path, code: int) -> int:
     """Print the counts of a written run and where its report is; the exit code (1 when cells failed)."""
     df, _, _ = load_run(out)
     counts = ", ".join(f"{v} {k}" for k, v in df["status"].value_counts().items())
-    failed = int(((df["status"] == "error") | (df["correct"] == False)).sum())  # noqa: E712 (each cell once)
-    print(f"codabench: {counts}" + (f" ({failed} cells with errors or failing the error rule: exit code "
-                                    f"{EXIT_CELL_ERRORS})" if failed and code == EXIT_OK else "") +
+    failing = int(((df["status"] != "error") & (df["correct"] == False)).sum())  # noqa: E712 (measured, wrong)
+    failed = failing or bool((df["status"] == "error").any())
+    print(f"codabench: {counts}" + (f"; of the ok, {failing} fail{'s' if failing == 1 else ''} the error rule" if failing else "") +
+          (f" (exit code {EXIT_CELL_ERRORS})" if failed and code == EXIT_OK else "") +
           f"\ncodabench: report {out / 'report.html'}\ncodabench: table  {out / 'results.csv'}")
     return EXIT_CELL_ERRORS if failed and code == EXIT_OK else code
 
@@ -546,7 +547,8 @@ def _run_subcommand(name: str, argv: list[str]) -> int:
     elif name == "index":
         p.add_argument("folder", type=Path, nargs="?", default=REPO_ROOT / "reports",
                        help="the folder of committed reports (default: the repository's reports/); its README.md "
-                            "and the results block of the README.md beside it are written")
+                            "is written, and the results block of the README.md beside it where that file holds the "
+                            "markers <!-- results:begin --> and <!-- results:end -->")
         p.add_argument("--check", action="store_true", help="write nothing; exit 1 if either file is stale")
         a = p.parse_args(argv)
         if not a.folder.is_dir():

@@ -37,7 +37,7 @@ import torch
 from codabench.case import Case
 from codabench.eager import TorchEager
 from codabench.execute import CellError, Result, forward_shapes, reference_once, run_once, uses_autograd
-from codabench.metrics import ErrorStats, error_ratio, error_stats, passes
+from codabench.metrics import ErrorStats, error_ratio, error_stats, passes, tolerance
 from codabench.registry import Implementation, Tensors, prepared
 from workloads.op import Op
 
@@ -56,6 +56,8 @@ class OutputCheck:
     passed: bool
     rel_err_vs_bf16: float | None = None
     """fp8 cells: relative error against the unquantized bf16 computation (None otherwise)."""
+    allowed: float | None = None
+    """The largest rel_err that passes (:func:`codabench.metrics.tolerance`)."""
 
 
 @dataclass
@@ -67,6 +69,14 @@ class CheckOutcome:
     @property
     def correct(self) -> bool:
         return not self.errors and bool(self.checks) and all(c.passed for c in self.checks)
+
+    def failures(self, most: int = 3) -> str:
+        """The outputs that fail the error rule, for the row's ``message``: ``out rel_err 1.0e-02 > 3.0e-07 allowed
+        (6.9e+04x PyTorch's)``, the first ``most`` of them; "" when none does."""
+        bad = [c for c in self.checks if not c.passed]
+        text = "; ".join(f"{c.output} rel_err {c.stats.rel_err:.1e} > {c.allowed:.1e} allowed"
+                         + (f" ({c.ratio:.3g}x PyTorch's)" if c.ratio is not None else "") for c in bad[:most])
+        return ("fails the error rule: " + text + (f"; {len(bad) - most} more" if len(bad) > most else "")) if bad else ""
 
     def worst(self, value: Callable[[OutputCheck], float | None]) -> float | None:
         """The largest finite-or-inf value over the compared outputs (None when there is none)."""
@@ -207,4 +217,4 @@ def _check_output(group: GroupReference, name: str, out: torch.Tensor | None, re
     bf16 = group.bf16.get(name) if group.bf16 is not None else None
     vs_bf16 = error_stats(out, bf16).rel_err if bf16 is not None else None
     return OutputCheck(name, stats, torch_rel, error_ratio(stats.rel_err, torch_rel),
-                       passes(stats.rel_err, torch_rel, dtype), vs_bf16)
+                       passes(stats.rel_err, torch_rel, dtype), vs_bf16, tolerance(torch_rel, dtype))

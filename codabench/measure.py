@@ -664,7 +664,7 @@ def _min_bytes(op, case: Case, expected: verify.Expected, grads: Tensors | None)
 def _errors_of(outcome) -> dict[str, Any]:
     return {"rel_err": outcome.worst(lambda c: c.stats.rel_err), "max_abs_err": outcome.worst(lambda c: c.stats.max_abs),
             "err_ratio": outcome.worst(lambda c: c.ratio), "rel_err_vs_bf16": outcome.worst(lambda c: c.rel_err_vs_bf16),
-            "correct": outcome.correct if outcome.checks else None}
+            "correct": outcome.correct if outcome.checks else None, "message": outcome.failures()}
 
 
 def _error_row(cell: Cell, c) -> dict[str, Any]:

@@ -227,7 +227,8 @@ class Runner:
         model = self.cfg.model(cell.model)
         timing = Timing([s for r in p.rounds for s in r.samples_ms], p.rounds[0].kind)
         median = timing.median
-        notes = list(dict.fromkeys(n for n in [why_blocks] + [r.note for r in p.rounds] if n))
+        # the error rule's failures (the correctness pass's message) first, then how the cell was sampled
+        notes = list(dict.fromkeys(n for n in [row.get("message"), why_blocks] + [r.note for r in p.rounds] if n))
         sol = sol_ms(samples, op.gemms(model, cell.mode))
         if sol is None and note:
             notes.append("no speed-of-light: " + note)

@@ -221,7 +221,9 @@ def test_the_summary_counts_each_failing_cell_once_and_only_ok_rows_have_a_pass_
     df = pd.read_csv(out / "results.csv", keep_default_na=False, na_values=[""])
     status = dict(zip(df["impl"], df["status"]))
     assert status == {"torch-eager": "ok", "test-nan": "error", "test-inaccurate": "ok", "test-raises": "error"}
-    assert "(3 cells with errors or failing the error rule: exit code 1)" in printed, printed
+    assert "; of the ok, 1 fails the error rule (exit code 1)" in printed, printed
+    message = dict(zip(df["impl"], df["message"]))["test-inaccurate"]  # which output, by how much
+    assert message.startswith("fails the error rule: out rel_err ") and "allowed" in message, message
     errors = df[df["status"] == "error"]
     assert errors["correct"].isna().all(), errors.to_dict("records")
     assert dict(zip(df["impl"], df["correct"]))["test-inaccurate"] == False  # noqa: E712
@@ -231,7 +233,7 @@ def test_the_summary_counts_each_failing_cell_once_and_only_ok_rows_have_a_pass_
     old = write_run(tmp_path / "old", {("gemm_out", "tiny", "fwd", "fp32", impl): [[1.0]] for impl in "abc"},
                     rows={("gemm_out", "tiny", "fwd", "fp32", "a"): {"status": "error", "correct": False},
                           ("gemm_out", "tiny", "fwd", "fp32", "b"): {"correct": False}})
-    assert _summary(old, 0) == 1 and "(2 cells with errors or failing the error rule" in capsys.readouterr().out
+    assert _summary(old, 0) == 1 and "; of the ok, 1 fails the error rule (exit code 1)" in capsys.readouterr().out
 
 
 def test_the_readme_plugin_example_runs_on_the_cpu_as_written(tmp_path, capsys):

@@ -16,17 +16,18 @@ def rows(*cells):
 def test_sums_check_and_first_call_per_implementation_with_the_median_and_the_worst_cell():
     df = rows(("block", "a", "fwd", "bf16", "coda-triton", "ok", 10.0, 2.0),
               ("block", "b", "fwd", "bf16", "coda-triton", "ok", 1.0, 0.5),
-              ("lm_head_ce", "a", "fwd", "fp8", "coda-triton", "error", 30.0, None),  # failed after its pass: counted
+              ("lm_head_ce", "a", "fwd", "fp8", "coda-triton", "error", 30.0, None),  # no result: not counted
+              ("block", "a", "fwd", "bf16", "raises", "error", 0.01, None),  # nor the fastest
               ("block", "a", "fwd", "bf16", "torch-compile", "ok", 20.0, 3.0),
               ("block", "b", "fwd", "bf16", "torch-compile", "ok", None, 4.0),
               ("block", "c", "fwd", "bf16", "liger", "skipped", None, None))  # never ran: not a row of the table
     t = first_result_table(df).set_index("impl")
     assert list(t.index) == ["torch-compile", "coda-triton"]  # the report's implementation order
     coda, compiled = t.loc["coda-triton"], t.loc["torch-compile"]
-    assert (coda["cells"], coda["total_s"], coda["check_s"], coda["first_call_s"]) == (3, 43.5, 41.0, 2.5)
-    assert coda["median_s"] == 12.0 and coda["worst_s"] == 30.0 and coda["worst_cell"] == "lm_head_ce a fwd fp8"
+    assert (coda["cells"], coda["total_s"], coda["check_s"], coda["first_call_s"]) == (2, 13.5, 11.0, 2.5)
+    assert coda["median_s"] == 6.75 and coda["worst_s"] == 12.0 and coda["worst_cell"] == "block a fwd bf16"
     assert compiled["total_s"] == 27.0 and compiled["median_s"] == 13.5
-    assert compiled["vs_fastest"] == 1.0 and coda["vs_fastest"] == pytest.approx(43.5 / 27.0)
+    assert coda["vs_fastest"] == 1.0 and compiled["vs_fastest"] == pytest.approx(27.0 / 13.5)
 
 
 def test_no_recorded_time_no_section():

@@ -134,11 +134,15 @@ def test_retired_verdicts_in_an_old_csv_are_recomputed(indexed):
     assert f"coda-triton bf16: {n['faster']} faster, {n['same']} same, {n['slower']} slower" in text
 
 
-def test_markers_are_appended_where_the_readme_has_none(indexed):
+def test_only_a_readme_with_the_markers_beside_the_folder_is_written(indexed):
+    """A folder of runs elsewhere (``index ~/runs``) gets its own README.md, and no file beside it is created or
+    changed unless a README there holds the markers."""
     (indexed / "README.md").write_text("# codabench\n\nNo markers yet.\n")
     assert main(["index", str(indexed / "reports")]) == 0
-    text = (indexed / "README.md").read_text()
-    assert text.startswith("# codabench\n\nNo markers yet.\n\n" + BEGIN + "\n") and text.endswith(END + "\n")
+    assert (indexed / "README.md").read_text() == "# codabench\n\nNo markers yet.\n"
+    assert (indexed / "reports" / "README.md").is_file()
+    (indexed / "README.md").unlink()
+    assert main(["index", str(indexed / "reports")]) == 0 and not (indexed / "README.md").exists()
     assert main(["index", str(indexed / "reports"), "--check"]) == 0  # stable once written
 
 

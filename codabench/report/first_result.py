@@ -3,8 +3,8 @@
 A cell's first result comes after its correctness pass at the check shape (``check_s``: its first call there,
 compiling, JIT-building, tuning) and its first call at the timed shape (``first_call_s``); both are paid once per
 shape and process, by every user of an implementation. :func:`first_result_table` sums them per implementation over
-the cells that ran (either is recorded), with the per-cell median and the worst cell; ``vs fastest`` is the
-implementation's total over the smallest total. :func:`first_result_section` is the report's section.
+the cells that gave a result (``ok`` rows with either recorded: an error row gave none, however early it failed),
+with the per-cell median and the worst cell; ``vs fastest`` is the implementation's total over the smallest total. :func:`first_result_section` is the report's section.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ COLUMNS = ["impl", "cells", "total_s", "check_s", "first_call_s", "median_s", "w
 
 
 def first_result_table(results: pd.DataFrame) -> pd.DataFrame:
-    """One row per implementation with a recorded ``check_s`` or ``first_call_s`` (:data:`COLUMNS`), in the
+    """One row per implementation with an ``ok`` cell that recorded ``check_s`` or ``first_call_s`` (:data:`COLUMNS`), in the
     report's implementation order: cells, the sums of both and of each, the per-cell median and worst of their sum
     (with the worst cell's op, model, mode and dtype), and the total over the smallest total."""
     if results.empty or not {"check_s", "first_call_s"} & set(results.columns):
@@ -26,7 +26,8 @@ def first_result_table(results: pd.DataFrame) -> pd.DataFrame:
     df = results.copy()
     for c in ("check_s", "first_call_s"):
         df[c] = pd.to_numeric(df[c], errors="coerce") if c in df else float("nan")
-    df = df[df["check_s"].notna() | df["first_call_s"].notna()]
+    ok = df["status"] == "ok" if "status" in df else True
+    df = df[ok & (df["check_s"].notna() | df["first_call_s"].notna())]
     if df.empty:
         return pd.DataFrame(columns=COLUMNS)
     df["first_s"] = df["check_s"].fillna(0.0) + df["first_call_s"].fillna(0.0)
@@ -69,6 +70,7 @@ def first_result_section(results: pd.DataFrame) -> list[str]:
     return ["<h2>Time to first result</h2>",
             "<p>What each implementation costs before its first sample, a cost every user pays once per shape and "
             "process: per cell, its correctness pass at the check shape (<code>check_s</code>: the first call there, "
-            "compiling, JIT, tuning) plus its first call at the timed shape (<code>first_call_s</code>). "
+            "compiling, JIT, tuning) plus its first call at the timed shape (<code>first_call_s</code>), over the cells "
+            "that gave a result (<code>ok</code>). "
             "<i>x fastest</i>: the total over the smallest total.</p>",
             f"<table class='first-result'><tr>{head}</tr>{body}</table>"]

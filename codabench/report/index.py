@@ -8,8 +8,8 @@ every run folder counts. Two generated texts:
   headline (:func:`codabench.report.summary.headline`: the focus implementation's verdict counts per dtype and the
   median half-width of the intervals; or the first line of the folder's :data:`HEADLINE` file, written by a tool
   whose run asks another question than the suite's, such as ``benchmarks/resolving_power.py``).
-- the block between :data:`BEGIN` and :data:`END` of the README beside FOLDER (the markers are appended at its end
-  where absent): one table of coda-triton (:data:`codabench.report.summary.FOCUS`) against the fastest other
+- the block between :data:`BEGIN` and :data:`END` of the README beside FOLDER, where that README holds the two
+  markers (no other file beside FOLDER is written or created: put the markers in a README to have it filled): one table of coda-triton (:data:`codabench.report.summary.FOCUS`) against the fastest other
   implementation, from the newest full-suite report of each GPU: per (op, mode, dtype), the ratio with its 95%
   interval and verdict per model, and the verdict counts below it.
 
@@ -187,18 +187,22 @@ def _link(path: Path, readme_dir: Path) -> str:
     return Path(os.path.relpath(path, readme_dir)).as_posix() + "/"
 
 
+def has_markers(readme: str) -> bool:
+    """Whether ``readme`` holds :data:`BEGIN` and, after it, :data:`END`."""
+    start = readme.find(BEGIN)
+    return start >= 0 and readme.find(END, start) > start
+
+
 def with_block(readme: str, block: str) -> str:
-    """``readme`` with the text between :data:`BEGIN` and :data:`END` replaced by ``block`` (the two markers appended
-    at its end where either is missing)."""
-    start, end = readme.find(BEGIN), readme.find(END)
-    if start < 0 or end < start:
-        return readme.rstrip("\n") + ("\n\n" if readme.strip() else "") + f"{BEGIN}\n{block}{END}\n"
-    return readme[:start + len(BEGIN)] + "\n" + block + readme[end:]
+    """``readme`` (which :func:`has_markers`) with the text between :data:`BEGIN` and :data:`END` replaced by
+    ``block``."""
+    start = readme.find(BEGIN)
+    return readme[:start + len(BEGIN)] + "\n" + block + readme[readme.find(END, start):]
 
 
 def build_index(folder: Path, check: bool = False) -> list[Path]:
     """Write (or, with ``check``, only compare) ``folder``/README.md and the results block of the README beside
-    ``folder``; returns the files that were stale (and, unless ``check``, are now rewritten). A run folder that does
+    ``folder`` (where it holds the markers); returns the files that were stale (and, unless ``check``, are now rewritten). A run folder that does
     not read as a run gets a row saying so and one line on stderr."""
     reports = [read_report(p) for p in committed_runs(folder)]
     for r in reports:
@@ -206,8 +210,9 @@ def build_index(folder: Path, check: bool = False) -> list[Path]:
             print(f"codabench index: {r.problem}; listed as unreadable", file=sys.stderr)
     readme = folder.parent / "README.md"
     old_readme = readme.read_text() if readme.is_file() else ""
-    wanted = {folder / INDEX: index_text(reports),
-              readme: with_block(old_readme, results_block(reports, readme.parent))}
+    wanted = {folder / INDEX: index_text(reports)}
+    if has_markers(old_readme):
+        wanted[readme] = with_block(old_readme, results_block(reports, readme.parent))
     stale = [p for p, text in wanted.items() if (p.read_text() if p.is_file() else None) != text]
     if not check:
         for p in stale:
