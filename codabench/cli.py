@@ -256,19 +256,34 @@ def _defined_models(args: argparse.Namespace, notes: list[str]) -> dict[str, Mod
     return out
 
 
-def _print_models() -> int:
-    print(f"{'preset':12} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} {'dh':>4} {'vocab':>7} {'tokens':>6} "
+def _print_models(defined: dict[str, ModelShape]) -> int:
+    """The presets' shapes, then those of the models defined by --model / --model-config."""
+    print(f"{'model':12} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} {'dh':>4} {'vocab':>7} {'tokens':>6} "
           f"{'rope_theta':>10}")
-    for m in PRESETS.values():
+    for m in [*PRESETS.values(), *defined.values()]:
         print(f"{m.name:12} {m.hidden:6} {m.ffn:6} {m.heads:5} {m.kv_heads:3} {m.head_dim:4} {m.vocab:7} "
-              f"{m.tokens:6} {m.rope_theta:10g}")
+              f"{m.tokens:6} {m.rope_theta:10g}" + ("  (defined)" if m.name in defined else ""))
     print("define others with --model NAME:hidden=...,ffn=...,heads=...,vocab=... or --model-config config.json")
     return EXIT_OK
 
 
+def _model_notes(args: argparse.Namespace, defined: dict[str, ModelShape], device: torch.device) -> list[str]:
+    """What a user who defined models should know: those ``--models`` leaves out, and on the CPU the token count
+    the interpreter will run them at."""
+    notes = []
+    left_out = [n for n in defined if args.models and n not in args.models]
+    if left_out:
+        notes.append(f"--models {','.join(args.models)} leaves out the defined model(s) {', '.join(left_out)}: add "
+                     "them to --models to run them")
+    for name in [n for n in defined if n not in left_out] if device.type == "cpu" else []:
+        m = defined[name]
+        tokens = args.tokens or m.tokens
+        notes.append(f"{name}: hidden {m.hidden}, {tokens} tokens on the CPU's Triton interpreter"
+                     + (" (a cell may take many minutes; --tokens sets fewer)" if tokens * m.hidden > 1 << 16 else ""))
+    return notes
+
+
 def _run(args: argparse.Namespace) -> int:
-    if args.models == LIST_MODELS:
-        return _print_models()
     if not args.same_within > args.precision:
         raise UsageError(f"--same-within ({args.same_within:g}) must be larger than --precision ({args.precision:g}): "
                          "a difference the medians are not precise enough to show cannot count as real")
@@ -276,6 +291,8 @@ def _run(args: argparse.Namespace) -> int:
         os.environ[TUNE_ENV] = "1"
     notes: list[str] = []
     defined = _defined_models(args, notes)
+    if args.models == LIST_MODELS:
+        return _print_models(defined)
     ranks = distributed.from_env()
     if ranks is not None and args.shard:
         raise UsageError("--shard and torchrun both split the cells among processes: give one of them")
@@ -283,6 +300,7 @@ def _run(args: argparse.Namespace) -> int:
     if missing:
         raise UsageError(f"--plugin {missing[0]}: no such file")
     device = torch.device(select_device())
+    notes += _model_notes(args, defined, device)
     suite = get_suite(args.suite or ("quick" if device.type == "cuda" else "smoke"))
     out = args.out or default_out(suite.name, args.resume, args.shard)
     if ranks is not None:  # torchrun: rank 0 names the run, each rank runs its shard on its GPU
@@ -391,18 +409,24 @@ def _runner(args: argparse.Namespace, cfg: RunConfig, worker: WorkerProcess | No
                         gate=worker.import_verdict if worker is not None else None)
     _check_names(cfg.selection, registry, cfg.models)
     runner = Runner(cfg, registry, worker)
-    if args.list:  # the listing names the plugins that failed to load
-        return runner
-    for source, err in registry.load_errors:
-        print(f"codabench: plugin {source} failed to load: {err}", file=sys.stderr)
+    if not args.list:  # the listing names the plugins that failed to load among its rows
+        for source, err in registry.load_errors:
+            print(f"codabench: plugin {source} failed to load: {err}", file=sys.stderr)
     if not build_cells(cfg.selection, registry):  # the whole selection: a rank's or shard's part may be empty
+        modes = "; ".join(f"{op}: {','.join(OPS[op].modes)}" for op in cfg.selection.ops if op in OPS)
         raise UsageError(f"the selection has no cells: {_selection_text(cfg.selection)} (--impls from: "
-                         + ", ".join(registry.names()) + ")")
+                         + ", ".join(registry.names()) + f"; the ops' modes: {modes})")
     suite = get_suite(cfg.suite)
     if suite.needs_gpu and cfg.device.type != "cuda" and not ((args.models or cfg.models) and args.dtypes):
         raise UsageError(f"suite {suite.name!r} needs a CUDA GPU (use --suite smoke, or give --models and --dtypes to "
                          "run a custom slice on the CPU)")
-    _check_out(cfg.out_dir, args.resume, cfg.suite)
+    if not args.list:
+        _check_out(cfg.out_dir, args.resume, cfg.suite)
+    elif args.resume:  # what the run would refuse, read only: --list writes nothing
+        try:
+            check_run_dir(cfg.out_dir, True, cfg.suite)
+        except RunFolderError as e:
+            raise UsageError(f"--out {e}") from None
     return runner
 
 
@@ -494,7 +518,7 @@ def _list(runner: Runner, resume_dir: Path | None) -> int:
     for source, err in runner.registry.load_errors:
         print(f"plugin {source} failed to load: {err}")
     print(f"{len(runner.cells)} cells: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-    return 0
+    return EXIT_CELL_ERRORS if runner.registry.load_errors else EXIT_OK  # as the run would: its load errors are rows
 
 
 def run_dir_arg(text: str) -> Path:

@@ -33,7 +33,7 @@ def test_list_prints_cells_and_statuses(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     with isolated_registry():
         assert main(["--suite", "smoke", "--ops", "gemm_out,rmsnorm_linear", "--plugin", str(PLUGINS / "broken.py"),
-                     "--list", "--no-entry-points", "--out", str(tmp_path / "runs" / "x")]) == 0
+                     "--list", "--no-entry-points", "--out", str(tmp_path / "runs" / "x")]) == 1  # its load error
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "runs" / ".cache" / "torchinductor")
     out = capsys.readouterr().out
     assert "gemm_out         tiny       fwd      fp32    torch-eager        to run" in out
@@ -125,6 +125,43 @@ def _usage_error(capsys, argv) -> str:
 def test_bad_numbers_get_one_line_and_exit_2(capsys, flags, says):
     line = _usage_error(capsys, flags + ["--list"])
     assert says in line and line.endswith("(see --help)"), line
+
+
+def test_list_refuses_what_the_run_would_refuse(capsys, tmp_path):
+    """--list answers as the run would: an empty selection (naming the ops' modes) and a --resume into a run of
+    another suite are one line and exit 2, a plugin that fails to load is listed and exits 1; it writes nothing."""
+    with isolated_registry():
+        line = _usage_error(capsys, ["--no-entry-points", "--ops", "gemm_out", "--modes", "bwd", "--list"])
+        assert "the selection has no cells" in line and "the ops' modes: gemm_out: fwd" in line, line
+        other = tmp_path / "other"
+        assert main(["--no-entry-points", "--ops", "gemm_out", "--impls", "torch-eager", "--reps", "1", "--quiet",
+                     "--inline", "--out", str(other)]) == 0
+        (other / "codabench-run.json").write_text((other / "codabench-run.json").read_text()
+                                                  .replace('"smoke"', '"kernels"'))
+        before = sorted(p.name for p in other.iterdir())
+        capsys.readouterr()
+        line = _usage_error(capsys, ["--no-entry-points", "--ops", "gemm_out", "--resume", "--out", str(other),
+                                     "--list"])
+        assert "is a run of suite 'kernels', not 'smoke'" in line, line
+        assert sorted(p.name for p in other.iterdir()) == before
+        code = main(["--no-entry-points", "--ops", "gemm_out", "--plugin", str(PLUGINS / "broken.py"), "--list",
+                     "--out", str(tmp_path / "never")])
+        assert code == 1 and "broken.py failed to load" in capsys.readouterr().out
+        assert not (tmp_path / "never").exists()
+
+
+def test_defined_models_are_listed_and_one_left_out_is_named(capsys):
+    spec = "mine:hidden=64,ffn=96,heads=4,vocab=128"
+    assert main(["--model", spec, "--models"]) == 0
+    assert any(line.startswith("mine ") and line.endswith("(defined)") for line in capsys.readouterr().out.splitlines())
+    with isolated_registry():
+        assert main(["--no-entry-points", "--model", spec, "--models", "tiny", "--ops", "gemm_out", "--list"]) == 0
+    err = capsys.readouterr().err
+    assert "--models tiny leaves out the defined model(s) mine: add them to --models" in err, err
+    with isolated_registry():
+        assert main(["--no-entry-points", "--model", spec, "--ops", "gemm_out", "--list"]) == 0
+    assert "mine: hidden 64, 16384 tokens on the CPU's Triton interpreter (a cell may take many minutes" in \
+        capsys.readouterr().err
 
 
 def test_bad_names_and_paths_get_one_line_and_exit_2(capsys, tmp_path):
