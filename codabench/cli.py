@@ -46,7 +46,16 @@ LIST_MODELS = ["?"]
 EXIT_OK, EXIT_CELL_ERRORS, EXIT_USAGE, EXIT_DEVICE_LOST, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 """Exit codes of a run: finished with every cell ok (and correct), n/a or skipped; finished with error rows or cells
 that fail the error rule (the report is written all the same); bad flags, names or paths (nothing ran); the CUDA
-context broke (``--inline`` only); interrupted (Ctrl-C; the report is written)."""
+context broke (``--inline`` only); interrupted (Ctrl-C, or SIGTERM: ``timeout``, ``kill``, a scheduler's job end;
+the worker is stopped and the report is written)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is: it stops the run as Ctrl-C does."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 class UsageError(Exception):
@@ -360,6 +369,7 @@ def _execute(runner: Runner, suite: str, history: bool) -> int:
     # Ctrl-C must raise KeyboardInterrupt here even if a plugin's import changed SIGINT's handler (seen on a GPU
     # machine: the run died of the signal, without its report)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the worker stopped, the report written
     with lock:
         try:
             runner.run()
@@ -368,8 +378,9 @@ def _execute(runner: Runner, suite: str, history: bool) -> int:
         except DeviceLost as e:
             print(f"codabench: {e}", file=sys.stderr)
             code = EXIT_DEVICE_LOST
-        except KeyboardInterrupt:
-            print("codabench: interrupted; finished cells are saved, rerun with --resume to go on", file=sys.stderr)
+        except KeyboardInterrupt as e:
+            print(f"codabench: {'terminated (SIGTERM)' if isinstance(e, Terminated) else 'interrupted'}; finished "
+                  "cells are saved, rerun with --resume to go on", file=sys.stderr)
             code = EXIT_INTERRUPTED
         try:
             finalize(out)

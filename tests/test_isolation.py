@@ -304,10 +304,25 @@ def test_a_worker_whose_parent_is_gone_ends_quietly(registry, tmp_path):
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
 @pytest.mark.slow
-def test_ctrl_c_writes_the_report(tmp_path):
-    """SIGINT in the middle of a hanging cell: exit 130, the finished groups' rows kept (a group's rows are written
-    when its sampling ends), the report written."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_the_worker_and_writes_the_report(tmp_path, signum):
+    """SIGINT (Ctrl-C) or SIGTERM (``timeout``, ``kill``, a scheduler) in the middle of a hanging cell: exit 130, the
+    finished groups' rows kept (a group's rows are written when its sampling ends), the report written, the worker
+    gone with the run."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     proc = subprocess.Popen([sys.executable, "run_bench.py", "--ops", "rmsnorm_linear,gemm_out", "--modes", "fwd",
@@ -325,11 +340,15 @@ def test_ctrl_c_writes_the_report(tmp_path):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.5)
     time.sleep(2)  # the next cell hangs in the worker
-    proc.send_signal(signal.SIGINT)
+    workers = _children(proc.pid)
+    assert workers
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and (out / "report.html").exists()
+    assert ("terminated (SIGTERM)" in err) == (signum == signal.SIGTERM), err[-2000:]
     assert rows(out)["torch-eager"]["status"] == "ok"
+    assert not [p for p in workers if os.path.exists(f"/proc/{p}")], "the worker outlived the run"
 
 
 @pytest.mark.parametrize("op_name,dtype,shape", [
