@@ -22,7 +22,7 @@ from codabench.discovery import discover
 from codabench.env import REPO_ROOT
 from codabench.history import record_run
 from codabench.report import finalize
-from codabench.results import KEY, MARKER, RunFolderError, check_run, load_run, write_atomic
+from codabench.results import KEY, MARKER, RunFolderError, check_run, load_run, read_env, write_atomic
 from codabench.report.compare import compare, format_compare
 from codabench.report.index import EXIT_STALE, build_index
 from codabench.report.merge import merge
@@ -438,6 +438,11 @@ def _runner(args: argparse.Namespace, cfg: RunConfig, worker: WorkerProcess | No
             check_run_dir(cfg.out_dir, True, cfg.suite)
         except RunFolderError as e:
             raise UsageError(f"--out {e}") from None
+    if args.resume:
+        conflicts = cfg.resume_conflicts(read_env(cfg.out_dir))
+        if conflicts:
+            raise UsageError(f"--resume: {cfg.out_dir} was measured otherwise ({'; '.join(conflicts[:4])}): give the "
+                             "flags it ran with, or another --out")
     return runner
 
 

@@ -1,8 +1,10 @@
 """The settings of one run, shared by the parent process (plan, writer, progress) and its cell worker."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,3 +64,26 @@ class RunConfig:
             get_model(name, self.tokens, self.vocab)
         m = m.with_(layers=self.layers)
         return m.with_(tokens=self.check_tokens) if check else m
+
+    def model_record(self, name: str) -> dict[str, Any]:
+        """A cell model's shape as env.json records it (``models``)."""
+        return json.loads(json.dumps(vars(self.model(name))))
+
+    def resume_conflicts(self, env: dict[str, Any]) -> list[str]:
+        """What this run would measure otherwise than the run whose env.json is ``env``, which a ``--resume`` of it
+        must not (its rows would mix two measurements): a model both select with another shape (tokens, vocab and
+        layers included), the correctness pass's tokens, CUDA-graph timing, the fp8 accumulation, the L2 flush. Each
+        as ``what: then -> now``."""
+        out = []
+        old_models = env.get("models") or {}
+        for name in [m for m in self.selection.models if m in old_models]:
+            then, now = old_models[name], self.model_record(name)
+            out += [f"{name} {k}: {then[k]} -> {now[k]}" for k in now if k in then and then[k] != now[k]]
+        recorded = {**env, **{f"timing.{k}": v for k, v in (env.get("timing") or {}).items()}}  # older runs: fewer
+        for flag, key, now in (("--check-tokens", "check_tokens", self.check_tokens),
+                               ("--cuda-graph", "cuda_graph", self.cuda_graph),
+                               ("--fp8-accum", "fp8_accum", self.fp8_accum),
+                               ("--no-l2-flush", "timing.flush_l2", self.timing.flush_l2)):
+            if key in recorded and recorded[key] != now:
+                out.append(f"{flag} ({key}): {recorded[key]} -> {now}")
+        return out

@@ -284,7 +284,7 @@ class Runner:
         cfg = self.cfg
         # the command is this process's: the environment comes from the worker process, whose argv is its own
         return dict(command=command(), suite=cfg.suite, run=cfg.out_dir.name,
-                    models={m: vars(cfg.model(m)) for m in cfg.selection.models},
+                    models={m: cfg.model_record(m) for m in cfg.selection.models},
                     shard=list(cfg.shard) if cfg.shard else None,
                     tokens=cfg.tokens, vocab=cfg.vocab, check_tokens=cfg.check_tokens, cuda_graph=cfg.cuda_graph,
                     timing=vars(cfg.timing), fp8_accum=cfg.fp8_accum, cell_timeout_s=cfg.cell_timeout_s,

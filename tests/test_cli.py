@@ -150,6 +150,24 @@ def test_list_refuses_what_the_run_would_refuse(capsys, tmp_path):
         assert not (tmp_path / "never").exists()
 
 
+def test_resume_refuses_flags_that_change_what_its_rows_measured(capsys, tmp_path):
+    """A resumed run measures as its rows did: another token count (or model shape, check tokens, fp8 accumulation,
+    CUDA-graph timing, L2 flush) is one line naming it and exit 2, nothing written; the same flags resume."""
+    out = tmp_path / "run"
+    common = ["--no-entry-points", "--ops", "gemm_out", "--reps", "1", "--quiet", "--inline", "--out", str(out)]
+    with isolated_registry():
+        assert main(common + ["--impls", "torch-eager"]) == 0
+        before = (out / "results.csv").read_text()
+        capsys.readouterr()
+        for flags, says in ((["--tokens", "96"], "tiny tokens: 48 -> 96"),
+                            (["--no-l2-flush"], "--no-l2-flush (timing.flush_l2): True -> False")):
+            line = _usage_error(capsys, common + ["--impls", "torch-eager,coda-triton", "--resume"] + flags)
+            assert "was measured otherwise (" + says in line, line
+            assert (out / "results.csv").read_text() == before
+        assert main(common + ["--impls", "torch-eager,coda-triton", "--resume"]) == 0
+    assert (out / "results.csv").read_text().count("\n") == 3
+
+
 def test_defined_models_are_listed_and_one_left_out_is_named(capsys):
     spec = "mine:hidden=64,ffn=96,heads=4,vocab=128"
     assert main(["--model", spec, "--models"]) == 0
@@ -227,6 +245,8 @@ def test_a_failed_merge_leaves_nothing_and_can_be_retried(tmp_path, capsys, monk
     assert len(pd.read_csv(tmp_path / "merged" / "results.csv")) == len(pd.read_csv(run / "results.csv"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "run"]
     assert "is not empty" in _usage_error(capsys, ["merge", str(tmp_path / "merged"), str(run)])
+    assert main(["merge", str(tmp_path / "twice"), str(run), str(run)]) == 0  # not shards of one run: said so
+    assert f"{len(pd.read_csv(run / 'results.csv'))} cells are in more than one folder" in capsys.readouterr().err
 
 
 def test_error_rows_give_exit_code_1_and_a_plugin_failure_is_printed(tmp_path, capsys, monkeypatch):

@@ -102,3 +102,20 @@ def test_cpu_wall_and_single_round_runs_compare_as_unknown(tmp_path):
     one = compare(*two_runs(tmp_path / "one", change=1.05, rounds=1))  # drift between runs is unknowable
     assert (one["verdict"] == "unknown").all()
     assert f"0 faster, 0 slower, 0 same, 0 unresolved, {len(CELLS)} unknown" in format_compare(one)
+
+
+def test_a_cell_timed_at_two_token_counts_is_not_compared(tmp_path):
+    """A run resumed or rerun at another --tokens is not a change of speed: that cell has no delta and `unknown`
+    verdicts, and the summary counts it; the other cells compare as usual."""
+    rng = np.random.default_rng(0)
+    cells = {c: noisy_rounds(rng, 1.0, 3, 7, 0.01, 0.01) for c in CELLS[:4]}
+    a = write_run(tmp_path / "a", cells, rows={c: {"tokens": 48} for c in cells})
+    b = write_run(tmp_path / "b", {c: [[t * 1.25 for t in r] for r in rounds] for c, rounds in cells.items()},
+                  rows={c: {"tokens": 96 if c == CELLS[1] else 48} for c in cells})
+    m = compare(a, b)
+    other = m[m["other_shape"]]
+    assert [tuple(r) for r in other[["op", "model", "mode", "dtype", "impl"]].values] == [CELLS[1]]
+    assert other["delta_pct"].isna().all() and (other[["verdict", "rel_verdict"]] == "unknown").all(axis=None)
+    assert (m[~m["other_shape"]]["verdict"] == "slower").all()
+    assert "4 cells, 3 timed in both; B vs A: " in format_compare(m)
+    assert "; 1 timed at different token counts, not compared" in format_compare(m)

@@ -15,7 +15,9 @@ holds no change and reaches beyond the margin; ``unknown``: no interval):
   widest interval they allow, whatever their dependence). ``unknown`` where either run has no paired interval of the
   cell to the base, and for the base itself.
 
-``same`` uses the smaller ``timing.same_within`` of the two runs. ``err_x = rel_err_B / rel_err_A``.
+``same`` uses the smaller ``timing.same_within`` of the two runs. ``err_x = rel_err_B / rel_err_A``. A cell the two
+runs timed at different token counts (``tokens``) is no change of one measurement: no delta, its verdicts
+``unknown``, and the summary counts such cells.
 """
 from __future__ import annotations
 
@@ -42,18 +44,24 @@ def compare(run_a: str | Path, run_b: str | Path) -> pd.DataFrame:
         df, _, env = load_run(run)
         timed.append(read_timed(run, env))
         margins.append(timing_settings(env)[1])
-        runs.append(df[df["op"] != PLUGIN_OP][tables.KEY + ["status", "correct", "timing"] + NUM].copy())
+        rows = df[df["op"] != PLUGIN_OP]
+        runs.append(rows[tables.KEY + ["status", "correct", "timing"] + NUM].assign(
+            tokens=pd.to_numeric(rows["tokens"], errors="coerce") if "tokens" in rows else math.nan))
     same_within = min(margins)
     m = runs[0].merge(runs[1], on=tables.KEY, how="outer", suffixes=("_a", "_b"))
     for c in NUM:
         for s in ("_a", "_b"):
             m[c + s] = pd.to_numeric(m[c + s], errors="coerce")
-    m["delta_pct"] = 100 * (m["median_ms_b"] - m["median_ms_a"]) / m["median_ms_a"]
+    # a cell timed at two token counts: no delta, nor interval, between the shapes
+    m["other_shape"] = m["tokens_a"].notna() & m["tokens_b"].notna() & (m["tokens_a"] != m["tokens_b"])
+    m["delta_pct"] = (100 * (m["median_ms_b"] - m["median_ms_a"]) / m["median_ms_a"]).where(~m["other_shape"])
     cols: dict[str, list] = {c: [] for c in ("delta_lo_pct", "delta_hi_pct", "verdict", "rel_delta_pct",
                                              "rel_lo_pct", "rel_hi_pct", "rel_verdict")}
     for _, r in m.iterrows():
         key = tuple(str(r[k]) for k in tables.KEY)
-        for prefix, x in (("delta", _change(r, key, timed)), ("rel", _relative(r, key, timed))):
+        other = r["other_shape"]
+        for prefix, x in (("delta", None if other else _change(r, key, timed)),
+                          ("rel", None if other else _relative(r, key, timed))):
             lo, hi, verdict = as_delta(x, same_within)
             cols[prefix + "_lo_pct"].append(lo)
             cols[prefix + "_hi_pct"].append(hi)
@@ -141,7 +149,9 @@ def format_compare(m: pd.DataFrame) -> str:
         c = m[column].value_counts()
         return ", ".join(f"{c.get(v, 0)} {v}" for v in COMPARE_VERDICTS)
 
-    lines.append(f"{len(m)} cells, {len(both)} timed in both; B vs A: {counts('verdict')}")
+    other = int(m["other_shape"].sum())
+    lines.append(f"{len(m)} cells, {len(both)} timed in both; B vs A: {counts('verdict')}"
+                 + (f"; {other} timed at different token counts, not compared" if other else ""))
     lines.append(f"relative to each run's {SPEED_BASELINE}: {counts('rel_verdict')}")
     return "\n".join(lines)
 

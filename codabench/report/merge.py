@@ -8,6 +8,7 @@ suite and code).
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -40,10 +41,13 @@ def _merge_into(out_dir: Path, shard_dirs: list[str | Path]) -> Path:
     out_dir.mkdir()
     results = tables.AppendWriter(out_dir / tables.RESULTS, tables.RESULT_COLUMNS)
     errors = tables.AppendWriter(out_dir / tables.ERRORS, tables.ERROR_COLUMNS)
-    envs = []
+    envs, seen, twice = [], set(), []
     for d in map(Path, shard_dirs):
         tables.check_run(d, need_rows=False)
         df, err, env = load_run(d)
+        keys = [tuple(r) for r in df[tables.KEY].astype(str).values]
+        twice += [k for k in keys if k in seen]
+        seen.update(keys)
         results.write(records(df))
         errors.write(records(err))
         for name in (tables.SAMPLES, tables.PROFILES):
@@ -53,6 +57,9 @@ def _merge_into(out_dir: Path, shard_dirs: list[str | Path]) -> Path:
             (out_dir / tables.TRACES).mkdir(exist_ok=True)
             shutil.copyfile(trace, out_dir / tables.TRACES / trace.name)
         envs.append({"dir": str(d), **env})
+    if twice:  # shards of one run hold each cell once: these folders are not (a run merged twice, a rerun)
+        print(f"codabench merge: {len(twice)} cells are in more than one folder ({' '.join(twice[0])}, ...); the "
+              "later folder's rows are kept", file=sys.stderr)
     first = envs[0] if envs else {}
     merged = {k: first.get(k) for k in ("suite", "device", "torch", "triton", "cuda", "git_sha", "timestamp")}
     merged.update(run=out_dir.name, merged_from=[e["dir"] for e in envs], shards=envs)
