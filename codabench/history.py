@@ -15,7 +15,8 @@ refused (:class:`HistoryError`), never rewritten. Two tables:
   its ``verdict``, ``sol_ms``, peak memory, ``rel_err`` and ``correct``.
 
 Adding a run (:func:`add_run`) replaces the run of the same id and its cells in one transaction, so importing a
-folder twice keeps one run. :func:`record_run`, called once a run or merge has written its report, never raises: a
+folder twice keeps one run; a merged run (env.json's ``merged_from``) replaces the runs of the folders it merged (its
+shards, recorded as each finished), so that no cell is counted twice. :func:`record_run`, called once a run or merge has written its report, never raises: a
 store that is locked (after :data:`LOCK_TIMEOUT_S`), corrupt, of another schema or unwritable costs one warning line.
 
 :func:`regressions` judges the newest run on each GPU (by its start, whenever it was added) against the previous run
@@ -173,8 +174,9 @@ def _mtime(path: Path) -> str:
 
 
 def add_run(run_dir: Path, path: Path | None = None) -> tuple[dict[str, Any], int, bool]:
-    """Append the run in ``run_dir`` to the store (created if need be), replacing a run of the same id and its cells
-    in one transaction: ``(its runs row, its number of cells, whether it replaced one)``. A folder that is not a run:
+    """Append the run in ``run_dir`` to the store (created if need be), replacing a run of the same id and its cells,
+    and those of the folders it merged, in one transaction: ``(its runs row, its number of cells, whether it replaced
+    one)``. A folder that is not a run:
     :class:`codabench.results.RunFolderError`; a store that cannot take it: :class:`HistoryError`."""
     run, cells = run_record(run_dir)
     conn = open_store(path, create=True)
@@ -183,6 +185,8 @@ def add_run(run_dir: Path, path: Path | None = None) -> tuple[dict[str, Any], in
             conn.execute("BEGIN IMMEDIATE")
             try:
                 replaced = conn.execute("DELETE FROM runs WHERE id = ?", (run["id"],)).rowcount > 0
+                for shard in json.loads(run["env"]).get("merged_from") or []:
+                    conn.execute("DELETE FROM runs WHERE path = ?", (str(Path(shard).resolve()),))
                 conn.execute(f"INSERT INTO runs ({', '.join(run)}) VALUES ({', '.join('?' * len(run))})",
                              tuple(run.values()))
                 if cells:

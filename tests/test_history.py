@@ -292,7 +292,7 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, store, capsys, argv, says)
     assert says in one_line(capsys)
 
 
-def test_a_merge_appends_the_merged_run(tmp_path, store, capsys):
+def test_a_merge_appends_the_merged_run_in_place_of_its_shards(tmp_path, store, capsys):
     shards = [make_run(tmp_path / f"shard{i}", groups=1, seed=i) for i in range(2)]
     for i, shard in enumerate(shards):  # the shards' cells differ: group m0 and group m1
         df, _, _ = tables.load_run(shard)
@@ -300,7 +300,8 @@ def test_a_merge_appends_the_merged_run(tmp_path, store, capsys):
         tables.write_csv(shard / tables.RESULTS, tables.records(df), tables.RESULT_COLUMNS)
         samples = [{**s, "model": f"m{i}"} for s in tables.read_samples(shard / tables.SAMPLES)]
         (shard / tables.SAMPLES).write_text("".join(json.dumps(s) + "\n" for s in samples))
+        history.add_run(shard)  # as each shard's run does when it finishes
     assert main(["merge", str(tmp_path / "merged"), *map(str, shards)]) == 0
     with history.open_store() as conn:
-        (run,) = history.runs(conn)
+        (run,) = history.runs(conn)  # the merge replaces its shards: no cell twice
     assert run["path"] == str((tmp_path / "merged").resolve()) and run["cells"] == 4 and run["gpu"] == H100
