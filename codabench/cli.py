@@ -604,7 +604,9 @@ def _run_subcommand(name: str, argv: list[str]) -> int:
         p.add_argument("--impl", help="the implementation whose verdicts the first screen counts (default: "
                        "coda-triton where the run has it)")
         a = p.parse_args(argv)
-        if a.impl is not None and a.impl not in set(load_run(a.run_dir)[0]["impl"]):
-            raise UsageError(f"report: --impl {a.impl}: no such implementation in {a.run_dir}")
+        impls = sorted(set(load_run(a.run_dir)[0]["impl"]))
+        if a.impl is not None and a.impl not in impls:
+            raise UsageError(f"report: --impl {a.impl}: no such implementation in {a.run_dir} (it has: "
+                             f"{', '.join(impls)})")
         print(f"codabench: report {finalize(a.run_dir, a.impl)}")
     return EXIT_OK

@@ -146,7 +146,7 @@ def test_a_key_given_twice_in_model(capsys):
 
 def test_a_folder_without_config_json(capsys, tmp_path):
     line = _one_line_and_exit_2(capsys, ["--model-config", str(tmp_path), "--list"])
-    assert line.startswith(f"codabench: --model-config {tmp_path}: cannot read it"), line
+    assert line.startswith(f"codabench: --model-config {tmp_path}: cannot read config.json"), line
 
 
 def test_the_same_config_twice(capsys, tmp_path):

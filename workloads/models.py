@@ -121,8 +121,10 @@ def parse_model_spec(spec: str) -> ModelShape:
     for item in filter(None, (t.strip() for t in body.split(","))):
         key, eq, text = item.partition("=")
         key = key.strip()
-        if key not in INLINE_KEYS or not eq:
-            raise ValueError(f"--model {name}: {item!r} is not key=value with a key of {', '.join(INLINE_KEYS)}")
+        if not eq:
+            raise ValueError(f"--model {name}: {item!r} is not key=value (keys: {', '.join(INLINE_KEYS)})")
+        if key not in INLINE_KEYS:
+            raise ValueError(f"--model {name}: unknown key {key!r} (keys: {', '.join(INLINE_KEYS)})")
         if key in values:  # the last value would silently win
             raise ValueError(f"--model {name}: {key} given more than once")
         try:
@@ -177,7 +179,8 @@ def from_hf_config(path: str | Path, notes: list[str] | None = None) -> ModelSha
     try:
         config = json.loads(file.read_text())
     except OSError as e:
-        raise ValueError(f"--model-config {path}: cannot read it ({e.strerror or e})") from None
+        raise ValueError(f"--model-config {path}: cannot read {file.name if path.is_dir() else 'it'} "
+                         f"({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--model-config {file}: not JSON ({getattr(e, 'msg', None) or e.reason}"
                          + (f" at line {e.lineno})" if isinstance(e, json.JSONDecodeError) else ")")) from None
