@@ -428,7 +428,8 @@ def _runner(args: argparse.Namespace, cfg: RunConfig, worker: WorkerProcess | No
         raise UsageError(f"the selection has no cells: {_selection_text(cfg.selection)} (--impls from: "
                          + ", ".join(registry.names()) + f"; the ops' modes: {modes})")
     suite = get_suite(cfg.suite)
-    if suite.needs_gpu and cfg.device.type != "cuda" and not ((args.models or cfg.models) and args.dtypes):
+    if (suite.needs_gpu and cfg.device.type != "cuda" and not ((args.models or cfg.models) and args.dtypes)
+            and not args.list):  # a GPU suite's cells may be listed anywhere
         raise UsageError(f"suite {suite.name!r} needs a CUDA GPU (use --suite smoke, or give --models and --dtypes to "
                          "run a custom slice on the CPU)")
     if not args.list:

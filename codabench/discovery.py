@@ -84,46 +84,54 @@ def describe_load_error(exc: BaseException) -> str:
 Gate = Callable[[str], str | None]
 """Asked with a plugin's source before its import: a reason not to import it (its load error), or None."""
 Done = Callable[[str, float, str | None], None]
-"""Told a plugin's source, the seconds its import took (failed or not) and, where it left threads of its own running
-(:func:`codabench.guard.own_threads`), the load error that says so (a worker is replaced without that plugin)."""
+"""Told a plugin's source, the seconds its import took (failed or not) and, where its import left what only a new
+process is rid of (threads of its own running, :func:`codabench.guard.own_threads`; a change no restore undoes,
+:func:`codabench.guard.lasting`), the load error that says so (a worker is replaced without that plugin)."""
 
 
 def _record_failure(source: str, exc: BaseException) -> None:
     REGISTRY.load_errors.append((source, describe_load_error(exc)))
 
 
-def import_tamper_message(names: list[str]) -> str:
-    """The load error of a plugin that replaced ``names`` while being imported."""
-    return f"tampered with {guard.listing(names)} while being imported (the harness restored the originals)"
+def import_tamper_message(names: list[str], kept: list[str]) -> str:
+    """The load error of a plugin that replaced ``names`` while being imported (``kept``: those no restore undoes)."""
+    done = f"{guard.listing(kept)} cannot be undone in this process" if kept else "the harness restored the originals"
+    return f"tampered with {guard.listing(names)} while being imported ({done})"
 
 
 def _import(source: str, load: Callable[[], None], gate: Gate | None, done: Done | None) -> None:
     """Run ``load`` (one plugin's import) unless ``gate`` vetoes it; a failure, an exit or tampering becomes the
-    plugin's load error (and the tampering is undone)."""
+    plugin's load error (and the tampering is undone where it can be; ``done`` hears of what cannot, and of threads
+    it left running its own code: the code of the implementations it registered counts as its own, installed as a
+    package or not)."""
     reason = gate(source) if gate is not None else None
     if reason is not None:
         REGISTRY.load_errors.append((source, reason))
         return
     clock = guard.private_clocks().perf_counter
     before = set(guard.tampered())  # already changed (by a test or debugger that runs discovery): not this plugin
-    threads = guard.running_threads()
+    threads, keys = guard.running_threads(), set(REGISTRY.impls)
     t0 = clock()
     try:
         load()
     except (Exception, SystemExit) as e:  # a broken plugin (or one that exits) becomes an error row, not a crash
         _record_failure(source, e)
     seconds = clock() - t0
+    lasting = []  # the load errors of what only a new process is rid of
     bad = [name for name in guard.tampered() if name not in before]
     if bad:
         guard.restore(bad)
-        REGISTRY.load_errors.append((source, import_tamper_message(bad)))
-    started = guard.own_threads(threads)
-    threaded = (f"left {guard.listing(started)} running its own code after its import (a thread beside the timed "
-                "calls slows every implementation)") if started else None
-    if threaded:
-        REGISTRY.load_errors.append((source, threaded))
+        kept = guard.lasting(bad)
+        REGISTRY.load_errors.append((source, import_tamper_message(bad, kept)))
+        if kept:
+            lasting.append(import_tamper_message(bad, kept))
+    own = guard.module_files(impl.source for key, impl in REGISTRY.impls.items() if key not in keys)
+    started = guard.own_threads(threads, own)
+    if started:
+        REGISTRY.load_errors.append((source, guard.threads_message(started, "its import")))
+        lasting.append(guard.threads_message(started, "its import"))
     if done is not None:
-        done(source, seconds, threaded)
+        done(source, seconds, "; ".join(lasting) or None)
 
 
 def plugin_module_name(path: Path) -> str:

@@ -26,14 +26,26 @@ function of the harness given another ``__code__``, a trace or profile hook that
   (:data:`PROCESS_STATE`) torch's: the torch-function and dispatch mode stacks (a mode left entered sees every torch call of every cell, the float64
   reference's too), the global ``nn.Module`` hooks, the default dtype, the intra-op threads, the float32 matmul
   precision and the TF32 and reduced-precision flags, cuDNN's and oneDNN's switches, deterministic algorithms, and
-  the kernels registered through ``torch.library`` over the computing kernels of torch's own ops
-  (:func:`_kernel_overrides`; a registration made through ``torch._C`` directly, or struck from
-  ``torch.library._impls``, is not seen).
+  the computing kernels of torch's own ops (:func:`_replaced_kernels`): read from the dispatcher itself for the ops
+  the references and baselines compute with (:data:`KERNEL_GEMMS`, :data:`KERNEL_OPS`), so that a kernel registered
+  over one of torch's is seen however it came there (``torch.library``, ``torch._C._dispatch_library``, a compiled
+  extension), and through ``torch.library`` for every other op;
+- the registered implementations (:func:`watch_registered`, from :meth:`codabench.registry.Registry.add`): a
+  registry's entries are append-only, none removed, replaced or changed, and a name once registered stays taken.
 
 :func:`tampered` lists what now differs, :func:`restore` puts the originals back (so the baselines' times stay
-true), :func:`tamper_message` is the error row's text. Discovery checks after every plugin import (the plugin gets a
-load error and the originals are restored before the next import); the worker checks after every request of every
-cell (the cell gets an error row). One check costs about a millisecond (``tests/test_guard.py`` bounds it).
+true), :func:`tamper_message` is the error row's text. What no restore undoes (:func:`lasting`: a kernel registered
+through ``torch._C`` or a compiled extension, which holds no handle this module can destroy) ends the process that
+holds it: the worker is replaced. Discovery checks after every plugin import (the plugin gets a load error and the
+originals are restored before the next import; a plugin whose import left what cannot be restored is imported by no
+later worker); the worker checks after every request of every cell (the cell gets an error row). One check costs
+about a millisecond and a half (``tests/test_guard.py`` bounds it): the check inside the timing loops
+(:func:`verify_clocks`) reads the dispatcher's kernels of the GEMMs alone, the check after each request and import
+those of every watched op (about a millisecond more).
+
+Threads are checked apart (:func:`own_threads`): a thread that a plugin's import, or a request the worker serves
+(its correctness pass, first call, timing), started and left running its own code slows every later cell; the
+plugin gets a load error or the cell an error row, and the worker that holds the thread is replaced.
 
 The timing loops read their clocks through :func:`private_clocks`, originals recorded by :func:`snapshot`, so that a
 replacement in place during a measurement, even one undone before anyone checks, does not reach them::
@@ -59,6 +71,7 @@ lists); only a process boundary stops that.
 from __future__ import annotations
 
 import builtins
+import functools
 import gc
 import math
 import os
@@ -69,7 +82,7 @@ import sysconfig
 import threading
 import time
 import types
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -216,24 +229,99 @@ def _process_state() -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]
     return state
 
 
-COMPUTE_KEYS = ("CPU", "CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutograd", "Autograd", "AutogradCPU",
-                "AutogradCUDA", "")
-"""Dispatch keys whose kernel computes an op's values ("": the library's default, CompositeImplicitAutograd)."""
+COMPUTE_KEYS = ("CPU", "CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutograd",
+                "CompositeExplicitAutogradNonFunctional", "Autograd", "AutogradCPU", "AutogradCUDA", "AutogradOther",
+                "ADInplaceOrView", "AutocastCPU", "AutocastCUDA", "BackendSelect", "")
+"""Dispatch keys whose kernel computes, or decides, an op's values on the ordinary path of a CPU or CUDA tensor ("":
+torch.library's default, CompositeImplicitAutograd). Not these: ``Meta``, ``Python``, ``Functionalize`` and the other
+keys of fake tensors, tracing and compilation, where libraries register kernels of their own at first use."""
+KERNEL_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation", "_scaled_mm", "dot")
+"""The aten GEMMs whose kernels the guard reads from the dispatcher, every overload (the ``out=`` ones too: the code
+torch.compile generates calls them)."""
+KERNEL_OPS = ("rms_norm", "_fused_rms_norm", "softmax", "_softmax", "log_softmax", "_log_softmax",
+              "_log_softmax_backward_data", "_softmax_backward_data", "logsumexp", "cross_entropy_loss", "nll_loss",
+              "nll_loss_nd", "nll_loss_forward", "nll_loss_backward", "scaled_dot_product_attention",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_efficient_attention", "mul", "add", "sub", "rsub", "div", "neg", "exp", "pow",
+              "rsqrt", "reciprocal", "sigmoid", "silu", "silu_backward", "gelu", "gelu_backward", "cos", "sin",
+              "clamp", "sum", "mean", "amax", "_to_copy", "copy_", "clone", "cat", "embedding",
+              "embedding_dense_backward")
+"""The other aten ops the float64 references and the PyTorch baselines compute with (their norms, softmax, losses,
+attention, pointwise math, reductions and copies), every overload but the ``out=`` ones. Reading one op's kernels
+costs about 15 us: with the GEMMs, ~90 ops take about a millisecond and a half, read after each request and import
+(inside the timing loops, the GEMMs' ~26 alone: :func:`verify_clocks`); every aten op (~3600) would take 50 ms."""
 _LIBRARY = sys.modules["torch.library"]
+_DUMP = torch._C._dispatch_dump
+"""The dispatcher's listing of an op's kernels, bound before any plugin loads."""
+_ALL_OPS = torch._C._dispatch_get_all_op_names
 
 
-def _kernel_overrides(kernels: frozenset[str], ops: frozenset[str]) -> list[str]:
-    """The kernels registered through ``torch.library`` since the record (``kernels``: its ``_impls`` then) that
-    replace the computing kernel of an op that existed then (``ops``), as ``ns/op/key``: a plugin's own ops are its
-    own, a new kernel for ``aten::mm`` on the CPU changes every GEMM, the float64 reference's included."""
-    new = getattr(_LIBRARY, "_impls", set()) - kernels
-    return [k for k in new if k.rsplit("/", 1)[-1] in COMPUTE_KEYS and "::".join(k.split("/")[:2]) in ops]
+def _watched_ops() -> list[str]:
+    """The overloads (``aten::name.overload``) of :data:`KERNEL_GEMMS` and :data:`KERNEL_OPS` that this torch has."""
+    def watched(op: str) -> bool:
+        name, _, overload = op.removeprefix("aten::").partition(".")
+        return name in KERNEL_GEMMS or (name in KERNEL_OPS and "out" not in overload)
+    return sorted(op for op in _ALL_OPS() if op.startswith("aten::") and watched(op))
 
 
-def _drop_kernels(names: list[str]) -> None:
-    """Destroy the ``torch.library.Library`` objects that registered ``names`` (torch's kernels are back)."""
+def _compute_kernels(dump: str) -> list[str]:
+    """The lines of an op's ``_dispatch_dump`` that list a kernel of :data:`COMPUTE_KEYS`, the active one and those
+    it shadows (``CPU (inactive): ...``): how the kernel was registered, by whom, and what it shadows."""
+    return [line for line in dump.splitlines()
+            if line.split(":", 1)[0].split(" ", 1)[0].removesuffix("[alias]") in COMPUTE_KEYS]
+
+
+def _dispatcher_changes(record: dict[str, str], ops: Iterable[str]) -> list[str]:
+    """Those of ``ops`` whose computing kernels differ in the dispatcher from ``record`` (op -> its
+    ``_dispatch_dump`` then), however the kernel came there: torch.library, ``torch._C._dispatch_library``, a compiled
+    extension. A kernel registered over one of torch's leaves torch's listed below it, so that even one that copies
+    the original's file and line is seen. A change at the other keys is adopted into ``record`` (the check stays
+    cheap)."""
+    changed = []
+    for op in ops:
+        recorded, now = record[op], _DUMP(op)
+        if now != recorded:
+            if _compute_kernels(now) != _compute_kernels(recorded):
+                changed.append(op)
+            else:
+                record[op] = now
+    return changed
+
+
+def _new_library_kernels(kernels: frozenset[str]) -> list[str]:
+    """The computing kernels (``ns/name/key``, :data:`COMPUTE_KEYS`) registered through ``torch.library`` since the
+    record (``kernels``: its ``_impls`` then)."""
+    return [k for k in getattr(_LIBRARY, "_impls", set()) - kernels if k.rsplit("/", 1)[-1] in COMPUTE_KEYS]
+
+
+def _library_overrides(kernels: frozenset[str], ops: frozenset[str]) -> list[str]:
+    """The ops (``ns::name``) of any namespace that existed at the record (``ops``) given a computing kernel through
+    ``torch.library`` since then: the ops the dispatcher is not read for."""
+    return [_op_of(k) for k in _new_library_kernels(kernels) if _op_of(k) in ops]
+
+
+def _op_of(kernel: str) -> str:
+    """``ns::name`` of a ``torch.library`` kernel's key (``ns/name/key``)."""
+    return "::".join(kernel.split("/")[:2])
+
+
+def _replaced_kernels(record: _Record, full: bool) -> list[str]:
+    """The ops whose computing kernel was replaced since the record: a new kernel of torch's own ops moves what every
+    cell computes (a CPU ``aten::mm`` would move every GEMM, the float64 reference's included); a plugin's own ops are
+    its own. ``full``: the dispatcher is read for every watched op, else for the GEMMs alone (:func:`verify_clocks`)."""
+    read = record.dispatcher if full else record.gemms
+    return sorted(set(_dispatcher_changes(record.dispatcher, read))
+                  | set(_library_overrides(record.kernels, record.ops)))
+
+
+def _drop_kernels(ops: list[str], kernels: frozenset[str]) -> None:
+    """Destroy the ``torch.library.Library`` objects that registered a computing kernel of ``ops`` since the record
+    (``kernels``; not those of torch's own, such as its Meta kernels): torch's kernels are back. One registered
+    otherwise (``torch._C._dispatch_library``, a compiled extension) has no handle here, and stays
+    (:func:`lasting`)."""
+    new = {k for k in _new_library_kernels(kernels) if _op_of(k) in ops}
     for lib in [o for o in gc.get_objects() if issubclass(type(o), _LIBRARY.Library)]:
-        if set(getattr(lib, "_op_impls", ())) & set(names):
+        if new & set(getattr(lib, "_op_impls", ())):
             lib._destroy()
 
 
@@ -318,11 +406,13 @@ class _Contents(NamedTuple):
 
 
 class _Registered(NamedTuple):
-    """A registered implementation as it was registered: what it runs."""
+    """A registered implementation as it was registered: where, and what it runs."""
 
     label: str
+    registry: Any
+    """The registry, whose table (``registry.impls``) must still be ``entries``."""
     entries: dict
-    """The registry's dict, in which ``key`` must still name ``impl`` (while it names anything)."""
+    """The registry's table, in which ``key`` must still name ``impl``."""
     key: Any
     impl: Any
     cls: type
@@ -346,9 +436,13 @@ class _Record:
         """``torch.library._impls`` (the kernels registered through torch.library) when recorded."""
         self.ops: frozenset[str] = frozenset()
         """The dispatcher's ops (``ns::name``) when recorded."""
+        self.dispatcher: dict[str, str] = {}
+        """The dispatcher's listing of the kernels of each watched op (:func:`_watched_ops`) when recorded."""
+        self.gemms: tuple[str, ...] = ()
+        """Those of the watched ops that are GEMMs (:data:`KERNEL_GEMMS`)."""
         self.functions: list[_Function] = []
         self.implementations: dict[tuple[int, Any], _Registered] = {}
-        """By (id of the registry's dict, key): what each registered implementation runs (:func:`watch_registered`)."""
+        """By (id of the registry, key): what each registered implementation runs (:func:`watch_registered`)."""
         self.methods: dict[int, list[_Attr]] = {}
         """By id of the class: the methods of the classes of registered implementations defined outside the harness
         (the harness's own are in ``harness``)."""
@@ -515,11 +609,13 @@ def _put_entries(c: _Contents) -> None:
                 setattr(c.owner, k, v)
 
 
-def watch_registered(entries: dict, key: Any, impl: Any) -> None:
-    """Record what the implementation just registered as ``entries[key]`` runs: its entry, its class, its classes'
-    methods and the callables it holds (a registered function). From now on a change to any of them (the entry
-    replaced, the class swapped, a method replaced, or shadowed by an instance attribute) is tampering: no later
-    plugin slows another's calls or changes what they compute. An entry removed is not (its cells fail by name)."""
+def watch_registered(registry: Any, key: Any, impl: Any) -> None:
+    """Record the implementation just registered as ``registry.impls[key]``: where it is and what it runs (its
+    entry, its class, its classes' methods and the callables it holds: a registered function). A registry's entries
+    are append-only: from now on a change to any of them (the entry removed or replaced, the registry's table
+    replaced, the class swapped, a method replaced, or shadowed by an instance attribute) is tampering, and the name
+    stays taken (:func:`registered`): no later plugin slows another's calls, changes what they compute, or takes their
+    cells out of the run."""
     cls = type(impl)
     for c in cls.__mro__[:-1]:
         if not harness_module(c.__module__) and id(c) not in _RECORD.methods:
@@ -527,23 +623,33 @@ def watch_registered(entries: dict, key: Any, impl: Any) -> None:
                                       for name, value in _callables(c).items()]
     methods = frozenset(name for c in cls.__mro__[:-1] for name in _callables(c))
     held = tuple((name, value) for name, value in vars(impl).items() if callable(value))
-    _RECORD.implementations[(id(entries), key)] = _Registered(f"the registered implementation {key!r}", entries, key,
-                                                              impl, cls, methods, held)
+    _RECORD.implementations[(id(registry), key)] = _Registered(f"the registered implementation {key!r}", registry,
+                                                               registry.impls, key, impl, cls, methods, held)
+
+
+def registered(registry: Any, key: Any) -> Any:
+    """The implementation recorded as registered under ``key`` in ``registry``, removed since or not; None where
+    none was: a name once registered is taken for good."""
+    reg = _RECORD.implementations.get((id(registry), key))  # the record holds the registry: its id is its own
+    return reg.impl if reg is not None else None
 
 
 def _record_registered(record: _Record) -> None:
-    """Record the registered implementations (those still registered) and their classes' methods again."""
-    registered = [r for r in record.implementations.values() if r.key in r.entries]
+    """Record the registered implementations (those in their registry's table now) and their classes' methods
+    again."""
+    registered_now = [r for r in record.implementations.values() if r.key in r.registry.impls]
     record.implementations, record.methods = {}, {}
-    for r in registered:
-        watch_registered(r.entries, r.key, r.entries[r.key])
+    for r in registered_now:
+        watch_registered(r.registry, r.key, r.registry.impls[r.key])
 
 
 def _changed_implementation(reg: _Registered) -> list[str]:
     """What differs in ``reg`` but its classes' methods (watched per class)."""
-    impl = reg.entries.get(reg.key, reg.impl)
+    if getattr(reg.registry, "impls", None) is not reg.entries:
+        return ["the registry's table of implementations (replaced)"]
+    impl = reg.entries.get(reg.key, _MISSING)
     if impl is not reg.impl:
-        return [f"{reg.label} (replaced)"]
+        return [f"{reg.label} ({'removed' if impl is _MISSING else 'replaced'})"]
     state = vars(impl)
     bad = [] if type(impl) is reg.cls else [f"{reg.label}.__class__"]
     bad += [f"{reg.label}.{name}" for name, value in reg.held if state.get(name, _MISSING) is not value]
@@ -556,8 +662,8 @@ def _changed_implementation(reg: _Registered) -> list[str]:
 
 def _put_implementation(reg: _Registered) -> None:
     impl, held = reg.impl, dict(reg.held)
-    if reg.key in reg.entries:
-        reg.entries[reg.key] = impl
+    reg.registry.impls = reg.entries
+    reg.entries[reg.key] = impl
     if type(impl) is not reg.cls:
         impl.__class__ = reg.cls
     for name in [n for n in vars(impl) if n in reg.methods and n not in held]:
@@ -602,15 +708,19 @@ def snapshot(refresh: bool = False) -> None:
     _RECORD.hooks = _hooks()
     _record_process(_RECORD)
     _RECORD.kernels = frozenset(getattr(_LIBRARY, "_impls", ()))
-    _RECORD.ops = frozenset(torch._C._dispatch_get_all_op_names())
+    _RECORD.ops = frozenset(_ALL_OPS())
+    _RECORD.dispatcher = {op: _DUMP(op) for op in _watched_ops()}
+    _RECORD.gemms = tuple(op for op in _RECORD.dispatcher if op.removeprefix("aten::").partition(".")[0]
+                          in KERNEL_GEMMS)
     _RECORD.clocks = Clocks(time.perf_counter, torch.cuda.Event, torch.cuda.Event.record,
                             torch.cuda.Event.elapsed_time, torch.cuda.synchronize, verify_clocks,
                             torch.cuda.Event.synchronize, getattr(torch._C, "_cuda_sleep", torch.cuda._sleep))
     _record_harness(_RECORD)
 
 
-def _scan() -> Iterator[tuple[str, Callable[[], None]]]:
-    """(label, the fix that restores it) of everything that differs from the record."""
+def _scan(full: bool = True) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, the fix that restores it) of everything that differs from the record (``full``: see
+    :func:`_replaced_kernels`)."""
     r = _RECORD
     methods = [a for attrs in r.methods.values() for a in attrs]
     for a in [a for a in (*r.guarded, *r.harness, *methods) if a.namespace.get(a.name, _MISSING) is not a.original]:
@@ -624,10 +734,10 @@ def _scan() -> Iterator[tuple[str, Callable[[], None]]]:
         get, put = PROCESS_STATE[label]
         if not _same(get(), recorded):
             yield label, lambda put=put, v=recorded: put(v)
-    overrides = _kernel_overrides(r.kernels, r.ops)
-    if overrides:
-        yield (f"torch's kernel of {', '.join(sorted(overrides))} (replaced through torch.library)",
-               lambda: _drop_kernels(overrides))
+    replaced = _replaced_kernels(r, full)
+    if replaced:
+        yield (f"torch's kernel of {listing(replaced)} (replaced in its dispatcher)",
+               lambda: _drop_kernels(replaced, r.kernels))
     for reg in list(r.implementations.values()):
         for label in _changed_implementation(reg):
             yield label, lambda reg=reg: _put_implementation(reg)
@@ -684,7 +794,11 @@ def _put_cell(cell: types.CellType, content: Any) -> None:
 
 def tampered() -> list[str]:
     """What has been replaced, deleted, set or swapped since :func:`snapshot` (``module.name``-style labels)."""
-    return list(dict.fromkeys(label for label, _ in _scan()))  # an op class's method is watched twice
+    return _labels(_scan())
+
+
+def _labels(scan: Iterator[tuple[str, Callable[[], None]]]) -> list[str]:
+    return list(dict.fromkeys(label for label, _ in scan))  # an op class's method is watched twice
 
 
 def restore(names: list[str] | None = None) -> list[str]:
@@ -703,49 +817,145 @@ def private_clocks() -> Clocks:
     return _RECORD.clocks
 
 
-def running_threads() -> set[int]:
-    """The idents of the threads alive now (what :func:`own_threads` compares with)."""
-    return {t.ident for t in threading.enumerate()}
+def running_threads() -> set[threading.Thread]:
+    """The threads alive now (what :func:`own_threads` compares with)."""
+    return set(threading.enumerate())
 
 
-def _library_roots() -> tuple[str, ...]:
-    """The folders of the standard library and of installed packages: the interpreter's, the site folders, and the
-    entries of ``sys.path`` that hold installed distributions (``*.dist-info``: ``pip install --target``)."""
+OWN, LIBRARY, GLUE = "own", "library", "glue"
+"""What the code of a file is (:func:`_code_kinds`)."""
+THREAD_SAMPLES = 5
+THREAD_SAMPLE_S = 0.002
+"""A thread that holds a frame of its own below a library's call is looked at this many times, this far apart."""
+_sleep = time.sleep
+
+
+def _roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the standard library's folders, the installed packages' folders): the interpreter's, the site folders, and
+    the entries of ``sys.path`` that hold installed distributions (``*.dist-info``: ``pip install --target``)."""
     paths = sysconfig.get_paths()
-    roots = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")] + site.getsitepackages()
+    packages = [paths[k] for k in ("purelib", "platlib")] + site.getsitepackages()
     for entry in sys.path:
         try:
             if entry and any(name.endswith(".dist-info") for name in os.listdir(entry)):
-                roots.append(entry)
+                packages.append(entry)
         except OSError:
             continue
-    return tuple({os.path.realpath(r) + os.sep for r in roots})
+
+    def folders(paths: list[str]) -> tuple[str, ...]:
+        return tuple({os.path.realpath(p) + os.sep for p in paths})
+    return folders([paths["stdlib"], paths["platstdlib"]]), folders(packages)
 
 
-def own_threads(before: set[int]) -> list[str]:
+def _code_kinds(own: tuple[str, ...]) -> Callable[[str], str]:
+    """What the code of a file is: :data:`OWN` (an implementation's: outside the standard library and the installed
+    packages, or under one of ``own``, its files and package folders, wherever installed), :data:`LIBRARY` (an
+    installed package's) or :data:`GLUE` (the standard library's, or code made at run time, ``<string>``: what the
+    code that calls it runs, a wait on an event or a queue)."""
+    stdlib, packages = _roots()
+    kinds: dict[str, str] = {}
+
+    def kind(file: str) -> str:
+        if file not in kinds:
+            path = os.path.realpath(file)
+            kinds[file] = (GLUE if file.startswith("<") else OWN if path.startswith(own)
+                           else LIBRARY if path.startswith(packages) else GLUE if path.startswith(stdlib) else OWN)
+        return kinds[file]
+    return kind
+
+
+def module_files(modules: Iterable[str]) -> tuple[str, ...]:
+    """The code of ``modules`` (an implementation's ``source``), as path prefixes for :func:`own_threads`: each
+    module's file, and the folder of the package it is in (its top-level package's, where it has one: the helpers
+    beside it). The harness's own modules are not an implementation's."""
+    out: set[str] = set()
+    for name in modules:
+        module = sys.modules.get(name) if name and not harness_module(name) else None
+        if getattr(module, "__file__", None):
+            out.add(os.path.realpath(module.__file__))
+            top = sys.modules.get(name.partition(".")[0])
+            if hasattr(top, "__path__") and getattr(top, "__file__", None):
+                out.add(os.path.dirname(os.path.realpath(top.__file__)) + os.sep)
+    return tuple(out)
+
+
+def _code_file(fn: Any) -> str | None:
+    """The file of the code ``fn`` runs (a function, a method, a ``functools.partial``, a callable object)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None and fn is not None and not isinstance(fn, types.BuiltinFunctionType):
+        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)
+    return code.co_filename if code is not None else None
+
+
+def _started_on(thread: threading.Thread, kind: Callable[[str], str]) -> bool:
+    """The thread was started to run code of its own: its target, a ``threading.Timer``'s function, or its class's
+    ``run``, even while it waits in the standard library (a Timer that has not fired yet)."""
+    files = [_code_file(getattr(thread, "_target", None)), _code_file(getattr(thread, "function", None)),
+             _code_file(type(thread).run)]
+    return any(f is not None and kind(f) == OWN for f in files)
+
+
+def _runs_own(frame: types.FrameType | None, kind: Callable[[str], str]) -> bool:
+    """The innermost frame of the stack that is not glue is the thread's own: its own code is what runs now (a call
+    it made into an installed package, such as a JIT build waiting for its compiler, is the package's, for now)."""
+    while frame is not None:
+        k = kind(frame.f_code.co_filename)
+        if k != GLUE:
+            return k == OWN
+        frame = frame.f_back
+    return False
+
+
+def _holds_own(frame: types.FrameType | None, kind: Callable[[str], str]) -> bool:
+    """Some frame of the stack is the thread's own (it may come back to it)."""
+    while frame is not None:
+        if kind(frame.f_code.co_filename) == OWN:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def own_threads(before: set[threading.Thread], own: tuple[str, ...] = ()) -> list[str]:
     """The names of the threads started since ``before`` (:func:`running_threads`) that are still alive and run code
-    of their own: a frame of their stack in a file outside the standard library and the installed packages (a
-    plugin's own code, or a module beside it). A library's threads (a compile pool, a monitor) run the library's
-    code and are not counted; a plugin installed as a package is not told from one."""
-    roots, frames, me = _library_roots(), sys._current_frames(), threading.get_ident()
-    names = []
-    for t in threading.enumerate():
-        if t.ident in before or t.ident == me:
-            continue
-        frame = frames.get(t.ident)
-        while frame is not None:
-            file = frame.f_code.co_filename
-            if not file.startswith("<") and not os.path.realpath(file).startswith(roots):
-                names.append(t.name)
-                break
-            frame = frame.f_back
-    return names
+    of their own (:func:`_code_kinds`; ``own``: the implementation's files, :func:`module_files`): started to run it
+    (:func:`_started_on`), or running it now (:func:`_runs_own`), looked at :data:`THREAD_SAMPLES` times over a few
+    milliseconds while some frame of the thread is its own but a library's call is what runs. A library's threads (a
+    compile pool, a JIT build that outlives a call, a monitor) run the library's code and are not counted."""
+    kind, me = _code_kinds(own), threading.current_thread()
+    new = [t for t in threading.enumerate() if t not in before and t is not me and t.is_alive()]
+    found = {t for t in new if _started_on(t, kind)}
+    undecided = [t for t in new if t not in found]
+    for sample in range(THREAD_SAMPLES):
+        frames = sys._current_frames()
+        found.update(t for t in undecided if _runs_own(frames.get(t.ident), kind))
+        undecided = [t for t in undecided if t not in found and _holds_own(frames.get(t.ident), kind)]
+        if not undecided or sample == THREAD_SAMPLES - 1:
+            break
+        _sleep(THREAD_SAMPLE_S)
+    return [t.name for t in new if t in found]
+
+
+def threads_message(names: list[str], after: str) -> str:
+    """What a plugin that left the threads ``names`` running its own code after ``after`` (its import, the call) is
+    told."""
+    return (f"left {listing(names)} running its own code after {after} (a thread beside the timed calls slows every "
+            "implementation)")
+
+
+def lasting(names: list[str]) -> list[str]:
+    """Those of ``names`` (what :func:`restore` put back) that are still changed: what no restore undoes, such as a
+    kernel registered in torch's dispatcher through ``torch._C`` or a compiled extension; only a new process is rid
+    of it."""
+    return [name for name in tampered() if name in names]
 
 
 def verify_clocks() -> None:
     """Raise :class:`Tampered` if anything the guard watches was replaced (the originals stay out until the worker's
-    check after the request restores them)."""
-    bad = tampered()
+    check after the request restores them). Of the dispatcher's kernels it reads the GEMMs' alone, so that this check
+    around every timed region stays about a millisecond; the check after the request reads every watched op."""
+    bad = _labels(_scan(full=False))
     if bad:
         raise Tampered(bad)
 
@@ -755,7 +965,9 @@ def listing(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def tamper_message(names: list[str]) -> str:
-    """The error row of a cell during which ``names`` were tampered with."""
-    return (f"tampered with {listing(names)} (the harness's clocks and torch functions are restored; this cell does "
-            "not count)")
+def tamper_message(names: list[str], kept: Sequence[str] = ()) -> str:
+    """The error row of a cell during which ``names`` were tampered with; ``kept``: those that no restore undoes
+    (:func:`lasting`: the worker process is replaced)."""
+    done = (f"{listing(kept)} cannot be undone in this process, which is replaced" if kept else
+            "the harness's clocks and torch functions are restored")
+    return f"tampered with {listing(names)} ({done}; this cell does not count)"

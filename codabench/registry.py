@@ -187,8 +187,9 @@ class Registry:
     def add(self, impl: Implementation) -> Implementation:
         """Register ``impl`` as ``(impl.op, impl.name)``. ValueError with one line: no name or op, an op that does
         not exist, a mode, dtype or requirement the harness does not know (:func:`declaration_error`), or a name
-        the op already has (from any module, the same one included: a second registration never replaces the
-        first). The guard records what it runs (:func:`codabench.guard.watch_registered`)."""
+        the op has had (from any module, the same one included: a second registration never replaces the first,
+        even once the first was removed from ``impls``). The guard records what it runs and keeps the entry
+        (:func:`codabench.guard.watch_registered`)."""
         if not impl.name or not impl.op:
             raise ValueError(f"implementation {impl!r} needs a name and an op")
         if impl.op not in OPS:
@@ -198,14 +199,15 @@ class Registry:
         if bad:
             raise ValueError(f"implementation {impl.name!r} of op {impl.op!r}: {bad}")
         key = (impl.op, impl.name)
-        old = self.impls.get(key)
+        old = self.impls.get(key) or guard.registered(self, key)
         if old is not None:
             first, again = _where(old.source), _where(impl.source)
             raise ValueError(f"implementation {impl.name!r} of op {impl.op!r} registered twice: by {first}"
                              + (" (twice)" if again == first else f" and again by {again}")
+                             + ("" if key in self.impls else " (after removing the first, which does not free it)")
                              + "; a name must be unique per op")
         self.impls[key] = impl
-        guard.watch_registered(self.impls, key, impl)
+        guard.watch_registered(self, key, impl)
         return impl
 
     def get(self, op: str, name: str) -> Implementation:

@@ -166,13 +166,17 @@ def _drop_partial_last_line(path: Path) -> None:
         os.truncate(path, data.rfind(b"\n") + 1)
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+def append_jsonl(path: Path, record: dict[str, Any]) -> bytes:
+    """Append ``record`` to the JSON-lines file ``path`` as one line (a cut-off last line dropped first); the bytes
+    appended."""
+    line = (json.dumps(record) + "\n").encode()
     if path.exists():
         _drop_partial_last_line(path)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    with open(path, "ab") as f:
+        f.write(line)
         f.flush()
         os.fsync(f.fileno())
+    return line
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -13,13 +13,20 @@ name. The next request starts a fresh worker. The worker ignores SIGINT: Ctrl-C 
 worker and writes the report.
 
 Starting, the worker reports each plugin import to the parent (:func:`codabench.discovery.discover`'s ``gate`` and
-``done``). An import that takes longer than the cell timeout, that ends the worker process, or that leaves a thread
-running its own code (:func:`codabench.guard.own_threads`: it would run beside every timed call) is vetoed: the worker
-is stopped and started again without that plugin, which gets a load error, in this worker and every later one, and in
-the parent's registry (:meth:`WorkerProcess.import_verdict` lets the parent's own discovery skip it too, so a hanging
-import never hangs the command line). An import slower than :data:`SLOW_IMPORT_S` is printed and
-recorded in env.json (``slow_plugin_imports``). Each plugin is checked for tampering right after its import
-(:mod:`codabench.discovery`): the blame falls on that plugin's load error, in every worker, and never on a cell.
+``done``). An import that takes longer than the cell timeout, that ends the worker process, that leaves a thread
+running its own code (:func:`codabench.guard.own_threads`: it would run beside every timed call), or that changes
+what no restore undoes (:func:`codabench.guard.lasting`) is vetoed: the worker is stopped and started again without
+that plugin, which gets a load error, in this worker and every later one, and in the parent's registry
+(:meth:`WorkerProcess.import_verdict` lets the parent's own discovery skip it too, so a hanging import never hangs
+the command line). An import slower than :data:`SLOW_IMPORT_S` is printed and recorded in env.json
+(``slow_plugin_imports``). Each plugin is checked for tampering right after its import (:mod:`codabench.discovery`):
+the blame falls on that plugin's load error, in every worker, and never on a cell.
+
+Each request is checked the same way after it (:func:`dispatch`): tampering is its cell's error row (and is undone),
+and a request that left a thread running its implementation's code, or a change no restore undoes (a kernel
+registered in torch's dispatcher through ``torch._C``), retires the worker with its answer
+(:attr:`Failure.retire`): the parent kills the worker's process group, the thread with it, and the next request
+starts a fresh worker, so that no later cell runs beside the thread or with the kernel.
 
 :class:`InlineWorker` runs the same requests in the parent process (``--inline``): for debuggers, and for tests
 that patch the harness; there a crash or a hang ends the run.
@@ -40,10 +47,13 @@ from codabench import guard
 from codabench.config import RunConfig
 from codabench.measure import Measurer, describe_exception
 from codabench.discovery import discover
+from codabench.matrix import Cell
 from codabench.registry import REGISTRY, Registry
 
 DEVICE_LOST_EXIT = 75
 """Exit code of a worker whose CUDA context broke (the request that broke it has its answer)."""
+RETIRED_EXIT = 76
+"""Exit code of a worker retired by its last answer (:attr:`Failure.retire`)."""
 POLL_S = 0.1
 WORKER_MAIN = ("import sys; from codabench.bootstrap import select_device; select_device(); "
                "from multiprocessing.connection import Connection; from codabench.worker import serve; "
@@ -62,6 +72,9 @@ class Failure:
     """A request that got no answer from the implementation: the reason, as the cell's error message."""
 
     message: str
+    retire: bool = False
+    """The worker process that answered must serve no other request: the implementation left in it what only a new
+    process is rid of (a thread of its own, a kernel in torch's dispatcher that no restore undoes)."""
 
 
 def exit_message(code: int | None) -> str:
@@ -81,13 +94,30 @@ def exit_message(code: int | None) -> str:
 
 
 def dispatch(measurer: Measurer, method: str, args: tuple) -> Any:
-    """Run one request; an exception of the harness itself, or a replaced clock or torch function, is a Failure."""
+    """Run one request; an exception of the harness itself, a replaced clock or torch function, or a thread the
+    request started that runs its implementation's code after it (:func:`codabench.guard.own_threads`) is a Failure,
+    one that retires the worker where what the request left cannot be undone in this process."""
+    threads = guard.running_threads()
     try:
         value = getattr(measurer, method)(*args)
     except Exception as e:
         value = Failure(describe_exception(e))
     bad = guard.restore()
-    return Failure(guard.tamper_message(bad)) if bad else value
+    kept = guard.lasting(bad)
+    started = guard.own_threads(threads, guard.module_files(_sources(measurer.registry, args)))
+    if not bad and not started:
+        return value
+    reasons = [guard.tamper_message(bad, kept)] if bad else []
+    if started:
+        reasons.append(f"{guard.threads_message(started, 'the call')}: the worker process that runs it is replaced; "
+                       "this cell does not count")
+    return Failure("; ".join(reasons), retire=bool(kept or started))
+
+
+def _sources(registry: Registry, args: tuple) -> list[str]:
+    """The modules of the implementations whose cells a request serves (its Cell arguments, alone or in a list)."""
+    cells = [c for a in args for c in (a if isinstance(a, list) else [a]) if isinstance(c, Cell)]
+    return [registry.impls[c.op, c.impl].source for c in cells if (c.op, c.impl) in registry.impls]
 
 
 def serve(conn: Connection) -> None:
@@ -109,7 +139,7 @@ def serve(conn: Connection) -> None:
 
     try:
         registry = discover(cfg.plugin_files, entry_points=cfg.entry_points, gate=gate,
-                            done=lambda source, seconds, threaded: conn.send(("imported", (source, seconds, threaded))))
+                            done=lambda source, seconds, veto: conn.send(("imported", (source, seconds, veto))))
     except OSError:  # the parent is gone
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: a plugin's import may have set its own handler
@@ -120,7 +150,11 @@ def serve(conn: Connection) -> None:
             method, args = conn.recv()
             if method == "stop":
                 return
-            conn.send(("done", dispatch(measurer, method, args)))
+            answer = dispatch(measurer, method, args)
+            conn.send(("done", answer))
+            if isinstance(answer, Failure) and answer.retire:
+                conn.close()
+                os._exit(RETIRED_EXIT)
             if measurer.device_lost:
                 conn.close()
                 os._exit(DEVICE_LOST_EXIT)
@@ -162,6 +196,8 @@ class WorkerProcess:
         except OSError:
             return self._dead()
         answer = self._receive(self.timeout_s)
+        if isinstance(answer, Failure) and answer.retire:  # its threads die with its process group
+            self._kill()
         if method == "env" and isinstance(answer, dict) and self.slow_imports:
             answer["slow_plugin_imports"] = {s: round(t, 1) for s, t in self.slow_imports.items()}
         return answer
@@ -245,10 +281,10 @@ class WorkerProcess:
         if kind == "importing":
             self._importing = (value, time.monotonic())
         elif kind == "imported":
-            source, seconds, threaded = value
+            source, seconds, veto = value
             self._importing = None
-            if threaded:  # the thread dies with this worker's process group; the next worker does not import it
-                self._veto(source, f"{threaded}: the worker was stopped and started again without this plugin")
+            if veto:  # what it left dies with this worker's process group; the next worker does not import it
+                self._veto(source, f"{veto}: the worker was stopped and started again without this plugin")
                 return
             self.verdicts[source] = None
             if seconds > SLOW_IMPORT_S and source not in self.slow_imports:
@@ -321,9 +357,10 @@ class WorkerProcess:
 
 
 class InlineWorker:
-    """The worker's requests run in this process (``--inline``): no isolation, no timeout. The guard records the
-    harness's modules again as they are when it starts (:func:`codabench.guard.snapshot` ``refresh``): a debugger's
-    or test's patches of the harness are not taken for a cell's tampering."""
+    """The worker's requests run in this process (``--inline``): no isolation, no timeout, and no worker to retire
+    (a thread a call left, or a kernel no restore undoes, stays: its cell is an error row all the same). The guard
+    records the harness's modules again as they are when it starts (:func:`codabench.guard.snapshot` ``refresh``): a
+    debugger's or test's patches of the harness are not taken for a cell's tampering."""
 
     def __init__(self, cfg: RunConfig, registry: Registry):
         guard.snapshot(refresh=True)

@@ -14,10 +14,12 @@ next writer takes the lock over with a note.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import math
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,62 @@ class RunLock:
         self.release()
 
 
+CHUNK = 1 << 20
+"""Bytes read at a time from a file that may be large."""
+
+
+class JsonLines:
+    """A JSON-lines file of the run (samples.jsonl, profiles.jsonl) that this writer alone appends to, and puts back
+    as it wrote it (:meth:`restore`) where anything else changed it. It knows the file by its length and a running
+    SHA-256 of its bytes (a check reads the file once), and keeps the bytes themselves in an anonymous temporary file
+    beside it: a long run's samples are tens of megabytes, which need not stay in this process's memory, and a file
+    of no name, whose descriptor the worker process does not inherit, is out of a plugin's reach as much as this
+    process's memory is. Only a restore reads them back."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._copy = tempfile.TemporaryFile(dir=path.parent)
+        self._hash, self._size = hashlib.sha256(), 0
+        if path.exists():
+            results._drop_partial_last_line(path)  # as the next append would
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(CHUNK), b""):
+                    self._keep(chunk)
+
+    def _keep(self, data: bytes) -> None:
+        self._copy.write(data)
+        self._hash.update(data)
+        self._size += len(data)
+
+    def append(self, record: dict[str, Any]) -> None:
+        self._keep(results.append_jsonl(self.path, record))
+
+    def _intact(self) -> bool:
+        """The file holds what this writer wrote: its length, then its hash (no file: nothing was written)."""
+        try:
+            if self.path.stat().st_size != self._size:
+                return False
+            digest = hashlib.sha256()
+            with open(self.path, "rb") as f:
+                for chunk in iter(lambda: f.read(CHUNK), b""):
+                    digest.update(chunk)
+            return digest.digest() == self._hash.digest()
+        except FileNotFoundError:
+            return self._size == 0
+
+    def restore(self) -> bool:
+        """Put the file back as this writer wrote it where it holds anything else (a process that is not the run
+        wrote into it, cut it or removed it); True if it did."""
+        if self._intact():
+            return False
+        self._copy.seek(0)
+        results.write_atomic(self.path, self._copy.read())
+        return True
+
+    def close(self) -> None:
+        self._copy.close()
+
+
 class RunWriter:
     """Opens ``out_dir`` for a run (refused as :func:`check_run_dir` says; then locked, then marked) until
     :meth:`close`."""
@@ -136,6 +194,8 @@ class RunWriter:
             """Keys of the cells that already have a row (resume)."""
             self._results = results.AppendWriter(path, results.RESULT_COLUMNS)
             self._errors = results.AppendWriter(out_dir / results.ERRORS, results.ERROR_COLUMNS)
+            self._samples = JsonLines(out_dir / results.SAMPLES)
+            self._profiles = JsonLines(out_dir / results.PROFILES)
             self._env: dict[str, Any] | None = None
             """env.json as this run wrote it (None until :meth:`write_env`)."""
             self._env_text = ""
@@ -144,11 +204,14 @@ class RunWriter:
             raise
 
     def close(self) -> None:
-        """Put back what another process changed in the run's tables and env.json while the run wrote them (a plugin
-        writing into the run folder: its rows never reach the report), say so (stderr, and ``run_folder_restored``
-        in env.json), and let go of the run directory."""
+        """Put back what another process changed in the run's tables, samples, profiles and env.json while the run
+        wrote them (a plugin writing into the run folder: its rows never reach the report), say so (stderr, and
+        ``run_folder_restored`` in env.json), and let go of the run directory."""
         try:
-            restored = [w.path.name for w in (self._results, self._errors) if w.restore()]
+            restored = [w.path.name for w in (self._results, self._errors, self._samples, self._profiles)
+                        if w.restore()]
+            self._samples.close()
+            self._profiles.close()
             if self._env is not None and self._env_changed():
                 restored.append(results.ENV)
             if restored:
@@ -179,7 +242,7 @@ class RunWriter:
         self._results.write([row])
         self._errors.write(err_rows)
         if samples is not None and cell is not None:
-            results.append_jsonl(self.out_dir / results.SAMPLES, {**dict(zip(results.KEY, cell.key)), **samples})
+            self._samples.append({**dict(zip(results.KEY, cell.key)), **samples})
 
     def write_profile(self, cell: Cell, record: dict[str, Any], trace: str | None = None) -> None:
         """A timed cell's profile (:meth:`codabench.measure.Measurer.profile`'s record, or a note alone) and its Chrome
@@ -191,7 +254,7 @@ class RunWriter:
             name = results.trace_name(cell.key)
             results.write_atomic(folder / name, trace)
             record["trace"] = f"{results.TRACES}/{name}"
-        results.append_jsonl(self.out_dir / results.PROFILES, record)
+        self._profiles.append(record)
 
     def write_env(self, env: dict[str, Any], resume: bool) -> None:
         """env.json at the start of a run; a resumed run keeps the earlier sessions' records under earlier_sessions."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from codabench import guard
 from codabench.matrix import Selection
 from codabench.discovery import discover
 from codabench.registry import REGISTRY
@@ -29,6 +30,7 @@ def isolated_registry():
     finally:
         REGISTRY.impls.clear()
         REGISTRY.impls.update(impls)
+        guard.snapshot(refresh=True)  # the guard keeps a registry's entries: it forgets those undone here
         REGISTRY.load_errors[:] = errors
         REGISTRY.plugin_files[:] = files
         for name in set(sys.modules) - modules:  # so the next test imports (and registers) them again

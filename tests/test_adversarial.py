@@ -8,13 +8,14 @@ import pytest
 from codabench import guard
 from codabench.discovery import load_plugin_file
 from codabench.results import load_run
+from codabench.worker import WorkerProcess
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 
 IMPORT_ATTACKS = {
     "adv_op_reference.py": ("adv-op-reference", "workloads.ops.OPS['gemm_out'].reference"),
     "adv_function_mode.py": ("adv-function-mode", "torch function modes (a mode is entered)"),
     "adv_pass_floor.py": ("adv-pass-floor", "codabench.metrics.FLOOR[torch.float32]"),
-    "adv_aten_kernel.py": ("adv-aten-kernel", "torch's kernel of aten/mm/CPU (replaced through torch.library)"),
+    "adv_aten_kernel.py": ("adv-aten-kernel", "torch's kernel of aten::mm (replaced in its dispatcher)"),
 }
 """Plugin file: (its implementation, which returns a wrong output, and what it changes while being imported)."""
 
@@ -83,5 +84,61 @@ def test_a_plugin_that_leaves_a_thread_running_its_code_is_vetoed(registry, tmp_
     got = {r["impl"]: r for _, r in df.iterrows()}
     assert "started again without this plugin" in got[str(path)]["message"], got[str(path)]["message"]
     assert got.get("adv-thread") is None or got["adv-thread"]["status"] == "error", got["adv-thread"]
+    for impl in ("torch-eager", "test-good"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+
+
+def _run_in_a_worker(tmp_path, impls: list[str]) -> tuple[dict, WorkerProcess]:
+    """The rows by implementation (and load errors by source) of a run of ``impls`` in a worker process, and that
+    worker's handle (how many processes it started)."""
+    runner = make_runner(tmp_path, modes=("fwd",), impls=impls)
+    runner.worker = WorkerProcess(runner.cfg)
+    runner.run()
+    df, _, _ = load_run(tmp_path)
+    return {r["impl"]: r for _, r in df.iterrows()}, runner.worker
+
+
+def test_a_thread_a_call_leaves_running_its_code_fails_its_cell_and_dies_with_its_worker(registry, tmp_path):
+    """A call that starts a thread of its own which outlives it (a busy loop beside every later timed call): its
+    cell is an error row naming the thread, and the worker that ran it is replaced at once, so that the cells after
+    it (test-good) run and are timed without the thread."""
+    for f in ("adv_call_thread.py", "good.py"):
+        load_plugin_file(PLUGINS / f)
+    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "adv-call-thread", "test-good"])
+    row = got["adv-call-thread"]
+    assert row["status"] == "error" and "left adv-call-burner running its own code after the call" in row["message"]
+    assert "the worker process that runs it is replaced" in row["message"] and pd.isna(row["median_ms"])
+    assert worker.starts == 2, worker.starts  # the first worker, and the one after the thread's cell
+    for impl in ("torch-eager", "test-good"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+
+
+def test_a_name_once_registered_cannot_be_taken_over(registry, tmp_path):
+    """A plugin that takes torch-eager's entry out of the registry and registers a slower implementation under its
+    name: the re-registration is refused (its load error), taking the entry out is tampering (a second load error),
+    and the entry is back before any cell: torch-eager keeps its time."""
+    path = str((PLUGINS / "adv_readds_a_baseline.py").resolve())
+    load_plugin_file(path)
+    errors = [e for source, e in registry.load_errors if source == path]
+    assert any("registered twice" in e and "after removing the first" in e for e in errors), errors
+    assert any("tampered with the registered implementation ('gemm_out', 'torch-eager') (removed) while being "
+               "imported (the harness restored the originals)" in e for e in errors), errors
+    got, _ = _run_in_a_worker(tmp_path, ["torch-eager"])
+    assert got[path]["status"] == "error", got[path]
+    eager = got["torch-eager"]
+    assert eager["status"] == "ok" and eager["correct"] is True and eager["median_ms"] < 25, eager
+
+
+def test_a_kernel_no_restore_undoes_fails_its_cell_and_its_worker_is_replaced(registry, tmp_path):
+    """A call that registers a doubled CPU kernel of aten::mm through torch._C (the guard sees it in the dispatcher,
+    but cannot take it back): its cell is an error row saying so, its worker is replaced at once, and the cells after
+    it compute with torch's own kernel (test-good is correct)."""
+    for f in ("adv_dispatcher_kernel.py", "good.py"):
+        load_plugin_file(PLUGINS / f)
+    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "adv-dispatcher-kernel", "test-good"])
+    row = got["adv-dispatcher-kernel"]
+    assert row["status"] == "error" and "tampered with torch's kernel of aten::mm (replaced in its dispatcher)" in (
+        row["message"]) and "cannot be undone in this process, which is replaced" in row["message"], row["message"]
+    assert worker.starts == 2, worker.starts
     for impl in ("torch-eager", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])

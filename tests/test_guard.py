@@ -182,6 +182,18 @@ def _shadow_registered():
     codabench.registry.Registry().add(TorchEager(OPS["gemm_out"])).run = lambda native: {}
 
 
+def _remove_registered():
+    registry = codabench.registry.Registry()
+    registry.add(TorchEager(OPS["gemm_out"]))
+    del registry.impls[("gemm_out", "torch-eager")]
+
+
+def _replace_registry_table():
+    registry = codabench.registry.Registry()
+    registry.add(TorchEager(OPS["gemm_out"]))
+    registry.impls = {}
+
+
 def _override_aten_kernel():
     global _LIBRARY  # kept alive, as a plugin keeps it; the guard's restore destroys it
     _LIBRARY = torch.library.Library("aten", "IMPL")
@@ -227,7 +239,10 @@ TAMPERING = {
                                   "workloads.ops.gemm.Gemm_gemm_out.outputs"),
     "a registered implementation's method shadowed": (
         _shadow_registered, "the registered implementation ('gemm_out', 'torch-eager').run (shadows its method)"),
-    "a kernel of aten": (_override_aten_kernel, "torch's kernel of aten/mm/CPU (replaced through torch.library)"),
+    "a registered implementation removed": (_remove_registered,
+                                            "the registered implementation ('gemm_out', 'torch-eager') (removed)"),
+    "a registry's table replaced": (_replace_registry_table, "the registry's table of implementations (replaced)"),
+    "a kernel of aten": (_override_aten_kernel, "torch's kernel of aten::mm (replaced in its dispatcher)"),
     "an environment variable": (lambda: os.environ.__setitem__("TRITON_INTERPRET", "0"),
                                 "os.environ['TRITON_INTERPRET']"),
     "an environment variable that decides what runs, added": (
@@ -268,6 +283,8 @@ def test_the_guard_sees_and_restores(kind):
     assert torch.get_default_dtype() is torch.float32 and torch.get_float32_matmul_precision() == "highest"
     assert not torch.nn.modules.module._global_forward_hooks
     assert torch.mm(torch.ones(1, 1), torch.ones(1, 1)).item() == 1.0
+    meta = torch.empty(2, 2, device="meta")  # torch's own Meta kernels (torch.library's too) were left alone
+    assert torch.mm(meta, meta).shape == (2, 2) and torch.floor_divide(meta, 2).shape == (2, 2)
 
 
 def test_defaults_and_locations_a_library_adds_to_the_environment_are_not_tampering(monkeypatch):
@@ -294,22 +311,120 @@ def test_defaults_and_locations_a_library_adds_to_the_environment_are_not_tamper
 
 
 def test_own_threads_are_those_started_since_that_run_code_outside_the_libraries():
-    """A thread started since the record whose stack has a frame of this file counts; a library's thread (a Timer,
-    waiting in the standard library) does not, nor one that ended."""
+    """A thread started since the record that runs code of this file counts, and so does a Timer set to run it later
+    (waiting in the standard library until then); a thread that waits in the standard library on its own (its
+    target is the library's), a Timer of a library's function, and a thread that ended do not."""
     before = guard.running_threads()
     stop = threading.Event()
-    mine = threading.Thread(target=stop.wait, name="waits-in-the-library")
-    timer = threading.Timer(60, lambda: None)
+    waits = threading.Thread(target=stop.wait, name="waits-in-the-library")
+    library_timer = threading.Timer(60, print)
+    own_timer = threading.Timer(60, lambda: None)
+    own_timer.name = "fires-here-later"
     spinning = threading.Thread(target=lambda: [None for _ in iter(lambda: stop.is_set(), True)], name="spins-here")
-    for t in (mine, timer, spinning):
+    for t in (waits, library_timer, own_timer, spinning):
         t.start()
     try:
-        assert guard.own_threads(before) == ["spins-here"]
+        assert sorted(guard.own_threads(before)) == ["fires-here-later", "spins-here"]
     finally:
-        stop.set(), timer.cancel()
-        for t in (mine, timer, spinning):
+        stop.set(), library_timer.cancel(), own_timer.cancel()
+        for t in (waits, library_timer, own_timer, spinning):
             t.join()
     assert guard.own_threads(before) == []
+
+
+def test_a_thread_whose_own_code_waits_in_a_library_call_is_the_library_s(tmp_path):
+    """As FlashInfer's JIT builds (kernels/flashinfer.py: a pool's thread runs a function of the plugin that calls
+    into flashinfer, which waits for the compiler): a thread whose own frame only waits for an installed package's
+    call is that package's while it does, and the check does not flag it; the same thread back in its own code is
+    flagged (a busy loop of its own after that call)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from filelock import FileLock  # an installed package that waits in its own Python code (a poll with sleeps)
+
+    lock_path, built, stop = str(tmp_path / "build.lock"), threading.Event(), threading.Event()
+    held = FileLock(lock_path)
+    held.acquire()
+
+    def build():  # a plugin's wrapper around a library's long call, then a loop of its own
+        with FileLock(lock_path, thread_local=False):
+            pass
+        built.set()
+        while not stop.is_set():
+            pass
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jit-build")
+    before = guard.running_threads()
+    try:
+        pool.submit(build)
+        time.sleep(0.2)
+        assert not built.is_set() and guard.own_threads(before) == []  # in filelock's wait, though build is below
+        held.release()
+        assert built.wait(10)
+        assert guard.own_threads(before) == ["jit-build_0"]  # out of the library's call, spinning in build
+    finally:
+        stop.set()
+        held.release()
+        pool.shutdown(wait=True)
+
+
+def test_a_plugin_installed_as_a_package_runs_code_of_its_own(tmp_path, monkeypatch):
+    """A plugin's files under the installed packages' folders look like a library's; given as the implementation's
+    own (guard.module_files of the module its registry entry came from: the file and its package's folder), a
+    thread running them counts."""
+    package = tmp_path / "site" / "installed_plugin"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("def spin(stop):\n    while not stop.is_set():\n        pass\n")
+    (package / "impl.py").write_text("")
+    stdlib, packages = guard._roots()
+    monkeypatch.setattr(guard, "_roots", lambda: (stdlib, packages + (str(tmp_path / "site") + os.sep,)))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    import installed_plugin.helpers
+    import installed_plugin.impl  # noqa: F401  (the module that registers: its package's helpers are its own too)
+
+    stop, before = threading.Event(), guard.running_threads()
+    thread = threading.Thread(target=installed_plugin.helpers.spin, args=(stop,), name="installed-spinner")
+    thread.start()
+    try:
+        assert guard.own_threads(before) == []
+        own = guard.module_files(["installed_plugin.impl", "codabench.eager"])
+        assert str(package) + os.sep in own and not any("codabench" in f for f in own), own
+        assert guard.own_threads(before, own) == ["installed-spinner"]
+    finally:
+        stop.set()
+        thread.join()
+        for name in ("installed_plugin", "installed_plugin.helpers", "installed_plugin.impl"):
+            sys.modules.pop(name, None)
+
+
+def test_a_kernel_registered_in_the_dispatcher_directly_is_seen_though_no_restore_undoes_it():
+    """Kernels registered through torch._C, not torch.library: one over aten::mm's CPU kernel that copies torch's own
+    file and line, one that gives aten::linear (CompositeImplicitAutograd) a CPU kernel of its own. The dispatcher
+    lists them (and the one each shadows), the check sees both (the GEMMs also inside the timing loops), no restore
+    undoes them (``lasting``: the worker is replaced), and they are gone with the objects that hold them. A kernel at
+    a key that computes nothing on a plain tensor (Meta) is not tampering."""
+    torch_cpu_mm = torch._C._dispatch_dump("aten::mm").split("\nCPU: registered at ", 1)[1].split(" :: ")[0]
+    file, line = torch_cpu_mm.rsplit(":", 1)
+    forged = torch._C._dispatch_library("IMPL", "aten", "CPU", file, int(line))
+    forged.impl("mm", torch._C.DispatchKey.CPU, lambda a, b: torch.zeros(a.shape[0], b.shape[1]))
+    linear = torch._C._dispatch_library("IMPL", "aten", "")
+    linear.impl("linear", torch._C.DispatchKey.CPU, lambda x, w, b=None: torch.zeros(x.shape[0], w.shape[0]))
+    label = "torch's kernel of aten::linear, aten::mm (replaced in its dispatcher)"
+    try:
+        assert guard.tampered() == [label]
+        with pytest.raises(guard.Tampered, match="aten::mm"):
+            guard.verify_clocks()
+        assert guard.restore() == [label] and guard.lasting([label]) == [label]
+        assert "cannot be undone in this process" in guard.tamper_message([label], [label])
+    finally:
+        del forged, linear
+    assert guard.tampered() == [] and torch.mm(torch.ones(1, 1), torch.ones(1, 1)).item() == 1.0
+    meta = torch._C._dispatch_library("IMPL", "aten", "Meta")
+    meta.impl("mm", torch._C.DispatchKey.Meta, lambda a, b: a)
+    try:
+        assert guard.tampered() == []
+    finally:
+        del meta
 
 
 def test_the_spin_before_each_sample_is_the_original_builtin_not_a_lookup():

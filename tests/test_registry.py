@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from codabench import discovery
+from codabench import discovery, guard
 from codabench.case import Case
 from codabench.discovery import ENTRY_POINT_GROUP, builtin_entry_points, discover, load_plugin_file, other_entry_points
+from codabench.eager import TorchEager
 from codabench.registry import (REGISTRY, REQUIREMENTS, FunctionImplementation, Implementation, Registry, register,
                                 requirement_missing)
 from harness_helpers import CPU, PLUGINS, isolated_registry
@@ -130,6 +131,22 @@ def test_same_name_from_two_sources_is_refused():
     reg.add(A())
     with pytest.raises(ValueError, match="registered twice"):
         reg.add(B())
+
+
+def test_a_name_removed_from_a_registry_stays_taken():
+    """Entries are append-only: one removed is tampering that the guard puts back, and its name cannot be
+    registered again meanwhile, by the same module or another."""
+    registry = Registry()
+    first = registry.add(TorchEager(OPS["gemm_out"]))
+    del registry.impls[("gemm_out", "torch-eager")]
+    again = TorchEager(OPS["gemm_out"])
+    again.source = "some_plugin"
+    with pytest.raises(ValueError, match=r"registered twice: by \S+eager.py and again by some_plugin \(after "
+                                         r"removing the first, which does not free it\)"):
+        registry.add(again)
+    assert guard.tampered() == ["the registered implementation ('gemm_out', 'torch-eager') (removed)"]
+    guard.restore()
+    assert registry.impls[("gemm_out", "torch-eager")] is first and guard.tampered() == []
 
 
 def _plugin(path, body: str):

@@ -13,6 +13,7 @@ import pytest
 import codabench.cli as cli
 from codabench import results as tables
 from codabench.cli import main
+from codabench.matrix import Cell
 from codabench.measure import Measurer
 from codabench.results import LOCK, MARKER, SCHEMA, RunFolderError, check_run, write_atomic
 from codabench.writer import RunLock, RunLocked, RunWriter
@@ -382,4 +383,59 @@ def test_what_a_plugin_writes_into_the_run_folder_does_not_survive_the_run(regis
     assert sorted(df["impl"]) == ["adv-writes-run-folder", "torch-eager"]
     assert "adv-forged" not in set(err["impl"])
     assert "forged" not in env and set(env["run_folder_restored"]) >= {"results.csv", "errors.csv"}
+    assert "put back as the run wrote it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["cut short", "appended to", "rewritten", "removed"])
+def test_the_samples_and_profiles_are_put_back_as_the_run_wrote_them(tmp_path, capsys, damage):
+    """samples.jsonl and profiles.jsonl (a resumed run's earlier records included) changed by another process while
+    the run writes them: the run puts back the bytes it wrote, and says so; untouched, they are left alone."""
+    run = own_run(tmp_path / "run")
+    earlier = (run / tables.SAMPLES).read_bytes()
+    cell = Cell("gemm_out", "tiny", "fwd", "fp32", "torch-eager")
+    writer = RunWriter(run, True, "smoke")
+    writer.write_env({"device": "cpu"}, resume=True)
+    for i in range(3):
+        writer.write({"op": "gemm_out", "impl": "torch-eager", "status": "ok"}, samples={"samples_ms": [i, 1.5]},
+                     cell=cell)
+        writer.write_profile(cell, {"kernels": [{"name": f"k{i}"}]})
+    wrote = {name: (run / name).read_bytes() for name in (tables.SAMPLES, tables.PROFILES)}
+    assert wrote[tables.SAMPLES].startswith(earlier) and wrote[tables.SAMPLES].count(b"\n") == 4
+    for name in wrote:
+        path = run / name
+        if damage == "cut short":
+            os.truncate(path, len(wrote[name]) // 2)
+        elif damage == "appended to":
+            path.write_bytes(wrote[name] + b'{"impl": "forged"}\n')
+        elif damage == "rewritten":
+            path.write_bytes(wrote[name][::-1])  # the same length
+        else:
+            path.unlink()
+    writer.close()
+    assert {name: (run / name).read_bytes() for name in wrote} == wrote
+    assert set(tables.read_env(run)["run_folder_restored"]) == set(wrote)
+    assert "put back as the run wrote it" in capsys.readouterr().err
+    writer = RunWriter(run, True, "smoke")
+    writer.close()
+    assert {name: (run / name).read_bytes() for name in wrote} == wrote and capsys.readouterr().err == ""
+
+
+def test_what_a_plugin_does_to_the_samples_and_profiles_does_not_survive_the_run(registry, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A plugin whose calls (in the worker process) cut samples.jsonl short and append a forged record to
+    profiles.jsonl, over two groups (fp32, then bf16) profiled: each timed cell keeps its one record in each."""
+    from codabench.discovery import load_plugin_file
+    from harness_helpers import PLUGINS
+
+    monkeypatch.setenv("CODABENCH_TEST_RUN_DIR", str(tmp_path))
+    load_plugin_file(PLUGINS / "adv_damages_run_logs.py")
+    make_runner(tmp_path, modes=("fwd",), dtypes=("fp32", "bf16"), impls=["torch-eager", "adv-damages-run-logs"],
+                profile=True).run()
+    df, _, env = tables.load_run(tmp_path)
+    timed = sorted(tuple(r) for r in df[df["status"] == "ok"][list(tables.KEY)].itertuples(index=False))
+    assert len(timed) == 4, df[["impl", "mode", "status", "message"]]
+    for name in (tables.SAMPLES, tables.PROFILES):
+        records = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        assert sorted(tuple(r[k] for k in tables.KEY) for r in records) == timed, (name, records)
+    assert set(env["run_folder_restored"]) >= {tables.SAMPLES, tables.PROFILES}
     assert "put back as the run wrote it" in capsys.readouterr().err
