@@ -22,9 +22,9 @@ from harness_helpers import isolated_registry, make_runner
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = [ROOT / "reports" / "h100-2026-11-26-train-f32", ROOT / "reports" / "h100-2026-11-26-train-nosync"]
 """Committed runs from before the marker."""
-RUN = ["--ops", "gemm_out", "--modes", "fwd", "--impls", "torch-eager", "--reps", "1", "--inline", "--quiet",
-       "--no-entry-points"]
-"""One cell, in this process (Measurer can be patched)."""
+RUN = ["--suite", "smoke", "--ops", "gemm_out", "--modes", "fwd", "--impls", "torch-eager", "--reps", "1", "--inline",
+       "--quiet", "--no-entry-points"]
+"""One cell, in this process (Measurer can be patched), of the smoke suite on any device."""
 
 
 @pytest.fixture
