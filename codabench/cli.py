@@ -407,7 +407,8 @@ def _summary(out: Path, code: int) -> int:
     counts = ", ".join(f"{v} {k}" for k, v in df["status"].value_counts().items())
     failing = int(((df["status"] != "error") & (df["correct"] == False)).sum())  # noqa: E712 (measured, wrong)
     failed = failing or bool((df["status"] == "error").any())
-    print(f"codabench: {counts}" + (f"; of the ok, {failing} fail{'s' if failing == 1 else ''} the error rule" if failing else "") +
+    fails = f"; of the ok, {failing} fail{'s' if failing == 1 else ''} the error rule" if failing else ""
+    print(f"codabench: {counts}{fails}" +
           (f" (exit code {EXIT_CELL_ERRORS})" if failed and code == EXIT_OK else "") +
           f"\ncodabench: report {out / 'report.html'}\ncodabench: table  {out / 'results.csv'}")
     return EXIT_CELL_ERRORS if failed and code == EXIT_OK else code

@@ -76,7 +76,8 @@ class CheckOutcome:
         bad = [c for c in self.checks if not c.passed]
         text = "; ".join(f"{c.output} rel_err {c.stats.rel_err:.1e} > {c.allowed:.1e} allowed"
                          + (f" ({c.ratio:.3g}x PyTorch's)" if c.ratio is not None else "") for c in bad[:most])
-        return ("fails the error rule: " + text + (f"; {len(bad) - most} more" if len(bad) > most else "")) if bad else ""
+        more = f"; {len(bad) - most} more" if len(bad) > most else ""
+        return f"fails the error rule: {text}{more}" if bad else ""
 
     def worst(self, value: Callable[[OutputCheck], float | None]) -> float | None:
         """The largest finite-or-inf value over the compared outputs (None when there is none)."""

@@ -67,10 +67,11 @@ CAST_REPS = 5
 
 
 def describe_exception(e: BaseException) -> str:
-    """``Type: first line of the message (file:line of the innermost frame)``."""
+    """``Type: first line of the message (file:line of the innermost frame)``; a :class:`CellError`, the harness's
+    verdict on what the implementation returned or did, without the harness's own line."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     tb = traceback.extract_tb(e.__traceback__)
-    where = f" ({Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    where = f" ({Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb and not isinstance(e, CellError) else ""
     prefix = "out of memory: " if isinstance(e, torch.cuda.OutOfMemoryError) else ""
     return f"{prefix}{type(e).__name__}: {msg}{where}"[:600]
 

@@ -1,4 +1,7 @@
 """Mode semantics: what is timed in fwd, bwd and fwd_bwd, and which tensors get gradients."""
+import re
+
+import pytest
 import torch
 
 from codabench.case import Case
@@ -96,3 +99,18 @@ def test_a_call_gets_its_cells_context_beside_its_inputs_not_among_them():
     leaves = fresh_leaves(native, ["a"])
     assert isinstance(leaves, Native) and leaves.context is native.context and leaves["a"].requires_grad
     assert fresh_leaves(dict(native), ["a"]).keys() == native.keys()  # a plain dict stays one
+
+
+def test_an_error_names_the_implementations_line_and_a_verdict_on_its_result_none():
+    """An exception raised in the implementation names its file and line; the harness's verdict on what a call
+    returned (:class:`CellError`) is the verdict alone, not the harness's line that raised it."""
+    from codabench.execute import CellError, check_outputs
+    from codabench.measure import describe_exception
+
+    with pytest.raises(CellError) as verdict:
+        check_outputs(torch.zeros(2), {}, CPU)
+    assert describe_exception(verdict.value) == "CellError: run() returned Tensor, expected a dict of named tensors"
+    with pytest.raises(KeyError) as fault:
+        Counting().run({})
+    described = describe_exception(fault.value)
+    assert re.fullmatch(r"KeyError: .* \(\w+\.py:\d+\)", described), described
