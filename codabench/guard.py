@@ -948,7 +948,7 @@ def lasting(names: list[str]) -> list[str]:
     """Those of ``names`` (what :func:`restore` put back) that are still changed: what no restore undoes, such as a
     kernel registered in torch's dispatcher through ``torch._C`` or a compiled extension; only a new process is rid
     of it."""
-    return [name for name in tampered() if name in names]
+    return [name for name in tampered() if name in names] if names else []  # nothing put back: no second scan
 
 
 def verify_clocks() -> None:
