@@ -89,8 +89,15 @@ process is rid of (threads of its own running, :func:`codabench.guard.own_thread
 :func:`codabench.guard.lasting`), the load error that says so (a worker is replaced without that plugin)."""
 
 
-def _record_failure(source: str, exc: BaseException) -> None:
-    REGISTRY.load_errors.append((source, describe_load_error(exc)))
+def _record_failure(source: str, exc: BaseException, registered: list[tuple[str, str]]) -> None:
+    """Record the failed import of ``source``; the implementations it ``registered`` before failing are withdrawn
+    (:meth:`codabench.registry.Registry.withdraw`), and its load error names them."""
+    error = describe_load_error(exc)
+    if registered:
+        REGISTRY.withdraw(registered)
+        names = ", ".join(f"{name} ({op})" for op, name in registered)
+        error += f"; left out, as registered by a failed import: {names}"
+    REGISTRY.load_errors.append((source, error))
 
 
 def import_tamper_message(names: list[str], kept: list[str]) -> str:
@@ -115,7 +122,7 @@ def _import(source: str, load: Callable[[], None], gate: Gate | None, done: Done
     try:
         load()
     except (Exception, SystemExit) as e:  # a broken plugin (or one that exits) becomes an error row, not a crash
-        _record_failure(source, e)
+        _record_failure(source, e, [key for key in REGISTRY.impls if key not in keys])
     seconds = clock() - t0
     lasting = []  # the load errors of what only a new process is rid of
     bad = [name for name in guard.tampered() if name not in before]
@@ -182,7 +189,7 @@ def discover(plugin_files: Iterable[str] = (), entry_points: bool = True, gate: 
         builtin = builtin_entry_points()
     except importlib.metadata.PackageNotFoundError as e:
         builtin = []
-        _record_failure("built-in implementations", e)
+        _record_failure("built-in implementations", e, [])
     for ep in builtin:
         _import(ep.value, ep.load, gate, done)
     if entry_points:

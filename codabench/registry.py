@@ -183,6 +183,8 @@ class Registry:
     """(source, one-line message with file:line) for every plugin module that failed to load."""
     plugin_files: list[str] = field(default_factory=list)
     """Every plugin file loaded (resolved paths), so that a worker process can load the same."""
+    withdrawn: set[tuple[str, str]] = field(default_factory=set)
+    """The keys of implementations whose module failed to import after registering them (:meth:`withdraw`)."""
 
     def add(self, impl: Implementation) -> Implementation:
         """Register ``impl`` as ``(impl.op, impl.name)``. ValueError with one line: no name or op, an op that does
@@ -210,14 +212,21 @@ class Registry:
         guard.watch_registered(self, key, impl)
         return impl
 
+    def withdraw(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Leave the implementations of ``keys`` out of every selection (:meth:`for_op`, :meth:`names`): their
+        module failed to import after registering them, so, as with any failed import, none of it is used (its
+        functions may read globals the failure left undefined). The entries stay, and their names taken, as every
+        registered name does."""
+        self.withdrawn.update(keys)
+
     def get(self, op: str, name: str) -> Implementation:
         return self.impls[(op, name)]
 
     def for_op(self, op: str) -> list[Implementation]:
-        return [v for (o, _), v in self.impls.items() if o == op]
+        return [v for (o, n), v in self.impls.items() if o == op and (o, n) not in self.withdrawn]
 
     def names(self) -> list[str]:
-        return sorted({n for _, n in self.impls})
+        return sorted({name for (op, name) in self.impls if (op, name) not in self.withdrawn})
 
 
 REGISTRY = Registry()

@@ -99,9 +99,11 @@ def test_cpu_wall_and_single_round_runs_compare_as_unknown(tmp_path):
     cpu = compare(*two_runs(tmp_path / "cpu", change=2.0, noise=0.004, drift=0.003, timing="cpu-wall"))
     assert (cpu["verdict"] == "unknown").all() and cpu["delta_lo_pct"].isna().all()
     assert (cpu["rel_verdict"] == "unknown").all()
+    assert "cpu-wall times (the Triton interpreter on the CPU) are not performance figures" in format_compare(cpu)
     one = compare(*two_runs(tmp_path / "one", change=1.05, rounds=1))  # drift between runs is unknowable
     assert (one["verdict"] == "unknown").all()
     assert f"0 faster, 0 slower, 0 same, 0 unresolved, {len(CELLS)} unknown" in format_compare(one)
+    assert "not performance figures" not in format_compare(one)
 
 
 def test_a_cell_timed_at_two_token_counts_is_not_compared(tmp_path):

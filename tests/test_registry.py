@@ -232,6 +232,27 @@ def test_broken_plugin_is_recorded_not_raised(registry):
     assert err == f"ImportError: this plugin is broken on purpose ({(PLUGINS / 'broken.py').resolve()}:2)"
 
 
+def test_a_plugin_that_fails_halfway_contributes_no_implementation(registry, tmp_path):
+    """As with any failed import, nothing of it is used: what it registered before the error is left out of every
+    selection (its function may read a global the error left undefined), named in its load error, and stays taken."""
+    plugin = tmp_path / "halfway.py"
+    plugin.write_text("import torch.nn.functional as F\n"
+                      "from codabench.registry import register\n\n\n"
+                      "@register('gemm_out', 'test-halfway', dtypes=('fp32',))\n"
+                      "def linear(x, w):\n"
+                      "    return {'out': F.linear(x, w) * SCALE}\n\n\n"
+                      "raise RuntimeError('no GPU here')\n"
+                      "SCALE = 1.0\n")
+    load_plugin_file(plugin)
+    err = dict(registry.load_errors)[str(plugin.resolve())]
+    assert err.startswith("RuntimeError: no GPU here") and err.endswith(
+        "left out, as registered by a failed import: test-halfway (gemm_out)"), err
+    assert "test-halfway" not in registry.names()
+    assert "test-halfway" not in [i.name for i in registry.for_op("gemm_out")]
+    with pytest.raises(ValueError, match="registered twice"):
+        register("gemm_out", "test-halfway", dtypes=("fp32",))(lambda x, w: {"out": x @ w.T})
+
+
 def test_a_misspelled_op_is_a_load_error_at_its_line(registry):
     load_plugin_file(PLUGINS / "misspelled_op.py")
     err = dict(registry.load_errors)[str((PLUGINS / "misspelled_op.py").resolve())]

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -136,6 +139,19 @@ def test_the_environment_forces_a_strategy_everywhere(monkeypatch):
     monkeypatch.setenv(S.ENV, "fastest")
     with pytest.raises(ValueError, match="CODABENCH_STRATEGY must be fused, split, gluon or auto"):
         fn(*args, **kwargs)
+
+
+def test_a_bad_forced_strategy_is_one_load_error_of_the_coda_plugins(tmp_path):
+    """Not an error row per cell: the plugins that choose paths fail to load, with the one line that says why."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", S.ENV: "fastest"}
+    out = subprocess.run([sys.executable, "run_bench.py", "--list", "--ops", "gemm_out"],
+                         cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    failed = [line for line in out.stdout.splitlines() if "failed to load" in line]
+    assert failed and all("CODABENCH_STRATEGY must be fused, split, gluon or auto, got 'fastest'" in line
+                          for line in failed), out.stdout
+    assert "coda-triton" not in out.stdout
+    assert any("kernels.coda.plugin" in line for line in failed)
 
 
 def _fused(x: torch.Tensor, n: int, inplace: bool = False, eps: float = 1e-5) -> str:
@@ -612,8 +628,6 @@ def test_a_gluon_path_is_bound_with_its_kernel_and_missing_where_gluon_cannot_be
     """The producer binds its Gluon function directly (the other declared kernels, the SwiGLU dgrad among them, their
     built variants); with a Triton without Gluon (here made so in a fresh process) the kernels still import, with no
     Gluon path, and a call has the fused and split paths only, forced gluon running fused."""
-    import subprocess
-    import sys
     from kernels.coda.producer_gluon import gemm_residual_norm_gluon
     assert gemm_residual_norm.chooser.gluon.function is gemm_residual_norm_gluon
     assert dgrad_swiglu.chooser.gluon.function is dgrad_swiglu.built_gluon

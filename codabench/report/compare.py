@@ -30,6 +30,7 @@ from codabench import results as tables
 from codabench.matrix import PLUGIN_OP, SPEED_BASELINE
 from codabench.results import load_run
 from codabench.stats import Ratio, Timed, ratio, read_timed, timing_settings
+from codabench.timing import CPU_WALL
 
 NUM = ["median_ms", "p20_ms", "p80_ms", "rel_err"]
 COMPARE_VERDICTS = ("faster", "slower", "same", "unresolved", "unknown")
@@ -153,6 +154,9 @@ def format_compare(m: pd.DataFrame) -> str:
     lines.append(f"{len(m)} cells, {len(both)} timed in both; B vs A: {counts('verdict')}"
                  + (f"; {other} timed at different token counts, not compared" if other else ""))
     lines.append(f"relative to each run's {SPEED_BASELINE}: {counts('rel_verdict')}")
+    if (m[["timing_a", "timing_b"]] == CPU_WALL).any(axis=None):
+        lines.append(f"{CPU_WALL} times (the Triton interpreter on the CPU) are not performance figures: their deltas "
+                     "get no verdict")
     return "\n".join(lines)
 
 

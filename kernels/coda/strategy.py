@@ -84,6 +84,8 @@ def forced() -> str | None:
     return None if value == AUTO else value
 
 
+forced()  # a bad value fails this module's import: one load error of the plugins that use it, not an error per cell
+
 @dataclass(frozen=True)
 class Gluon:
     """A host function's Gluon path: ``function`` (same signature and results as the fused path), bound where the
