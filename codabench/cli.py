@@ -419,6 +419,8 @@ def _runner(args: argparse.Namespace, cfg: RunConfig, worker: WorkerProcess | No
     # with a worker, each plugin is imported here only once the worker imported it in time (a hang is vetoed there)
     registry = discover(args.plugin, entry_points=not args.no_entry_points,
                         gate=worker.import_verdict if worker is not None else None)
+    if args.ops is None:  # the suite's ops as the catalogue holds them now: the plugins' own ops too
+        cfg.selection.ops = get_suite(cfg.suite).op_names()
     _check_names(cfg.selection, registry, cfg.models)
     runner = Runner(cfg, registry, worker)
     if not args.list:  # the listing names the plugins that failed to load among its rows

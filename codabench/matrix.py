@@ -59,7 +59,7 @@ class Selection:
         def pick(given, default):
             return tuple(given) if given is not None else default
 
-        return cls(ops=pick(ops, suite.ops or tuple(OPS)), models=pick(models, suite.models),
+        return cls(ops=pick(ops, suite.op_names()), models=pick(models, suite.models),
                    modes=pick(modes, suite.modes), dtypes=pick(dtypes, suite.dtypes),
                    impls=pick(impls, suite.impls),
                    impl_modes={} if impls is not None or modes is not None else dict(suite.impl_modes))

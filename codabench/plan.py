@@ -41,7 +41,18 @@ def planned_status(cfg: RunConfig, registry: Registry, cell: Cell) -> str:
         reason = registry.get(cell.op, cell.impl).skip_reason(stub)
     except Exception as e:
         return f"error: skip_reason raised {type(e).__name__}: {e}"
-    return reason or RUN
+    return implementation_reason(reason)
+
+
+def implementation_reason(reason: object) -> str:
+    """The planned status of what an implementation's ``skip_reason`` returned: :data:`RUN` for None or "", the
+    reason where it names its status (``n/a: ...``, ``skipped: ...``), ``skipped: <reason>`` for any other text (it
+    cannot run here: the reason is the row's message, never its status), an error for anything but text."""
+    if reason is None or reason == "":
+        return RUN
+    if not isinstance(reason, str):
+        return f"error: skip_reason returned {type(reason).__name__} {reason!r}, not a str or None"
+    return reason if status_of(reason) in ("n/a", "skipped") else f"skipped: {reason}"
 
 
 def plan(cfg: RunConfig, registry: Registry) -> list[tuple[Cell, str]]:

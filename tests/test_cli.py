@@ -11,6 +11,7 @@ import torch
 
 from codabench.cli import GPU_ROUNDS, _summary, main, run_config, run_parser
 from codabench.matrix import Selection
+from workloads.ops import OPS
 from workloads.suites import get_suite
 from harness_helpers import PLUGINS, isolated_registry
 from synthetic_runs import write_run
@@ -125,6 +126,24 @@ def _usage_error(capsys, argv) -> str:
 def test_bad_numbers_get_one_line_and_exit_2(capsys, flags, says):
     line = _usage_error(capsys, flags + ["--list"])
     assert says in line and line.endswith("(see --help)"), line
+
+
+@pytest.mark.parametrize("suite", ["smoke", "quick"])
+def test_an_op_a_plugin_adds_is_in_the_suites_of_its_level(capsys, tmp_path, suite):
+    """A suite's ops are read from the catalogue once the plugins are loaded: an op of the pattern level that a
+    plugin adds is a cell of smoke (every op) and of quick (the pattern level) without --ops."""
+    plugin = tmp_path / "own_op.py"
+    plugin.write_text("from workloads.ops import OPS\nfrom workloads.ops.gemm_bias_gelu import GemmBiasGelu\n\n\n"
+                      "class OwnOp(GemmBiasGelu):\n    name = 'test_own_op'\n\n\nOPS[OwnOp.name] = OwnOp()\n")
+    models = ["--models", "tiny", "--dtypes", "fp32"] if suite == "quick" else []
+    try:
+        with isolated_registry():
+            assert main(["--suite", suite, *models, "--plugin", str(plugin), "--list", "--no-entry-points",
+                         "--out", str(tmp_path / "runs" / suite)]) == 0
+    finally:
+        OPS.pop("test_own_op", None)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("test_own_op ")]
+    assert rows and any(" torch-eager " in line and line.endswith("to run") for line in rows), rows
 
 
 def test_list_refuses_what_the_run_would_refuse(capsys, tmp_path):

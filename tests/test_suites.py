@@ -2,7 +2,7 @@
 from workloads.models import PRESETS
 from workloads.op import DTYPES, MODES
 from workloads.ops import OPS
-from workloads.suites import KERNEL_SUITE_OPS, PATTERN_OPS, SUITES, get_suite
+from workloads.suites import KERNEL_SUITE_OPS, SUITES, get_suite
 
 
 def test_suites():
@@ -27,7 +27,8 @@ def test_the_kernels_suite_holds_the_kernel_level_and_quick_and_full_do_not():
     kernel_level = {n for n, lv in level.items() if lv == "kernel"}
     assert kernels.ops == KERNEL_SUITE_OPS and len(set(KERNEL_SUITE_OPS)) == 16
     assert set(KERNEL_SUITE_OPS) == kernel_level | {"rmsnorm_dgrad", "swiglu_dgrad"}
+    pattern = get_suite("quick").op_names()
     for name in ("quick", "full"):
-        assert get_suite(name).ops == PATTERN_OPS and not set(PATTERN_OPS) & kernel_level
-    assert {"rmsnorm_dgrad", "swiglu_dgrad", "block", "gemm_out"} <= set(PATTERN_OPS)
-    assert get_suite("smoke").ops is None  # every op, the kernel level included
+        assert get_suite(name).op_names() == pattern and not set(pattern) & kernel_level
+    assert {"rmsnorm_dgrad", "swiglu_dgrad", "block", "gemm_out"} <= set(pattern)
+    assert get_suite("smoke").op_names() == tuple(OPS)  # every op, the kernel level included

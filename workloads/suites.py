@@ -1,6 +1,8 @@
 """Named suites: which slice of the (op x model x mode x dtype x implementation) matrix to run.
 
-``ops``/``impls`` of None mean every op of the catalogue / every registered implementation.
+``ops`` of None means every op of the catalogue (of the suite's ``level``, where it has one), as the catalogue holds
+when a run is planned: an op a plugin adds to ``workloads.ops.OPS`` is among them. ``impls`` of None means every
+registered implementation.
 Command-line flags (``--ops``, ``--models``, ``--tokens``...) narrow or override a suite.
 """
 from __future__ import annotations
@@ -10,8 +12,8 @@ from dataclasses import dataclass, field
 from workloads.op import MODES
 from workloads.ops import OPS
 
-PATTERN_OPS = tuple(name for name, op in OPS.items() if op.level == "pattern")
-"""The ops of the quick and full suites (``Op.level`` ``pattern``): the fused patterns of the block, its direct
+PATTERN = "pattern"
+"""The level of the ops of the quick and full suites (``Op.level``): the fused patterns of the block, its direct
 backward ops and plain GEMMs; neither the kernel-level ops (the kernels suite) nor the whole-model steps (train)."""
 KERNEL_SUITE_OPS = ("producer_out", "producer_down", "scaled_linear", "gemm_swiglu", "gemm_swiglu_save", "gemm_rope",
                     "gemm_ce", "gemm_ce_grad", "norm_input", "rmsnorm_dgrad", "rmsnorm_dgrad_qkv", "rmsnorm_dgrad_lm",
@@ -29,6 +31,8 @@ class Suite:
     modes: tuple[str, ...]
     dtypes: tuple[str, ...]
     ops: tuple[str, ...] | None = None
+    level: str | None = None
+    """With ``ops`` None, the ``Op.level`` of the suite's ops (None: every level)."""
     impls: tuple[str, ...] | None = None
     needs_gpu: bool = True
     impl_modes: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -38,6 +42,12 @@ class Suite:
     """Default of ``--check-tokens``: tokens of the correctness pass (None: the timing shape's)."""
     reps: int | None = None
     """Default of ``--reps``: samples per cell (None: adaptive)."""
+
+    def op_names(self) -> tuple[str, ...]:
+        """The suite's ops: ``ops``, else those of the catalogue now (the plugins' included) of its ``level``."""
+        if self.ops is not None:
+            return self.ops
+        return tuple(name for name, op in OPS.items() if self.level is None or op.level == self.level)
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in [
@@ -49,11 +59,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
           models=("tiny",), modes=MODES, dtypes=("fp32",), needs_gpu=False,
           impl_modes={"torch-compile": ("fwd_bwd",), "hf-coda-lora": (), "hf-liger-lora": ()}),
     Suite("quick", "llama-7b, bf16, every pattern op, mode and implementation (GPU)",
-          models=("llama-7b",), modes=MODES, dtypes=("bf16",), ops=PATTERN_OPS),
+          models=("llama-7b",), modes=MODES, dtypes=("bf16",), level=PATTERN),
     # 513 cells. The correctness pass runs at 2048 tokens (the pass rule compares with PyTorch's own error on
     # the same inputs) and each cell takes 20 samples, so that a warm run fits in 10 minutes on one GPU.
     Suite("full", "llama-1b/7b/70b x fwd/bwd/fwd_bwd x bf16/fp8 x every implementation (GPU)",
-          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"), ops=PATTERN_OPS,
+          models=("llama-1b", "llama-7b", "llama-70b"), modes=MODES, dtypes=("bf16", "fp8"), level=PATTERN,
           check_tokens=2048),
     # Each CODA kernel alone against the plain cuBLAS GEMM of its shape (sol_ratio) and the unfused PyTorch math,
     # eager and compiled: 16 ops x 3 models x 3 implementations = 144 cells, all direct (one mode each). As in full,
