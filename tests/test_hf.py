@@ -253,18 +253,6 @@ def test_unsupported_models_are_refused_with_one_line(make, apply, message):
     assert not hasattr(model, "_coda_plan")  # not patched
 
 
-@pytest.mark.parametrize("call, message", [
-    ({"output_hidden_states": True}, "output_hidden_states=True"),
-    ({"return_dict": False}, "return_dict=False"),
-])
-def test_unsupported_calls_are_refused_with_one_line(call, message):
-    model = apply_coda(tiny())
-    ids, _, labels = batch()
-    with pytest.raises(CodaUnsupportedError, match=message) as err:
-        model(ids, labels=labels, **call)
-    assert "\n" not in str(err.value)
-
-
 def test_qwen2_alias_patches_qwen2_once():
     model = tiny("qwen2")
     assert apply_coda_to_qwen2(model) is model and model._coda_plan.qkv_bias
@@ -324,11 +312,17 @@ def test_peft_lora_before_or_after_apply_coda_gives_hf_peft_loss_and_adapter_gra
         with torch.no_grad():
             assert abs(ref(**inputs).loss - ref_loss) > 1e-4  # the dropout masks count
     assert set(grads) == set(ref_grads) and any("lora_A" in n for n in grads)
-    assert_close_to("loss", loss, ref_loss)
     base_loss = tiny()(**inputs).loss.detach()
     assert abs(loss - base_loss) > 1e-3  # the adapters changed the loss
+    if config.get("lora_dropout"):  # float64 would draw other dropout masks: the fp32 model's result is the reference
+        assert_close_to("loss", loss, ref_loss)
+        for name in ref_grads:
+            assert_close_to(name, grads[name], ref_grads[name])
+        return
+    loss64, grads64 = trainable_grads(copy.deepcopy(ref).double(), **inputs)
+    assert_passes("loss", loss, ref_loss, loss64)
     for name in ref_grads:
-        assert_close_to(name, grads[name], ref_grads[name])
+        assert_passes(name, grads[name], ref_grads[name], grads64[name])
 
 
 def test_lora_disabled_and_merged_adapters_follow_peft():

@@ -5,8 +5,9 @@ kernels in the interpreter): the config defaults transformers resolves per call 
 checkpointing, ``num_hidden_layers``), the errors it raises for bad labels, hooks on the modules the CODA forward
 bypasses, the values it reads from the modules at every call (RoPE frequencies, RMSNorm epsilons), dtypes (autocast,
 float64 weights, the embeddings', bf16 under the interpreter, float16), double backward, pickling the patched model,
-call shapes (position_ids, input_ids), an LM head of another width than config.vocab_size, cache_position,
-logits_to_keep tensors, num_items_in_batch=0, and generate() without the cache.
+call shapes (position_ids, input_ids), call options that run the model's own forward, an LM head of another width
+than config.vocab_size, cache_position, logits_to_keep tensors, num_items_in_batch=0, generate() without the cache,
+FSDP2 on one rank, and (slow) DDP and FSDP2 on two.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from kernels.coda.hf import CodaUnsupportedError, apply_coda
+from kernels.coda.hf import CodaUnsupportedError, apply_coda, apply_coda_to_llama, apply_coda_to_mistral
 
 from kernel_helpers import launches
 from test_hf import BATCH, SEQ, VOCAB, assert_close_to, assert_passes, batch, tiny, trainable_grads
@@ -114,14 +115,21 @@ def test_labels_of_another_shape_or_dtype_raise_as_the_unpatched_model(labels, s
 
 def test_flat_labels_and_logits_to_keep_with_labels():
     """Flat [B * S] labels: Hugging Face shifts them across the rows, and so does the patched model. logits_to_keep
-    with labels (Hugging Face's loss then covers the kept positions only) is refused in one line."""
+    with labels (Hugging Face's loss then covers the kept positions only) runs the model's own forward, with a
+    warning: labels cut to the kept positions give its loss, uncut ones its ValueError."""
     model, ref = pair()
     ids, _, labels = batch()
     with torch.no_grad():
         assert_close_to("loss", model(ids, labels=labels.reshape(-1)).loss, ref(ids, labels=labels.reshape(-1)).loss)
-        with pytest.raises(CodaUnsupportedError, match="logits_to_keep=4 with labels") as err:
-            model(ids, labels=labels, logits_to_keep=4)
-    assert "\n" not in str(err.value)
+    assert_own_forward(model, ref, "logits_to_keep=4 with labels", input_ids=ids, labels=labels[:, -4:],
+                       logits_to_keep=4)
+    errors = []
+    for m in (ref, model):
+        with pytest.raises(ValueError) as err, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m(ids, labels=labels, logits_to_keep=4)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]
 
 
 def test_config_num_hidden_layers_below_the_layers_runs_only_the_first():
@@ -189,19 +197,64 @@ def test_rope_frequencies_and_norm_epsilons_are_read_from_the_modules():
     assert_same_step(model, ref, **inputs)
 
 
-def test_autocast_to_another_dtype_than_the_weights_is_refused_in_one_line():
-    model = apply_coda(tiny())
-    ids, _, labels = batch()
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(CodaUnsupportedError, match="torch.autocast") as e:
-        model(ids, labels=labels)
-    assert "\n" not in str(e.value) and "model.to(torch.bfloat16)" in str(e.value)
+def assert_own_forward(model: torch.nn.Module, ref: torch.nn.Module, warning: str, **call) -> None:
+    """``model(**call)`` runs the model's own forward (a warning matching ``warning``, no CODA kernel): its outputs
+    and every gradient of its loss are ``ref``'s, exactly."""
+    with pytest.warns(UserWarning, match=warning), launches() as names:
+        ours = model(**call)
+    assert not names
+    theirs = ref(**call)
+    ours, theirs = (o.to_tuple() if hasattr(o, "to_tuple") else o for o in (ours, theirs))
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        if isinstance(b, tuple):  # hidden states, attentions
+            assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        elif isinstance(b, torch.Tensor):
+            assert torch.equal(a, b)
+    ours[0].backward(), theirs[0].backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
 
 
-def test_a_config_default_the_coda_forward_does_not_compute_is_refused():
-    model = apply_coda(tiny(output_hidden_states=True))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_to_another_dtype_than_the_weights_runs_the_models_own_forward(dtype):
+    """Mixed precision over float32 weights (the Trainer's ``bf16=True`` / ``fp16=True``): the CODA kernels compute
+    in the weights' dtype, so the call runs the model's own forward under the autocast, with a warning: the unpatched
+    loss and gradients."""
+    model, ref = pair()
+    ids, mask, labels = batch()
+    with torch.autocast("cpu", dtype=dtype):
+        assert_own_forward(model, ref, f"torch.autocast to {dtype}", input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_a_config_default_the_coda_forward_does_not_compute_runs_the_models_own_forward():
+    model, ref = pair(output_hidden_states=True)
     ids, _, labels = batch()
-    with pytest.raises(CodaUnsupportedError, match=r"output_hidden_states=True \(the config's\)"):
-        model(ids, labels=labels)
+    assert_own_forward(model, ref, r"output_hidden_states=True \(the config's\)", input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize("attn, call", [
+    ("sdpa", {"output_hidden_states": True}),
+    ("eager", {"output_attentions": True}),
+    ("sdpa", {"ignore_index": 7}),  # a keyword Hugging Face's loss takes
+])
+def test_call_options_the_coda_forward_does_not_compute_run_the_models_own_forward(attn, call):
+    """Hidden states, attentions, a loss option: the call runs the model's own forward, with a warning naming the
+    option; its outputs and gradients are the unpatched model's."""
+    model, ref = pair(attn_implementation=attn)
+    ids, mask, labels = batch()
+    name, value = next(iter(call.items()))
+    assert_own_forward(model, ref, f"the option {name}={value}", input_ids=ids, attention_mask=mask,
+                       labels=torch.where(labels == -100, 7, labels), use_cache=False, **call)
+
+
+def test_the_architecture_aliases_take_a_peft_model_as_apply_coda_does():
+    """``apply_coda_to_llama(peft_model)`` checks the causal LM inside, which ``apply_coda`` patches."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    assert apply_coda_to_llama(model) is model and model.get_base_model()._coda_plan is not None
+    with pytest.raises(CodaUnsupportedError, match="expected a MistralForCausalLM, got LlamaForCausalLM"):
+        apply_coda_to_mistral(model)
 
 
 def test_torch_save_and_load_of_a_patched_model():
@@ -335,10 +388,10 @@ class SinkAttention(transformers.models.llama.modeling_llama.LlamaAttention):
         return 0.5 * out, weights
 
 
-def test_return_dict_false_gives_the_unpatched_tuple_without_labels():
-    """``return_dict=False`` in the call: without labels the unpatched model's tuple, (logits,) or (logits, cache);
-    with labels, whose tuple holds the logits the fused loss never writes, refused. (As the config's default it
-    stays refused: the unpatched model's own decoder then returns a tuple its forward cannot read.)"""
+def test_return_dict_false_gives_the_unpatched_tuple():
+    """``return_dict=False`` in the call: without labels the unpatched model's tuple, (logits,) or (logits, cache),
+    from the CODA forward; with labels, whose tuple holds the logits the fused loss never writes, from the model's
+    own forward, with a warning."""
     model, ref = pair()
     ids, mask, labels = batch()
     with torch.no_grad():
@@ -347,9 +400,8 @@ def test_return_dict_false_gives_the_unpatched_tuple_without_labels():
                 ref(ids, attention_mask=mask, return_dict=False, **call)
             assert type(ours) is tuple and len(ours) == len(theirs) == (1 if call else 2)
             assert_close_to("logits", ours[0], theirs[0])
-        with pytest.raises(CodaUnsupportedError, match="return_dict=False with labels") as err:
-            model(ids, labels=labels, return_dict=False)
-    assert "\n" not in str(err.value)
+    assert_own_forward(model, ref, "return_dict=False with labels", input_ids=ids, labels=labels, return_dict=False,
+                       use_cache=False)
 
 
 def test_qwen2_generate_with_a_static_cache_reads_the_masks_built_ahead():
@@ -552,3 +604,96 @@ def test_a_float16_model_passes_the_suites_rule():
     assert_passes("loss", loss, loss16, loss64, torch.float16)
     for name, g in grads64.items():
         assert_passes(name, grads[name], grads16[name], g, torch.float16)
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    """A one-process gloo group (FSDP2 shards over one), destroyed after the test."""
+    dist = pytest.importorskip("torch.distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def sharded_step(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and every gradient of a model wrapped by FSDP2 (its gradients are DTensors: gathered whole)."""
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_fsdp2_fully_shard_of_the_model_runs_coda_and_of_its_layers_the_models_own_forward(process_group):
+    """FSDP2's ``fully_shard`` gives each module it wraps a class ``FSDP<cls>`` (bases ``(FSDPModule, cls)``) and
+    hooks that gather its parameters before its forward. The model alone sharded, then patched: the model's own
+    hooks gather every parameter before the CODA forward, which runs, with the unpatched loss and gradients. Its
+    layers sharded too: their hooks would not run in the CODA forward, so the call runs the model's own forward,
+    with a warning naming the layer."""
+    from torch.distributed.fsdp import fully_shard
+
+    ids, mask, labels = batch()
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ref_loss, ref_grads = sharded_step(fully_shard(tiny()), **inputs)
+    with launches() as names:
+        loss, grads = sharded_step(apply_coda(fully_shard(tiny())), **inputs)
+    assert "gemm_cross_entropy_kernel" in names
+    assert_close_to("loss", loss, ref_loss)
+    for name, g in ref_grads.items():
+        assert_close_to(name, grads[name], g, 1e-4)
+    model = tiny()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    apply_coda(fully_shard(model))
+    with pytest.warns(UserWarning, match="model.layers.0 has a hook"):
+        loss, grads = sharded_step(model, **inputs)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor, or a DTensor (FSDP2's parameters and gradients) gathered whole, detached."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def data_parallel_rank(rank: int, store: str, out: str) -> None:
+    """One of two ranks (gloo): unpatched DDP, patched DDP and patched FSDP2 (``fully_shard`` of the model), each
+    two AdamW steps on the rank's row of the batch. Rank 0 saves each one's gradients after the first backward
+    (all-reduced) and parameters after the steps to ``out``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    ids, mask, labels = batch()
+    rows = slice(rank, rank + 1)
+    wraps = {"ddp": DistributedDataParallel, "coda ddp": lambda m: DistributedDataParallel(apply_coda(m)),
+             "coda fsdp2": lambda m: apply_coda(fully_shard(m))}
+    results = {}
+    for name, wrap in wraps.items():
+        model = wrap(tiny())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            model(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows], use_cache=False).loss.backward()
+            if step == 0:
+                grads = {n.removeprefix("module."): whole(p.grad) for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+        results[name] = grads, {n.removeprefix("module."): whole(p) for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp2_on_two_ranks_match_unpatched_ddp(tmp_path):
+    """Two processes, a row of the batch each: the patched model under DDP and under FSDP2 (the model sharded as a
+    whole) gets unpatched DDP's all-reduced gradients, and its parameters after two AdamW steps."""
+    out = tmp_path / "results.pt"
+    torch.multiprocessing.spawn(data_parallel_rank, args=(str(tmp_path / "store"), str(out)), nprocs=2)
+    results = torch.load(out)
+    ref_grads, ref_params = results.pop("ddp")
+    for name, (grads, params) in results.items():
+        assert grads.keys() == ref_grads.keys() and params.keys() == ref_params.keys()
+        for n, g in ref_grads.items():
+            assert_close_to(f"{name}: {n}", grads[n], g, 1e-4)
+        for n, p in ref_params.items():
+            assert_close_to(f"{name}: {n}", params[n], p, 1e-4)

@@ -68,18 +68,19 @@ state_dict / save_pretrained / optimizers / the Trainer; PEFT LoRA on any projec
 included, disable_adapter / merge_adapter, modules_to_save; gradient checkpointing (reentrant or not); generate()
 (prefill on the CODA kernels, decode through the model's own forward); torch.compile(model), fullgraph included (the
 CODA kernels as opaque ``coda::`` ops, :mod:`kernels.coda.ops`); a model changed after patching (planned again);
-torch.save(model); float64 weights, bf16 ones under the Triton interpreter, and position_ids or inputs of a shape the
-model reads otherwise (a 1-D [seq] position_ids) run the model's own forward; return_dict=False in a call without
-labels; masks built ahead (a dict by layer type, as Qwen2's generate with a static cache passes them).
+torch.save(model); DDP, and FSDP2's fully_shard of the model; float64 weights, bf16 ones under the Triton interpreter,
+torch.autocast to a dtype other than the weights', position_ids or inputs of a shape the model reads otherwise (a 1-D
+[seq] position_ids), output_attentions, output_hidden_states (called or the config's), return_dict=False with labels
+or as the config's, logits_to_keep with labels, any other call option (``ignore_index``), and FSDP2's fully_shard of
+the layers (their hooks) run the model's own forward, with a warning; return_dict=False in a call without labels;
+masks built ahead (a dict by layer type, as Qwen2's generate with a static cache passes them).
 
 Refused in one line (:class:`CodaUnsupportedError`): other architectures, activations (``config.hidden_act`` or an MLP's
 ``act_fn``), RoPE types or a partial rotary factor; a decoder, layer, attention or MLP of another class; biases on
 o_proj, the MLP or the LM head; projections that are neither nn.Linear nor PEFT LoRA on one (other PEFT methods,
 quantized layers); other norms; a custom loss_function; a model split across devices; LoRA variants (DoRA, ...),
-lora_bias, LoRA dropout in training on the LM head; output_attentions, output_hidden_states (called or the config's),
-return_dict=False with labels or as the config's, and any other call option; logits_to_keep with labels; torch.autocast
-to a dtype other than the weights'; embeddings of a dtype other than the weights'; a backward with create_graph=True
-(the CODA kernels' gradients are not differentiable).
+lora_bias, LoRA dropout in training on the LM head; embeddings of a dtype other than the weights'; a backward with
+create_graph=True (the CODA kernels' gradients are not differentiable).
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ _WINDOW: dict[str, Callable[[Any, nn.Module], int | None]] = {
     "MistralForCausalLM": lambda config, attn: config.sliding_window,
     "Qwen2ForCausalLM": lambda config, attn: attn.sliding_window,
 }
-# Call options whose value is also the unpatched model's default behaviour. Any other option is refused.
+# Call options whose value is also the unpatched model's default behaviour. Any other option runs the model's own
+# forward (:func:`_other_call`).
 _NEUTRAL_OPTIONS = {"output_attentions": False, "output_hidden_states": False, "return_dict": True}
 _IGNORED_OPTIONS = ("cache_position",)
 """Call options that the unpatched model takes into its ``**kwargs`` and never reads, whatever their value (transformers
@@ -256,14 +258,22 @@ def apply_coda(model: nn.Module) -> nn.Module:
     LM head, projections that are neither ``nn.Linear`` nor PEFT LoRA on one (other adapters, quantized layers), norms
     that are not the model's RMSNorm, RoPE types other than the three above (dynamic, yarn, longrope, ...) or a partial
     rotary factor, a custom ``loss_function``, a model split across devices.
-    By a forward: LoRA variants (DoRA, ...), ``lora_bias``, lora_dropout > 0 in training on the LM head,
-    ``output_attentions``/``output_hidden_states`` (in the call or as the config's default), ``return_dict=False`` with
-    labels (the tuple's logits are not written) or as the config's default, any other keyword, ``logits_to_keep`` with
-    labels, ``torch.autocast`` to a dtype other than the weights' (cast the model instead), embeddings of a dtype other
-    than the weights' (cast them). By the backward: ``create_graph=True`` (:func:`_first_order`). Refused too: a
-    transformers version outside :data:`TRANSFORMERS_RANGE`. A call on float64 weights, or on bfloat16 weights under
-    the Triton interpreter (which has no bf16 math), runs the model's own forward (with a warning);
-    ``return_dict=False`` in a call without labels returns the unpatched model's tuple.
+    By a forward: LoRA variants (DoRA, ...), ``lora_bias``, lora_dropout > 0 in training on the LM head, embeddings
+    of a dtype other than the weights' (cast them). By the backward: ``create_graph=True`` (:func:`_first_order`).
+    Refused too: a transformers version outside :data:`TRANSFORMERS_RANGE`.
+
+    A call the CODA forward does not compute runs the model's own forward, with a warning saying why: float64
+    weights, bfloat16 ones under the Triton interpreter (which has no bf16 math), ``torch.autocast`` to a dtype other
+    than the weights' (the Trainer's ``bf16=True`` over float32 weights; cast the model to run the kernels),
+    ``output_attentions``/``output_hidden_states`` (in the call or as the config's default), ``return_dict=False``
+    with labels (the tuple's logits are not written) or as the config's default, ``logits_to_keep`` with labels, any
+    other keyword (:func:`_other_call`). ``return_dict=False`` in a call without labels returns the unpatched model's
+    tuple from the CODA forward.
+
+    torch.distributed: DDP wraps the patched model unchanged. FSDP2's ``fully_shard`` gives each module it wraps the
+    class ``FSDP<cls>``, read as its own class (:func:`_class`): sharding the model as a whole (before or after
+    ``apply_coda``), its hooks gather every parameter before the CODA forward; sharding its layers too, their hooks
+    make each call run the model's own forward.
 
     ``torch.save(model)`` pickles the patched model (the plan without its weak references; the loaded model plans
     again at its first forward).
@@ -286,8 +296,9 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 
 def _alias(arch: str) -> Callable[[nn.Module], nn.Module]:
     def apply(model: nn.Module) -> nn.Module:
-        if type(model).__name__ != arch:
-            raise _refuse(f"expected a {arch}, got {type(model).__name__}")
+        got = _class(_causal_lm(model)).__name__
+        if got != arch:
+            raise _refuse(f"expected a {arch}, got {got}")
         return apply_coda(model)
 
     apply.__doc__ = f":func:`apply_coda` for a ``{arch}`` (any other model is refused)."
@@ -349,6 +360,21 @@ def _check_transformers() -> None:
 
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def _class(m: nn.Module) -> type:
+    """``m``'s class, under the wrapper class that torch.distributed's composable APIs (``fully_shard``,
+    ``replicate``) give a module they wrap: ``type(prefix + cls.__name__, (Wrapper, cls), ...)``, made in
+    torch.distributed, whose first base (the wrapper) is defined there and which computes nothing of its own: no
+    forward but the one transformers' ``GradientCheckpointingLayer`` puts on every subclass, which wraps the class's.
+    The module's own class computes; the wrapper's hooks shard, gather and reduce around it."""
+    cls = type(m)
+    bases = cls.__bases__
+    if not (len(bases) == 2 and cls.__module__.startswith("torch.distributed.")
+            and bases[0].__module__.startswith("torch.distributed.") and "forward" not in bases[0].__dict__):
+        return cls
+    forward = cls.__dict__.get("forward")
+    return bases[1] if forward is None or getattr(forward, "__wrapped__", None) is bases[1].forward else cls
 
 
 def _lora_linear_type() -> type | None:
@@ -418,7 +444,7 @@ def _bypassed(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 _INERT_HOOK_MODULE = "transformers.utils.output_capturing"
 """Where transformers' output-capturing hooks are defined: installed once output_attentions / output_hidden_states
-is asked for, they do nothing unless it is asked for in the call, which the CODA forward refuses."""
+is asked for, they do nothing unless it is asked for in the call, which then runs the model's own forward."""
 
 
 def _live_hooks(m: nn.Module) -> bool:
@@ -465,7 +491,7 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
 
     ``old``: the previous plan; its RoPE frequencies are reused while ``rotary_emb.inv_freq`` is the same tensor at
     the same version (reading them synchronizes with the device)."""
-    arch = type(model).__name__
+    arch = _class(model).__name__
     if arch not in _WINDOW:
         raise _refuse(f"{arch} is not supported (supported: {', '.join(_WINDOW)})")
     from transformers.activations import ACT2FN
@@ -492,7 +518,7 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
     norms = [("model.norm", base.norm)] + [(f"model.layers.{i}.{k}", getattr(layer, k))
                                            for i, layer in enumerate(layers)
                                            for k in ("input_layernorm", "post_attention_layernorm")]
-    other = next(((name, type(n)) for name, n in norms if type(n).__name__ != norm_cls), None)
+    other = next(((name, type(n)) for name, n in norms if _class(n).__name__ != norm_cls), None)
     if other is not None:  # e.g. Liger's apply_liger_kernel_to_* swaps transformers' class for models built after it
         raise _refuse(f"{other[0]} is a {other[1].__module__}.{other[1].__qualname__}, not a {norm_cls}: the CODA "
                       "forward fuses the model's own RMSNorm (a model built after another library patched "
@@ -501,7 +527,8 @@ def _plan(model: nn.Module, old: _Plan | None = None) -> _Plan:
         (f"model.layers.{i}{name}", m, cls) for i, layer in enumerate(layers)
         for name, m, cls in (("", layer, "DecoderLayer"), (".self_attn", layer.self_attn, "Attention"),
                              (".mlp", layer.mlp, "MLP"))]
-    other = next(((name, type(m), prefix + cls) for name, m, cls in parts if type(m).__name__ != prefix + cls), None)
+    other = next(((name, _class(m), prefix + cls) for name, m, cls in parts if _class(m).__name__ != prefix + cls),
+                 None)
     if other is not None:  # the CODA forward computes these modules' math, and would bypass another class's
         raise _refuse(f"{other[0]} is a {other[1].__module__}.{other[1].__qualname__}, not a {other[2]}: the CODA "
                       "forward computes the model's own decoder, layers, attention and MLP")
@@ -640,25 +667,35 @@ def _other_shapes(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | 
             "against the attention heads")
 
 
-def _check_call(model: nn.Module, options: dict[str, Any], weight: torch.Tensor) -> None:
-    """Refuse (:class:`CodaUnsupportedError`) a call option, or one of the config's defaults of
-    :data:`_NEUTRAL_OPTIONS`, that the CODA forward does not compute, and autocast to a dtype other than the
-    weights' (the kernels compute in the weights' dtype)."""
+def _other_call(model: nn.Module, options: dict[str, Any], labels: torch.Tensor | None,
+                logits_to_keep: int | torch.Tensor, as_tuple: bool, weight: torch.Tensor) -> str | None:
+    """Why the CODA forward would not compute this call as the model does, or None. The model's own forward computes
+    every one of these, so the call runs it: a call option, or a config default of :data:`_NEUTRAL_OPTIONS`, other
+    than those the CODA forward computes (``output_attentions``, ``output_hidden_states``, ``ignore_index`` for Hugging
+    Face's loss, ...); ``return_dict=False`` with labels (the tuple holds the logits, which the fused loss does not
+    write); ``logits_to_keep`` with labels (Hugging Face's loss is then over the kept positions only; the fused loss
+    covers every position); ``torch.autocast`` to a dtype other than the weights' (the kernels compute in the
+    weights' dtype)."""
     defaults = {name: getattr(model.config, name, None) for name in _NEUTRAL_OPTIONS}
     for name, value in {**defaults, **options}.items():
         if value is not None and not (name in _NEUTRAL_OPTIONS and value == _NEUTRAL_OPTIONS[name]):
             shown = repr(value) if isinstance(value, (bool, int, float, str)) else type(value).__name__
             where = "" if name in options else " (the config's)"
-            raise _refuse(f"the CODA forward does not support the option {name}={shown}{where}")
+            return f"the option {name}={shown}{where}"
+    if labels is not None and as_tuple:
+        return "return_dict=False with labels (the tuple's logits, which the fused cross-entropy does not write)"
+    if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        shown = logits_to_keep if isinstance(logits_to_keep, int) else type(logits_to_keep).__name__
+        return f"logits_to_keep={shown} with labels (a loss over the kept positions; the fused loss covers all)"
     device = weight.device.type
     if torch.is_autocast_enabled(device) and (dtype := torch.get_autocast_dtype(device)) != weight.dtype:
-        raise _refuse(f"torch.autocast to {dtype} over {weight.dtype} weights: the CODA kernels compute in the "
-                      f"weights' dtype; cast the model instead (model.to({dtype})), or call it under "
-                      "torch.autocast(..., enabled=False)")
+        return (f"torch.autocast to {dtype} over {weight.dtype} weights (the CODA kernels compute in the weights' "
+                f"dtype: cast the model, model.to({dtype}), to run them)")
+    return None
 
 
-def _targets(labels: torch.Tensor, shift_labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor,
-             rows: int, vocab: int, vocab_size: int) -> torch.Tensor:
+def _targets(labels: torch.Tensor, shift_labels: torch.Tensor | None, rows: int, vocab: int,
+             vocab_size: int) -> torch.Tensor:
     """The loss's [rows] targets, as Hugging Face's ``ForCausalLMLoss`` makes them: ``shift_labels`` flattened as
     given, else ``labels`` shifted left by one along their last dim (-100 at the end) and flattened (flat [B * S]
     labels too, shifted across rows as there). Raises as it does: ``ValueError`` where their number is not the
@@ -666,13 +703,7 @@ def _targets(labels: torch.Tensor, shift_labels: torch.Tensor | None, logits_to_
     other than int64 / uint8 or non-contiguous ``shift_labels`` (``.view(-1)``). It views the [rows, vocab] logits
     as ``[-1, config.vocab_size]``: an LM head of another width than ``vocab_size`` (replaced, or resized without
     the config) raises that view's ``RuntimeError`` (``shape '[-1, 256]' is invalid for input of size 12624``), or
-    where the size divides, the ``ValueError`` of the rows that view makes. ``logits_to_keep`` with labels (Hugging
-    Face's loss is then over the kept positions only, and raises unless the labels are cut to them) is refused: the
-    fused loss covers every position."""
-    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-        shown = logits_to_keep if isinstance(logits_to_keep, int) else type(logits_to_keep).__name__
-        raise _refuse(f"logits_to_keep={shown} with labels: the fused loss is over every position; call it without "
-                      "logits_to_keep, or without labels and compute the loss on the kept logits")
+    where the size divides, the ``ValueError`` of the rows that view makes."""
     if (rows * vocab) % vocab_size:
         raise RuntimeError(f"shape '[-1, {vocab_size}]' is invalid for input of size {rows * vocab}")
     rows = rows * vocab // vocab_size
@@ -853,16 +884,13 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
                       "forward", stacklevel=4)
         return type(self).forward(self, **call)
     weight = _base(self.lm_head).weight
-    reason = _other_dtype(weight.dtype) or _other_shapes(input_ids, inputs_embeds, position_ids)
+    return_dict = options.pop("return_dict", None)  # the call's (the config's False: HF's own call, which fails)
+    as_tuple = return_dict is not None and not return_dict
+    reason = (_other_dtype(weight.dtype) or _other_shapes(input_ids, inputs_embeds, position_ids)
+              or _other_call(self, options, labels, logits_to_keep, as_tuple, weight))
     if reason is not None:
         warnings.warn(f"apply_coda: {reason}: this call runs the model's own forward", stacklevel=4)
         return type(self).forward(self, **call)
-    return_dict = options.pop("return_dict", None)  # the call's (the config's False is refused: HF's own call fails)
-    as_tuple = return_dict is not None and not return_dict
-    if as_tuple and labels is not None:
-        raise _refuse("return_dict=False with labels: the tuple's logits are not computed (the fused cross-entropy "
-                      "writes none); use the output's .loss, or call without labels")
-    _check_call(self, options, weight)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
     if labels is not None and _first_step(self, input_ids if input_ids is not None else inputs_embeds):
@@ -875,7 +903,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     final: Consumer = Linear()
     if labels is not None:
         vocab = _base(self.lm_head).out_features
-        targets = _targets(labels, shift_labels, logits_to_keep, batch * seq, vocab, self.config.vocab_size)
+        targets = _targets(labels, shift_labels, batch * seq, vocab, self.config.vocab_size)
         _check_targets(targets, vocab)
         targets = targets.to(embeds.device)
         final = CrossEntropy(targets, IGNORE_INDEX, "mean" if num_items_in_batch is None else "sum")
@@ -884,7 +912,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     # sequence its own causal mask. The mask builder gets no default arange positions: it would search them for
     # packed sequences and synchronize the host to find none. The windows, RMSNorm epsilons and RoPE frequencies are
     # the modules' own at this call.
-    arch = type(self).__name__
+    arch = _class(self).__name__
     windows = [_WINDOW[arch](self.config, layer.self_attn) for layer in layers]
     if isinstance(attention_mask, dict):  # masks built ahead by layer type (Qwen2's generate with a static cache)
         masks = {w: attention_mask["full_attention" if w is None else "sliding_attention"] for w in set(windows)}
