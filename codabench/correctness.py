@@ -180,11 +180,15 @@ def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
         poison_allocator(case.device, [t.numel() * group.expected_dtype.get(k, t.dtype).itemsize
                                        for k, t in group.reference.items()])
     with nullcontext() if on_gpu else nan_filled_allocations():
-        result = compared(op, case.mode, run_once(op, impl, case, group.grad_outputs))
+        returned = run_once(op, impl, case, group.grad_outputs)
+    result = compared(op, case.mode, returned)
     outcome = CheckOutcome()
     mutated = [k for k, v in snapshot.items() if not torch.equal(case.inputs[k], v)]
     if mutated:
         outcome.errors.append(f"mutated its input(s) {', '.join(mutated)}")
+    unknown = unknown_outputs(op, returned.outputs)
+    if unknown:
+        outcome.errors.append(unknown)
     for name, ref in group.reference.items():
         check = _check_output(group, name, result.get(name), ref, case.torch_dtype)
         if isinstance(check, str):
@@ -193,8 +197,31 @@ def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
             continue
         outcome.checks.append(check)
         if check.stats is not None and not check.stats.finite:
-            outcome.errors.append(f"{name} has {check.stats.n_nan} NaN and {check.stats.n_inf} Inf values")
+            outcome.errors.append(f"{name} has {check.stats.n_nan} NaN and {check.stats.n_inf} Inf values"
+                                  f"{first_non_finite(result[name])}")
     return outcome
+
+
+def first_non_finite(out: torch.Tensor) -> str:
+    """Where the first NaN or Inf of ``out`` is, for the message (a tail tile or a last row left unwritten shows
+    there): ``", the first at [i, j] of (M, N)"``; "" when all are finite."""
+    bad = torch.nonzero(~torch.isfinite(out.detach()))
+    if not len(bad):
+        return ""
+    return f", the first at {bad[0].tolist()} of {tuple(out.shape)}"
+
+
+def unknown_outputs(op: Op, outputs: Tensors) -> str | None:
+    """Every tensor an implementation returns must be an output or a side output of its op, by name: a misspelt name
+    (``rstdd`` for ``rstd``) would never be compared. Values that are not tensors (a count) are left alone. The
+    message names the unknown keys and the valid ones; None when there are none."""
+    unknown = [k for k, v in outputs.items() if isinstance(v, torch.Tensor)
+               and k not in op.outputs and k not in op.side_outputs]
+    if not unknown:
+        return None
+    side = f"; side outputs: {', '.join(op.side_outputs)}" if op.side_outputs else ""
+    return (f"returned {', '.join(map(repr, unknown))}, which {op.name} has no output of that name "
+            f"(outputs: {', '.join(op.outputs)}{side})")
 
 
 def _check_output(group: GroupReference, name: str, out: torch.Tensor | None, ref: torch.Tensor,

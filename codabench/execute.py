@@ -78,10 +78,28 @@ def backward(outputs: Tensors, grad_outputs: Tensors) -> None:
         if k not in outputs:
             raise CellError(f"output {k!r} missing (needed for backward)")
         if not outputs[k].requires_grad:
-            raise CellError(f"output {k!r} does not require grad: the implementation cut the autograd graph")
+            raise CellError(f"output {k!r} does not require grad: the implementation cut the autograd graph "
+                            "(one without a backward declares modes=('fwd',))")
         tensors.append(outputs[k])
         grads.append(g)
     torch.autograd.backward(tensors, grads)
+
+
+def own_copies(tensors: Tensors) -> Tensors:
+    """Copies of the tensors of ``tensors`` (other values as they are): the upstream gradients a call's backward gets.
+    They are the harness's, shared by every cell of a group, so no call is handed the originals."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in tensors.items()}
+
+
+def check_grad_outputs(given: Tensors, original: Tensors) -> None:
+    """A backward must leave the upstream gradients it was given as they were (``given``, copies of ``original``):
+    one that writes into them (an in-place ``mul_`` or ``zero_`` of its ``grad_output``, an output written over it)
+    would corrupt its caller's tensors. Raises :class:`CellError` naming them."""
+    written = [k for k, v in original.items() if isinstance(v, torch.Tensor)
+               and not torch.equal(given[k].nan_to_num(), v.nan_to_num())]
+    if written:
+        raise CellError(f"its backward wrote into the upstream gradient(s) of {', '.join(written)} it was given "
+                        "(the caller's tensors: compute into a new tensor, or copy before writing in place)")
 
 
 @dataclass
@@ -100,9 +118,12 @@ class Timed:
 
 
 def timed_call(op: Op, impl: Implementation, native: Tensors, mode: str, grad_outputs_native: Tensors) -> Timed:
+    """The timed call of a cell; in autograd modes its backward takes a copy of ``grad_outputs_native`` of its own
+    (:func:`own_copies`), so that a backward that writes into its upstream gradients changes no other cell's."""
     if not uses_autograd(op, mode):
         return Timed(lambda _: (impl.run(native), native), None, torch.no_grad(), [])
     keys = differentiable_keys(op, impl, native)
+    grad_outputs_native = own_copies(grad_outputs_native)
     if mode == "fwd_bwd":
         def fwd_bwd(leaves):
             out = impl.run(leaves)
@@ -146,7 +167,8 @@ def check_outputs(outputs: Any, native: Tensors, device: torch.device) -> None:
         ptr = v.untyped_storage().data_ptr() if v.untyped_storage().nbytes() else None
         if ptr in inputs:
             raise CellError(f"output {k!r} shares its storage with the input {inputs[ptr]!r} (an input returned or "
-                            "overwritten as the result)")
+                            "overwritten as the result, or an output buffer made in the untimed prepare(): allocate "
+                            "outputs in run(), or keep a workspace on the implementation object)")
 
 
 def timed_result(op: Op, impl: Implementation, mode: str, returned: tuple[Tensors, Tensors], keys: list[str]
@@ -186,7 +208,9 @@ def run_native(op: Op, impl: Implementation, native: Tensors, mode: str, grad_ou
     keys = differentiable_keys(op, impl, native)
     leaves = fresh_leaves(native, keys)
     out = call_run(impl, leaves)
-    backward(out, impl.grad_outputs_to_native(grad_outputs, leaves))
+    given = own_copies(grad_outputs)
+    backward(out, impl.grad_outputs_to_native(given, leaves))
+    check_grad_outputs(given, grad_outputs)
     grads = {k: leaves[k].grad for k in keys if leaves[k].grad is not None}
     outputs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
     canon_grads = impl.grads_to_canonical(grads, leaves)

@@ -7,9 +7,12 @@ call on other inputs; these checks look at the timed closure itself, at the timi
 1. *same buffers*: one more call on ``A`` after the timed calls (round after round: calls later in the run); on the
    GPU the same call gives the cell's peak memory;
 2. *refilled in place*: ``A``'s tensors are overwritten with the native form of new inputs ``B`` (another seed, every
-   floating input x2, an exact scaling that also moves scale-free outputs such as a loss), then one call on ``A``;
-   on the GPU its outputs are copied on the calling stream as soon as the call returns, before any synchronization,
-   and those copies are what is compared: outputs still being computed on another stream fail;
+   floating input x2, an exact scaling that also moves scale-free outputs such as a loss), ``prepare`` is called once
+   more on other inputs ``D`` (their native form dropped), then one call on ``A``: a call must compute from what it
+   is given, not hand back a result that the untimed ``prepare`` computed and kept (the sweeps call ``prepare`` on
+   each sample's inputs just before the call); on the GPU its outputs are copied on the calling stream as soon as
+   the call returns, before any synchronization, and those copies are what is compared: outputs still being computed
+   on another stream fail;
 3. *new buffers*: ``prepare`` on new inputs ``C``, one call.
 
 Each call's outputs (and gradients) must match PyTorch's own results (torch-eager in the cell's dtype) on the same
@@ -41,8 +44,9 @@ from codabench import guard
 from workloads.op import Op
 
 VERIFY_FACTOR = 4.0
-REFILL_SEED, FRESH_SEED = 101, 102
-"""Seeds of the inputs B (refilled into the timed buffers) and C (new buffers)."""
+REFILL_SEED, FRESH_SEED, DECOY_SEED = 101, 102, 103
+"""Seeds of the inputs B (refilled into the timed buffers), C (new buffers) and D (prepared between B's refill and
+the call on it: :func:`check_refilled`)."""
 STREAM_CALLS = 2
 STREAM_SLACK_MS = 0.2
 """Event time may fall short of synchronized wall time by this much plus a quarter of the wall time (launch and
@@ -156,10 +160,14 @@ def check_same_buffers(op: Op, impl: Implementation, native: Tensors, mode: str,
 
 def check_refilled(op: Op, impl: Implementation, native: Tensors, mode: str, grads: Tensors | None,
                    expected: Expected, allowed: dict[str, float]) -> str | None:
-    """Check 2: the timed buffers refilled in place with the native form of ``expected.case``'s inputs; on the GPU the
-    outputs as they stand on the calling stream when the call returns."""
+    """Check 2: the timed buffers refilled in place with the native form of ``expected.case``'s inputs, then
+    ``prepare`` on the decoy inputs D (:data:`DECOY_SEED`), then the call; on the GPU the outputs as they stand on the
+    calling stream when the call returns. Outputs that match D's results are named as what they are: a result of
+    ``prepare`` (:func:`prepared_result`)."""
     synchronize = guard.private_clocks().synchronize
     refill(native, impl.prepare(expected.case))  # the inputs alone: native keeps its context
+    decoy = verification_inputs(op, expected.case, DECOY_SEED)
+    impl.prepare(decoy)  # the last prepare() before the call is on other inputs than the call's
     device = expected.case.device
     if device.type == "cuda":
         synchronize(device)  # the refill is done before the call starts
@@ -173,8 +181,22 @@ def check_refilled(op: Op, impl: Implementation, native: Tensors, mode: str, gra
                         "stream without the calling stream waiting for it)")
         result = on_stream
     bad = mismatch(op, mode, result, expected, allowed)
+    if bad is None:
+        return None
+    if prepared_result(op, mode, result, decoy, expected.grads, allowed):
+        return ("outputs are computed in prepare(), not in the timed call: with the timed buffers refilled in place "
+                "and prepare() then called on other inputs, the call returned the results of those other inputs "
+                "(prepare is untimed: it may change layouts or quantize, never compute the outputs)")
     return (f"outputs do not follow the inputs: with the timed buffers refilled in place with new values, {bad} "
-            "(a result reused, or cached by buffer address, shape or call count?)") if bad else None
+            "(a result reused, or cached by buffer address, shape or call count?)")
+
+
+def prepared_result(op: Op, mode: str, result: dict[str, torch.Tensor], decoy: Case, grads: Tensors | None,
+                    allowed: dict[str, float]) -> bool:
+    """Whether ``result`` is PyTorch's result on the ``decoy`` inputs, within ``allowed``: what a call returns when
+    it hands back what the last ``prepare`` computed."""
+    theirs = Expected(decoy, compared(op, mode, run_once(op, TorchEager(op), decoy, grads)), grads)
+    return mismatch(op, mode, result, theirs, allowed) is None
 
 
 def check_new_buffers(op: Op, impl: Implementation, mode: str, grads: Tensors | None, expected: Expected,
