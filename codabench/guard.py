@@ -29,7 +29,9 @@ function of the harness given another ``__code__``, a trace or profile hook that
   the computing kernels of torch's own ops (:func:`_replaced_kernels`): read from the dispatcher itself for the ops
   the references and baselines compute with (:data:`KERNEL_GEMMS`, :data:`KERNEL_OPS`), so that a kernel registered
   over one of torch's is seen however it came there (``torch.library``, ``torch._C._dispatch_library``, a compiled
-  extension), and through ``torch.library`` for every other op;
+  extension), and through ``torch.library`` for every other op; and the dispatch keys that hold a backend fallback
+  (:func:`_fallbacks`: a fallback registered at a computing key, such as CPU, is the kernel of every op without one of
+  its own there, and nothing takes it back);
 - the registered implementations (:func:`watch_registered`, from :meth:`codabench.registry.Registry.add`): a
   registry's entries are append-only, none removed, replaced or changed, and a name once registered stays taken.
 
@@ -43,9 +45,13 @@ about a millisecond and a half (``tests/test_guard.py`` bounds it): the check in
 (:func:`verify_clocks`) reads the dispatcher's kernels of the GEMMs alone, the check after each request and import
 those of every watched op (about a millisecond more).
 
-Threads are checked apart (:func:`own_threads`): a thread that a plugin's import, or a request the worker serves
-(its correctness pass, first call, timing), started and left running its own code slows every later cell; the
-plugin gets a load error or the cell an error row, and the worker that holds the thread is replaced.
+Threads are checked apart (:func:`stray_threads`, :func:`own_threads`): a thread that a plugin's import started and
+left running its own code, or that runs an implementation's code after a request the worker serves (its correctness
+pass, first call, timing), or holds such code as work queued for it, slows every later cell: the check after a
+request looks at every thread but the caller's, new or old (a pool made at import, idle then, and handed work by a
+call); the plugin gets a load error or the cell an error row, and the worker that holds the thread is replaced. Within
+a request that times several implementations in turn (:mod:`codabench.sweep`), the threads are looked at after each
+call too (:attr:`Clocks.strays`), outside the timed region: one that a call left runs beside the next call.
 
 The timing loops read their clocks through :func:`private_clocks`, originals recorded by :func:`snapshot`, so that a
 replacement in place during a measurement, even one undone before anyone checks, does not reach them::
@@ -71,10 +77,12 @@ lists); only a process boundary stops that.
 from __future__ import annotations
 
 import builtins
+import collections
 import functools
 import gc
 import math
 import os
+import queue
 import site
 import statistics
 import sys
@@ -82,7 +90,7 @@ import sysconfig
 import threading
 import time
 import types
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -254,6 +262,19 @@ _LIBRARY = sys.modules["torch.library"]
 _DUMP = torch._C._dispatch_dump
 """The dispatcher's listing of an op's kernels, bound before any plugin loads."""
 _ALL_OPS = torch._C._dispatch_get_all_op_names
+_HAS_FALLBACK = torch._C._dispatch_has_backend_fallback
+_FALLBACK_KEYS = {name: getattr(torch._C.DispatchKey, name) for name in COMPUTE_KEYS
+                  if name in torch._C.DispatchKey.__members__}
+"""The dispatch keys of :data:`COMPUTE_KEYS` (the aliases among them hold no fallback: registering one there
+registers it at the keys they stand for)."""
+
+
+def _fallbacks() -> frozenset[str]:
+    """The keys of :data:`COMPUTE_KEYS` at which torch's dispatcher holds a backend fallback: the kernel of every op
+    that has none of its own there (``torch.library.Library("_", "IMPL").fallback``, or the same through
+    ``torch._C``). torch's own (autograd, autocast, ADInplaceOrView, BackendSelect) are there before any plugin; a
+    key's fallback cannot be registered twice, so a new one is a new key here."""
+    return frozenset(name for name, key in _FALLBACK_KEYS.items() if _HAS_FALLBACK(key))
 
 
 def _watched_ops() -> list[str]:
@@ -348,29 +369,6 @@ class Tampered(Exception):
         self.names = names
 
 
-class Clocks(NamedTuple):
-    """The timing loops' clocks, bound to the originals when :func:`snapshot` ran (before any plugin loaded)."""
-
-    perf_counter: Callable[[], float]
-    """``time.perf_counter``."""
-    Event: type
-    """``torch.cuda.Event``."""
-    record: Callable[..., Any]
-    """``torch.cuda.Event.record``: ``record(ev)`` records on the current stream."""
-    elapsed_ms: Callable[[Any, Any], float]
-    """``torch.cuda.Event.elapsed_time``: ``elapsed_ms(start, end)``."""
-    synchronize: Callable[..., None]
-    """``torch.cuda.synchronize``: ``synchronize(device)``."""
-    verify: Callable[[], None]
-    """:func:`verify_clocks`."""
-    wait: Callable[[Any], None]
-    """``torch.cuda.Event.synchronize``: ``wait(ev)`` returns once the GPU has passed ``ev``."""
-    sleep: Callable[[int], None]
-    """``torch._C._cuda_sleep`` (what ``torch.cuda._sleep`` looks up when called): ``sleep(cycles)`` enqueues a kernel
-    that spins for that many GPU clock cycles. The sweeps enqueue it before each sample's start event: a replacement
-    could enqueue a plugin's work there, untimed, so the loops hold the original itself."""
-
-
 class _Attr(NamedTuple):
     label: str
     owner: Any
@@ -436,6 +434,8 @@ class _Record:
         """``torch.library._impls`` (the kernels registered through torch.library) when recorded."""
         self.ops: frozenset[str] = frozenset()
         """The dispatcher's ops (``ns::name``) when recorded."""
+        self.fallbacks: frozenset[str] = frozenset()
+        """The keys that held a backend fallback when recorded (:func:`_fallbacks`)."""
         self.dispatcher: dict[str, str] = {}
         """The dispatcher's listing of the kernels of each watched op (:func:`_watched_ops`) when recorded."""
         self.gemms: tuple[str, ...] = ()
@@ -709,6 +709,7 @@ def snapshot(refresh: bool = False) -> None:
     _record_process(_RECORD)
     _RECORD.kernels = frozenset(getattr(_LIBRARY, "_impls", ()))
     _RECORD.ops = frozenset(_ALL_OPS())
+    _RECORD.fallbacks = _fallbacks()
     _RECORD.dispatcher = {op: _DUMP(op) for op in _watched_ops()}
     _RECORD.gemms = tuple(op for op in _RECORD.dispatcher if op.removeprefix("aten::").partition(".")[0]
                           in KERNEL_GEMMS)
@@ -734,6 +735,10 @@ def _scan(full: bool = True) -> Iterator[tuple[str, Callable[[], None]]]:
         get, put = PROCESS_STATE[label]
         if not _same(get(), recorded):
             yield label, lambda put=put, v=recorded: put(v)
+    fallbacks = sorted(_fallbacks() - r.fallbacks)
+    if fallbacks:  # no restore: which Library holds it is not known (torch.library does not record a fallback)
+        yield (f"torch's dispatcher: a backend fallback at {listing(fallbacks)} (the kernel of every op that has none "
+               "of its own there)", _no_restore)
     replaced = _replaced_kernels(r, full)
     if replaced:
         yield (f"torch's kernel of {listing(replaced)} (replaced in its dispatcher)",
@@ -772,6 +777,10 @@ def _scan(full: bool = True) -> Iterator[tuple[str, Callable[[], None]]]:
                                            (sys.settrace, sys.setprofile, threading.settrace, threading.setprofile)):
             if is_ is not was:
                 yield f"{label} (a hook is set)", lambda s=setter, v=was: s(v)
+
+
+def _no_restore() -> None:
+    """The fix of what no restore undoes (:func:`lasting` finds it still there)."""
 
 
 def _changed(items: tuple, original: tuple) -> bool:
@@ -832,10 +841,16 @@ _sleep = time.sleep
 
 def _roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the standard library's folders, the installed packages' folders): the interpreter's, the site folders, and
-    the entries of ``sys.path`` that hold installed distributions (``*.dist-info``: ``pip install --target``)."""
+    the entries of ``sys.path`` that hold installed distributions (``*.dist-info``: ``pip install --target``); read
+    once for each ``sys.path`` (the check after every request looks at the threads there are)."""
+    return _roots_of(tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=8)
+def _roots_of(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     paths = sysconfig.get_paths()
     packages = [paths[k] for k in ("purelib", "platlib")] + site.getsitepackages()
-    for entry in sys.path:
+    for entry in path:
         try:
             if entry and any(name.endswith(".dist-info") for name in os.listdir(entry)):
                 packages.append(entry)
@@ -917,24 +932,97 @@ def _holds_own(frame: types.FrameType | None, kind: Callable[[str], str]) -> boo
     return False
 
 
-def own_threads(before: set[threading.Thread], own: tuple[str, ...] = ()) -> list[str]:
-    """The names of the threads started since ``before`` (:func:`running_threads`) that are still alive and run code
-    of their own (:func:`_code_kinds`; ``own``: the implementation's files, :func:`module_files`): started to run it
-    (:func:`_started_on`), or running it now (:func:`_runs_own`), looked at :data:`THREAD_SAMPLES` times over a few
-    milliseconds while some frame of the thread is its own but a library's call is what runs. A library's threads (a
-    compile pool, a JIT build that outlives a call, a monitor) run the library's code and are not counted."""
-    kind, me = _code_kinds(own), threading.current_thread()
-    new = [t for t in threading.enumerate() if t not in before and t is not me and t.is_alive()]
-    found = {t for t in new if _started_on(t, kind)}
-    undecided = [t for t in new if t not in found]
+def _queued(value: Any) -> Sequence:
+    """The items waiting in ``value`` where it is a queue: a ``queue.Queue`` (its ``queue``: a deque, or the list of
+    a ``LifoQueue`` or ``PriorityQueue``), a ``queue.SimpleQueue`` (a ``ThreadPoolExecutor``'s: its items are read
+    through the garbage collector's view of it, the one way in), a ``collections.deque``; else none."""
+    if isinstance(value, queue.Queue):
+        return list(value.queue)
+    if isinstance(value, queue.SimpleQueue):
+        return [item for held in gc.get_referents(value) if isinstance(held, list) for item in held]
+    return list(value) if isinstance(value, collections.deque) else ()
+
+
+def _work(item: Any) -> list[Any]:
+    """What a queued work item runs: the item, if it is callable, else the callables it holds (a
+    ``concurrent.futures`` work item's ``fn``, a tuple's members)."""
+    if callable(item):
+        return [item]
+    held = item if isinstance(item, tuple) else getattr(item, "__dict__", {}).values()
+    return [h for h in held if callable(h)]
+
+
+def _pending_own(frame: types.FrameType | None, kind: Callable[[str], str]) -> bool:
+    """Work of its own waits for the thread: a queue held by a frame of its stack that is glue (a pool's worker
+    loop waiting for its next item, or between two) holds an item whose code is the thread's own (:func:`_work`)."""
+    while frame is not None:
+        if kind(frame.f_code.co_filename) == GLUE:
+            for value in list(frame.f_locals.values()):
+                for item in _queued(value):
+                    if any(kind(f) == OWN for f in map(_code_file, _work(item)) if f is not None):
+                        return True
+        frame = frame.f_back
+    return False
+
+
+def stray_threads(before: Collection[threading.Thread], own: tuple[str, ...] = ()) -> list[threading.Thread]:
+    """The threads, other than the caller's and those in ``before`` (:func:`running_threads`; empty: every thread,
+    one that was there before handed work too), that are alive and run code of their own (:func:`_code_kinds`;
+    ``own``: the implementation's files, :func:`module_files`): started to run it (:func:`_started_on`), running it
+    now (:func:`_runs_own`), or holding it as work that waits for them (:func:`_pending_own`: a pool's queued work
+    items), looked at :data:`THREAD_SAMPLES` times over a few milliseconds while some frame of the thread is its own
+    but a library's call is what runs. A library's threads (a compile pool, a JIT build that outlives a call, a
+    monitor) run the library's code and are not counted."""
+    me = threading.current_thread()
+    threads = [t for t in threading.enumerate() if t not in before and t is not me and t.is_alive()]
+    if not threads:
+        return []
+    kind = _code_kinds(own)
+    found = {t for t in threads if _started_on(t, kind)}
+    undecided = [t for t in threads if t not in found]
     for sample in range(THREAD_SAMPLES):
         frames = sys._current_frames()
-        found.update(t for t in undecided if _runs_own(frames.get(t.ident), kind))
+        found.update(t for t in undecided if _runs_own(frames.get(t.ident), kind)
+                     or _pending_own(frames.get(t.ident), kind))
         undecided = [t for t in undecided if t not in found and _holds_own(frames.get(t.ident), kind)]
         if not undecided or sample == THREAD_SAMPLES - 1:
             break
         _sleep(THREAD_SAMPLE_S)
-    return [t.name for t in new if t in found]
+    return [t for t in threads if t in found]
+
+
+def own_threads(before: Collection[threading.Thread], own: tuple[str, ...] = ()) -> list[str]:
+    """The names of :func:`stray_threads` (``before``, ``own``: see there)."""
+    return [t.name for t in stray_threads(before, own)]
+
+
+class Clocks(NamedTuple):
+    """The timing loops' clocks and the guard's functions they call, bound to the originals when :func:`snapshot` ran
+    (before any plugin loaded)."""
+
+    perf_counter: Callable[[], float]
+    """``time.perf_counter``."""
+    Event: type
+    """``torch.cuda.Event``."""
+    record: Callable[..., Any]
+    """``torch.cuda.Event.record``: ``record(ev)`` records on the current stream."""
+    elapsed_ms: Callable[[Any, Any], float]
+    """``torch.cuda.Event.elapsed_time``: ``elapsed_ms(start, end)``."""
+    synchronize: Callable[..., None]
+    """``torch.cuda.synchronize``: ``synchronize(device)``."""
+    verify: Callable[[], None]
+    """:func:`verify_clocks`."""
+    wait: Callable[[Any], None]
+    """``torch.cuda.Event.synchronize``: ``wait(ev)`` returns once the GPU has passed ``ev``."""
+    sleep: Callable[[int], None]
+    """``torch._C._cuda_sleep`` (what ``torch.cuda._sleep`` looks up when called): ``sleep(cycles)`` enqueues a kernel
+    that spins for that many GPU clock cycles. The sweeps enqueue it before each sample's start event: a replacement
+    could enqueue a plugin's work there, untimed, so the loops hold the original itself."""
+    running: Callable[[], set[threading.Thread]] = running_threads
+    """:func:`running_threads`."""
+    strays: Callable[..., list[threading.Thread]] = stray_threads
+    """:func:`stray_threads`: the interleaved sweeps look, after each call, for a thread it left running its
+    implementation's code beside the next calls (:mod:`codabench.sweep`)."""
 
 
 def threads_message(names: list[str], after: str) -> str:
@@ -965,9 +1053,13 @@ def listing(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def tamper_message(names: list[str], kept: Sequence[str] = ()) -> str:
+REPLACED = "which is replaced"
+"""What becomes of a worker process that holds what no restore undoes (the row of the cell that left it says so)."""
+
+
+def tamper_message(names: list[str], kept: Sequence[str] = (), fate: str = REPLACED) -> str:
     """The error row of a cell during which ``names`` were tampered with; ``kept``: those that no restore undoes
-    (:func:`lasting`: the worker process is replaced)."""
-    done = (f"{listing(kept)} cannot be undone in this process, which is replaced" if kept else
+    (:func:`lasting`), and ``fate``: what becomes of the process that holds them."""
+    done = (f"{listing(kept)} cannot be undone in this process, {fate}" if kept else
             "the harness's clocks and torch functions are restored")
     return f"tampered with {listing(names)} ({done}; this cell does not count)"

@@ -15,7 +15,9 @@ answer a timed call. Each timed call's outputs are checked (plain ``torch.Tensor
 storage), and on :data:`RECHECKS` sweeps drawn at random, plus the last, its outputs are copied on the calling
 stream as the call returns and compared with PyTorch's results on that sweep's inputs. A group whose inputs do not fit
 in memory together is sampled in blocks instead (:meth:`Measurer.again`, one round of one cell per request), as is a
-group whose sweeps failed; its rows say so. With ``--profile``, :meth:`Measurer.profile` then takes each timed cell's
+group whose sweeps failed; its rows say so. A cell whose call in the sweeps leaves a thread running its own code
+beside the next calls (:class:`codabench.sweep.LeftThreads`) is an error row, and the group's other cells are sampled
+again without it once the thread has ended. With ``--profile``, :meth:`Measurer.profile` then takes each timed cell's
 call apart (:mod:`codabench.profile`), after the group's samples and outside any timed region.
 
 The shared state of a group (the float64 reference, PyTorch's results on the verification inputs, the timing's
@@ -51,7 +53,7 @@ from codabench.profile import profile_call
 from codabench.registry import Implementation, Registry, Tensors, prepared
 from codabench.sweep import Member
 from codabench.timing import CUDA_GRAPH, first_call, graph_sets, measure, per_round
-from codabench import sweep, verify
+from codabench import guard, sweep, verify
 from workloads import fp8
 from workloads.op import Gemm
 from workloads.ops import OPS
@@ -64,6 +66,9 @@ outputs are compared with PyTorch's; the last sweep's are too (where the number 
 else one more call on its buffers)."""
 CAST_REPS = 5
 """Samples of an fp8 group's cast time (a cheap side figure, not a cell's timing)."""
+LEFT_THREAD_WAIT_S = 2.0
+"""How long a thread that a cell's call left running its own code in the group's sweeps is waited for before the
+other cells are sampled again without that cell (:meth:`Measurer._without`)."""
 
 
 def describe_exception(e: BaseException) -> str:
@@ -445,8 +450,11 @@ class Measurer:
         gemm_members = self._gemm_members(cells[0])
         graph_mode = any(r.graphs for r in residents)
         flush = None if not graph_mode or any(r.graph_flush or not r.graphs for r in residents) else False
-        done = sweep.sample(members + gemm_members, self.device, self.cfg.timing, self.clocks,
-                            baseline=SPEED_BASELINE, flush_l2=flush)
+        try:
+            done = sweep.sample(members + gemm_members, self.device, self.cfg.timing, self.clocks,
+                                baseline=SPEED_BASELINE, flush_l2=flush)
+        except sweep.LeftThreads as left:
+            return self._without(left, cells, residents, group, own_errors, lost)
         last = done.n_sweeps - 1
         for r, m in zip(residents, members):
             if m.error is None and last not in rechecks:
@@ -468,11 +476,28 @@ class Measurer:
                         settle_mhz=done.settle_mhz, settle_w=done.settle_w)
         return GroupSamples(cells_out, gemms, note, sampling)
 
+    def _without(self, left: sweep.LeftThreads, cells: list[Cell], residents: list[_Resident], group: _Group,
+                 own_errors: dict[str, CellErrors], lost: dict[str, str]) -> GroupSamples:
+        """The group's sweeps after a cell's call left a thread running its own code in them
+        (:class:`codabench.sweep.LeftThreads`): that cell's error, and the other cells sampled again without it, their
+        earlier samples dropped (they ran beside the thread), once the thread has ended; one still alive after
+        :data:`LEFT_THREAD_WAIT_S` fails the request (and retires the worker: :func:`codabench.worker.dispatch`)."""
+        deadline = time.monotonic() + LEFT_THREAD_WAIT_S
+        for t in left.threads:
+            t.join(max(deadline - time.monotonic(), 0.0))
+        if any(t.is_alive() for t in left.threads):
+            raise left
+        group.resident = {r.cell.impl: r for r in residents if r.cell.impl != left.member.name}
+        rest = [c for c in cells if c.impl in group.resident]
+        out = self.sample(rest, own_errors) if rest else GroupSamples({}, {}, "", {})
+        out.cells.update({**lost, left.member.name: left.member.error})
+        return out
+
     def _member(self, r: _Resident, group: _Group, fresh: _Fresh, rechecks: set[int]) -> Member:
         """A resident cell as a member of the sweeps: fresh inputs refilled before each call, its outputs checked
         after it, and compared with PyTorch's on the recheck sweeps."""
         impl, dev = r.impl, self.device
-        allowed = self._allowed(r.cell, group)
+        allowed, own = self._allowed(r.cell, group), guard.module_files([impl.source])
         if r.graphs:
             turn = iter(range(1 << 62))
 
@@ -486,7 +511,7 @@ class Measurer:
                     _, _, set_case = next(x for x in r.graphs if x[1] is returned)
                     self._compare(r, returned, self._expected_on(r.cell, group, set_case), allowed, s)
 
-            return Member(r.cell.impl, replay, None, after_graph)
+            return Member(r.cell.impl, replay, None, after_graph, own=own)
         timed = r.timed
 
         def setup(s: int):
@@ -498,7 +523,7 @@ class Measurer:
             if s in rechecks:
                 self._compare(r, returned, fresh.expected(s), allowed, s)
 
-        return Member(r.cell.impl, timed.fn, setup, after, lambda: timed.context)
+        return Member(r.cell.impl, timed.fn, setup, after, lambda: timed.context, own=own)
 
     def _compare(self, r: _Resident, returned, expected: verify.Expected, allowed: dict[str, float], s: int) -> None:
         """The outputs a timed call returned, copied on the calling stream as it returns, against PyTorch's."""

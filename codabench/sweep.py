@@ -36,12 +36,16 @@ The clocks and events are local variables taken from :func:`codabench.guard.priv
 after every chunk: a replaced clock or torch function ends the sampling with :class:`codabench.guard.Tampered` (the
 worker then restores the originals and the group is timed again in blocks, one cell per request, so that the cell
 that did it is the one blamed). A member whose call, set-up or checks raise is dropped from later sweeps with its
-error (its cell gets an error row); the other members go on. On the CPU the samples are wall times of ``cpu_reps`` sweeps (no performance
-figure, no stopping rule).
+error (its cell gets an error row); the other members go on. After each call, outside the timed region, the threads
+alive are compared with those before its set-up: a thread it started that is still alive and runs its
+implementation's code (:func:`codabench.guard.stray_threads`) would run beside the next members' calls, and ends the
+sweeps with :class:`LeftThreads` (the caller samples the others again without that member once the thread is gone).
+On the CPU the samples are wall times of ``cpu_reps`` sweeps (no performance figure, no stopping rule).
 """
 from __future__ import annotations
 
 import math
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -88,6 +92,10 @@ class Member:
     """The same for the warm-up's calls (they set the lead)."""
     lead_cycles: int = 0
     """The spin enqueued before each sample's start event (module docstring); 0: none."""
+    own: tuple[str, ...] | None = None
+    """Its implementation's files (:func:`codabench.guard.module_files`): a thread that its set-up or call leaves alive
+    running them, or code of its own anywhere, fails it and stops the sweeps (:class:`LeftThreads`); None: not looked
+    for (the speed-of-light GEMMs are the harness's)."""
 
     def timed(self, kind: str) -> stats.Timed:
         return stats.Timed(self.samples_ms, self.sweeps, kind, self.name, grain="sample")
@@ -109,6 +117,27 @@ class Sweeps:
     settle_w: float | None = None
 
 
+class LeftThreads(Exception):
+    """A member's call left threads alive that run its implementation's code (:func:`codabench.guard.stray_threads`):
+    they would run beside the next members' timed calls, and may have run beside the samples taken since the last
+    check, so the sweeps stop; the member carries its error, ``threads`` are the threads."""
+
+    def __init__(self, member: Member, threads: list[threading.Thread]):
+        Exception.__init__(self, member.error)
+        self.member, self.threads = member, threads
+
+
+def _left_threads(m: Member, before: set[threading.Thread], clocks: guard.Clocks) -> None:
+    """Raise :class:`LeftThreads` where ``m``'s set-up or call (outside the timed region, after it) left a thread
+    started since ``before`` alive that runs its code. Costs a look at the thread list where it started none."""
+    if clocks.running() <= before:
+        return
+    left = clocks.strays(before, m.own)
+    if left:
+        m.error = guard.threads_message([t.name for t in left], "its call in the group's interleaved sweeps")
+        raise LeftThreads(m, left)
+
+
 def _describe(e: BaseException) -> str:
     from codabench.measure import describe_exception  # measure imports this module
 
@@ -118,8 +147,10 @@ def _describe(e: BaseException) -> str:
 def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clocks: guard.Clocks
          ) -> tuple[tuple[Any, Any] | float, float] | None:
     """Time member ``m`` once: (CUDA events (start, end) on the GPU, wall milliseconds on the CPU; the host
-    milliseconds from the start to the call's return); None on error."""
+    milliseconds from the start to the call's return); None on error. A thread it left running its code:
+    :class:`LeftThreads`."""
     perf_counter, Event, record = clocks.perf_counter, clocks.Event, clocks.record
+    before = clocks.running() if m.own is not None else None
     try:
         state = m.setup(sweep) if m.setup is not None else None
         if cpu:
@@ -140,9 +171,13 @@ def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clo
                 host = (perf_counter() - t0) * 1e3
                 record(end)
             took = (start, end)
+        if before is not None:
+            _left_threads(m, before, clocks)
         if m.after is not None:
             m.after(sweep, returned)
         return took, host
+    except LeftThreads:
+        raise
     except Exception as e:
         m.error = _describe(e)
         return None

@@ -23,13 +23,15 @@ the command line). An import slower than :data:`SLOW_IMPORT_S` is printed and re
 the blame falls on that plugin's load error, in every worker, and never on a cell.
 
 Each request is checked the same way after it (:func:`dispatch`): tampering is its cell's error row (and is undone),
-and a request that left a thread running its implementation's code, or a change no restore undoes (a kernel
-registered in torch's dispatcher through ``torch._C``), retires the worker with its answer
+and a request after which a thread runs its implementation's code, or holds it as queued work (any thread but the
+worker's own: one a plugin made at import and handed work in a call too), or that left a change no restore undoes (a
+kernel registered in torch's dispatcher through ``torch._C``, a backend fallback), retires the worker with its answer
 (:attr:`Failure.retire`): the parent kills the worker's process group, the thread with it, and the next request
 starts a fresh worker, so that no later cell runs beside the thread or with the kernel.
 
 :class:`InlineWorker` runs the same requests in the parent process (``--inline``): for debuggers, and for tests
-that patch the harness; there a crash or a hang ends the run.
+that patch the harness; there a crash or a hang ends the run, and so does a request that would have retired a worker,
+after its cell's error row.
 """
 from __future__ import annotations
 
@@ -93,31 +95,36 @@ def exit_message(code: int | None) -> str:
     return f"the worker process exited with code {code} (sys.exit or os._exit in the implementation?)"
 
 
-def dispatch(measurer: Measurer, method: str, args: tuple) -> Any:
-    """Run one request; an exception of the harness itself, a replaced clock or torch function, or a thread the
-    request started that runs its implementation's code after it (:func:`codabench.guard.own_threads`) is a Failure,
-    one that retires the worker where what the request left cannot be undone in this process."""
-    threads = guard.running_threads()
+def dispatch(measurer: Measurer, method: str, args: tuple, fate: str = guard.REPLACED) -> Any:
+    """Run one request; an exception of the harness itself, a replaced clock or torch function, or a thread other
+    than this one that runs its implementation's code after it, or holds such code as work waiting for it (new or
+    old: a pool made at import and handed work by the call counts; :func:`codabench.guard.own_threads`), is a Failure,
+    one that retires the worker where what the request left cannot be undone in this process (``fate``: what becomes
+    of the process, for the cell's row)."""
     try:
         value = getattr(measurer, method)(*args)
     except Exception as e:
         value = Failure(describe_exception(e))
     bad = guard.restore()
     kept = guard.lasting(bad)
-    started = guard.own_threads(threads, guard.module_files(_sources(measurer.registry, args)))
+    started = guard.own_threads((), guard.module_files(_sources(measurer.registry, args)))
     if not bad and not started:
         return value
-    reasons = [guard.tamper_message(bad, kept)] if bad else []
+    reasons = [guard.tamper_message(bad, kept, fate)] if bad else []
     if started:
-        reasons.append(f"{guard.threads_message(started, 'the call')}: the worker process that runs it is replaced; "
-                       "this cell does not count")
+        reasons.append(f"{guard.threads_message(started, 'the call')}; it ends with its process, {fate}; this cell "
+                       "does not count")
     return Failure("; ".join(reasons), retire=bool(kept or started))
 
 
+def _cells(args: tuple) -> list[Cell]:
+    """The cells a request serves (its Cell arguments, alone or in a list)."""
+    return [c for a in args for c in (a if isinstance(a, list) else [a]) if isinstance(c, Cell)]
+
+
 def _sources(registry: Registry, args: tuple) -> list[str]:
-    """The modules of the implementations whose cells a request serves (its Cell arguments, alone or in a list)."""
-    cells = [c for a in args for c in (a if isinstance(a, list) else [a]) if isinstance(c, Cell)]
-    return [registry.impls[c.op, c.impl].source for c in cells if (c.op, c.impl) in registry.impls]
+    """The modules of the implementations whose cells a request serves."""
+    return [registry.impls[c.op, c.impl].source for c in _cells(args) if (c.op, c.impl) in registry.impls]
 
 
 def serve(conn: Connection) -> None:
@@ -356,20 +363,39 @@ class WorkerProcess:
             self._conn = None
 
 
+INLINE_FATE = "which --inline does not replace: the run times nothing more"
+"""What becomes of the process of an ``--inline`` run that holds what only a new process is rid of."""
+
+
 class InlineWorker:
-    """The worker's requests run in this process (``--inline``): no isolation, no timeout, and no worker to retire
-    (a thread a call left, or a kernel no restore undoes, stays: its cell is an error row all the same). The guard
-    records the harness's modules again as they are when it starts (:func:`codabench.guard.snapshot` ``refresh``): a
-    debugger's or test's patches of the harness are not taken for a cell's tampering."""
+    """The worker's requests run in this process (``--inline``): no isolation, no timeout, and no worker to retire.
+    A request that leaves what only a new process is rid of (a thread of its own, a kernel no restore undoes) is its
+    cell's error row all the same, and the last request served: every later one is refused, and the runner stops the
+    run with one line as it does for a broken CUDA context (``Measurer.device_lost``), since nothing timed beside the
+    thread or with the kernel would be true. The guard records the harness's modules again as they are when it starts
+    (:func:`codabench.guard.snapshot` ``refresh``): a debugger's or test's patches of the harness are not taken for a
+    cell's tampering."""
 
     def __init__(self, cfg: RunConfig, registry: Registry):
         guard.snapshot(refresh=True)
         self.measurer = Measurer(cfg, registry)
+        self.stopped: str | None = None
+        """Why no request runs any more (a request left what only a new process is rid of), or None."""
 
-    alive = True
+    @property
+    def alive(self) -> bool:
+        return self.stopped is None
 
     def call(self, method: str, *args: Any) -> Any:
-        return dispatch(self.measurer, method, args)
+        if self.stopped is not None:
+            self.measurer.device_lost = self.stopped
+            return Failure(self.stopped)
+        answer = dispatch(self.measurer, method, args, INLINE_FATE)
+        if isinstance(answer, Failure) and answer.retire:
+            cells = ", ".join(f"{c.op} {c.impl}" for c in _cells(args)) or method
+            self.stopped = (f"--inline: the run stops, since {cells} left in this process what only a new one is rid "
+                            "of (its error row says what), and nothing timed beside it would be true")
+        return answer
 
     def close(self) -> None:
         pass

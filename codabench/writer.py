@@ -17,11 +17,12 @@ import fcntl
 import hashlib
 import math
 import os
+import shutil
 import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from codabench import results
 from codabench.env import code_tree, git_sha
@@ -124,31 +125,34 @@ CHUNK = 1 << 20
 """Bytes read at a time from a file that may be large."""
 
 
-class JsonLines:
-    """A JSON-lines file of the run (samples.jsonl, profiles.jsonl) that this writer alone appends to, and puts back
-    as it wrote it (:meth:`restore`) where anything else changed it. It knows the file by its length and a running
-    SHA-256 of its bytes (a check reads the file once), and keeps the bytes themselves in an anonymous temporary file
-    beside it: a long run's samples are tens of megabytes, which need not stay in this process's memory, and a file
+class KeptFile:
+    """A file of the run that this writer alone writes, and puts back as it wrote it (:meth:`restore`) where anything
+    else changed it. It knows the file by its length and a running SHA-256 of its bytes (a check reads the file once),
+    and keeps the bytes themselves in ``store``, an anonymous temporary file in the run folder that the writer's kept
+    files share: a long run's samples are tens of megabytes, which need not stay in this process's memory, and a file
     of no name, whose descriptor the worker process does not inherit, is out of a plugin's reach as much as this
     process's memory is. Only a restore reads them back."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        self._copy = tempfile.TemporaryFile(dir=path.parent)
+    def __init__(self, path: Path, store: BinaryIO):
+        self.path, self._store = path, store
+        self._spans: list[tuple[int, int]] = []
+        """(offset, length) in ``store`` of each piece written, in order."""
         self._hash, self._size = hashlib.sha256(), 0
-        if path.exists():
-            results._drop_partial_last_line(path)  # as the next append would
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(CHUNK), b""):
-                    self._keep(chunk)
 
-    def _keep(self, data: bytes) -> None:
-        self._copy.write(data)
+    def keep(self, data: bytes) -> None:
+        """This writer appended ``data`` to the file (or wrote it whole, as the first piece)."""
+        self._store.seek(0, os.SEEK_END)
+        self._spans.append((self._store.tell(), len(data)))
+        self._store.write(data)
         self._hash.update(data)
         self._size += len(data)
 
-    def append(self, record: dict[str, Any]) -> None:
-        self._keep(results.append_jsonl(self.path, record))
+    def keep_found(self) -> None:
+        """What the file holds now is this writer's (a resumed run's earlier sessions wrote it)."""
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                for chunk in iter(lambda: f.read(CHUNK), b""):
+                    self.keep(chunk)
 
     def _intact(self) -> bool:
         """The file holds what this writer wrote: its length, then its hash (no file: nothing was written)."""
@@ -165,15 +169,68 @@ class JsonLines:
 
     def restore(self) -> bool:
         """Put the file back as this writer wrote it where it holds anything else (a process that is not the run
-        wrote into it, cut it or removed it); True if it did."""
+        wrote into it, cut it or removed it, its folder too); True if it did."""
         if self._intact():
             return False
-        self._copy.seek(0)
-        results.write_atomic(self.path, self._copy.read())
+        data = bytearray()
+        for offset, length in self._spans:
+            self._store.seek(offset)
+            data += self._store.read(length)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        results.write_atomic(self.path, bytes(data))
         return True
 
-    def close(self) -> None:
-        self._copy.close()
+
+class JsonLines(KeptFile):
+    """A JSON-lines file of the run (samples.jsonl, profiles.jsonl), appended record by record; what it held when
+    the writer opened it (a cut-off last line dropped) is the writer's too."""
+
+    def __init__(self, path: Path, store: BinaryIO):
+        super().__init__(path, store)
+        if path.exists():
+            results._drop_partial_last_line(path)  # as the next append would
+        self.keep_found()
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.keep(results.append_jsonl(self.path, record))
+
+
+class KeptFolder:
+    """A folder of the run whose files this writer alone writes (``traces/``), each a :class:`KeptFile`, those it
+    held when the writer opened it included: put back as written, and anything else that appears in it removed (what
+    reads the folder, a merge or a distributed run's gathering, takes every file in it)."""
+
+    def __init__(self, path: Path, store: BinaryIO):
+        self.path, self._store = path, store
+        self.files: dict[str, KeptFile] = {}
+        for found in sorted(path.iterdir()) if path.is_dir() else []:
+            if found.is_file():
+                self.files[found.name] = KeptFile(found, store)
+                self.files[found.name].keep_found()
+
+    def write(self, name: str, text: str) -> None:
+        """The file ``name`` in the folder holds ``text`` (written atomically)."""
+        data = text.encode()
+        self.path.mkdir(exist_ok=True)
+        results.write_atomic(self.path / name, data)
+        self.files[name] = KeptFile(self.path / name, self._store)
+        self.files[name].keep(data)
+
+    def restore(self) -> list[str]:
+        """Put back each file this writer wrote where anything else changed it, and remove what it did not write (a
+        file or a link in the folder's place too); the paths (relative to the run folder) put back or removed."""
+        replaced = self.path.is_symlink() or (self.path.exists() and not self.path.is_dir())
+        if replaced:
+            self.path.unlink()
+        fixed = [name for name, kept in self.files.items() if kept.restore()]
+        others = [p for p in self.path.iterdir() if p.name not in self.files] if self.path.is_dir() else []
+        for other in others:
+            if other.is_dir() and not other.is_symlink():
+                shutil.rmtree(other)
+            else:
+                other.unlink()
+        paths = [f"{self.path.name}/{name}" for name in fixed + [p.name for p in others]]
+        return ([self.path.name] if replaced else []) + paths
 
 
 class RunWriter:
@@ -194,8 +251,11 @@ class RunWriter:
             """Keys of the cells that already have a row (resume)."""
             self._results = results.AppendWriter(path, results.RESULT_COLUMNS)
             self._errors = results.AppendWriter(out_dir / results.ERRORS, results.ERROR_COLUMNS)
-            self._samples = JsonLines(out_dir / results.SAMPLES)
-            self._profiles = JsonLines(out_dir / results.PROFILES)
+            self._store = tempfile.TemporaryFile(dir=out_dir)
+            """The bytes of the kept files below (:class:`KeptFile`)."""
+            self._samples = JsonLines(out_dir / results.SAMPLES, self._store)
+            self._profiles = JsonLines(out_dir / results.PROFILES, self._store)
+            self._traces = KeptFolder(out_dir / results.TRACES, self._store)
             self._env: dict[str, Any] | None = None
             """env.json as this run wrote it (None until :meth:`write_env`)."""
             self._env_text = ""
@@ -204,14 +264,14 @@ class RunWriter:
             raise
 
     def close(self) -> None:
-        """Put back what another process changed in the run's tables, samples, profiles and env.json while the run
-        wrote them (a plugin writing into the run folder: its rows never reach the report), say so (stderr, and
-        ``run_folder_restored`` in env.json), and let go of the run directory."""
+        """Put back what another process changed in the run's tables, samples, profiles, traces and env.json while
+        the run wrote them (a plugin writing into the run folder: its rows never reach the report), say so (stderr,
+        and ``run_folder_restored`` in env.json), and let go of the run directory."""
         try:
             restored = [w.path.name for w in (self._results, self._errors, self._samples, self._profiles)
                         if w.restore()]
-            self._samples.close()
-            self._profiles.close()
+            restored += self._traces.restore()
+            self._store.close()
             if self._env is not None and self._env_changed():
                 restored.append(results.ENV)
             if restored:
@@ -249,10 +309,8 @@ class RunWriter:
         trace (JSON text), which goes to ``traces/`` first and is named in the record (``trace``)."""
         record = {**dict(zip(results.KEY, cell.key)), **record}
         if trace is not None:
-            folder = self.out_dir / results.TRACES
-            folder.mkdir(exist_ok=True)
             name = results.trace_name(cell.key)
-            results.write_atomic(folder / name, trace)
+            self._traces.write(name, trace)
             record["trace"] = f"{results.TRACES}/{name}"
         self._profiles.append(record)
 

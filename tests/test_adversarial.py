@@ -1,6 +1,7 @@
 """Plugins that attack what the harness compares against or what the other implementations run on (tests/plugins/
 adv_*.py), in a worker process as the command line runs them: each gets the blame, and no verdict it did not earn."""
 import sys
+import threading
 
 import pandas as pd
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from codabench import guard
 from codabench.discovery import load_plugin_file
 from codabench.results import load_run
+from codabench.runner import DeviceLost
 from codabench.worker import WorkerProcess
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 
@@ -107,7 +109,7 @@ def test_a_thread_a_call_leaves_running_its_code_fails_its_cell_and_dies_with_it
     got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "adv-call-thread", "test-good"])
     row = got["adv-call-thread"]
     assert row["status"] == "error" and "left adv-call-burner running its own code after the call" in row["message"]
-    assert "the worker process that runs it is replaced" in row["message"] and pd.isna(row["median_ms"])
+    assert "it ends with its process, which is replaced" in row["message"] and pd.isna(row["median_ms"])
     assert worker.starts == 2, worker.starts  # the first worker, and the one after the thread's cell
     for impl in ("torch-eager", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
@@ -139,6 +141,110 @@ def test_a_kernel_no_restore_undoes_fails_its_cell_and_its_worker_is_replaced(re
     row = got["adv-dispatcher-kernel"]
     assert row["status"] == "error" and "tampered with torch's kernel of aten::mm (replaced in its dispatcher)" in (
         row["message"]) and "cannot be undone in this process, which is replaced" in row["message"], row["message"]
+    assert worker.starts == 2, worker.starts
+    for impl in ("torch-eager", "test-good"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+
+
+def _module(path) -> object:
+    """The module this process imported from the plugin file ``path``."""
+    return next(m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == str(path.resolve()))
+
+
+def test_work_handed_to_a_thread_made_at_import_fails_its_cell_and_its_worker_is_replaced(registry, tmp_path):
+    """A plugin whose import leaves a pool's thread waiting in the standard library (no code of its own runs: the
+    import passes), whose call then hands that old thread a busy loop of its own: the thread was there before the
+    request, and runs the implementation's code after it, so the cell is an error row naming it and the worker is
+    replaced, and the cells after it (test-good) run without the loop."""
+    for f in ("adv_pool_thread.py", "good.py"):
+        load_plugin_file(PLUGINS / f)
+    try:
+        assert not any("adv_pool_thread" in source for source, _ in registry.load_errors), registry.load_errors
+        got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "adv-pool-thread", "test-good"])
+    finally:
+        _module(PLUGINS / "adv_pool_thread.py").POOL.shutdown(wait=False)
+    row = got["adv-pool-thread"]
+    assert row["status"] == "error" and "left adv-pool_0 running its own code after the call" in row["message"], (
+        row["message"])
+    assert worker.starts == 2, worker.starts
+    for impl in ("torch-eager", "test-good"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+
+
+def test_a_thread_a_call_leaves_beside_the_others_in_the_interleaved_sweeps_fails_its_cell(registry, tmp_path):
+    """A plugin whose call in the group's interleaved sweeps (one request that times every implementation of the
+    group, sample by sample) starts a thread that keeps the cores busy beside the next implementations' timed calls
+    while the sweeps last, and ends with them, before the request does (so the check after the request sees nothing):
+    the thread is seen right after the call that left it, outside the timed region; that cell is an error row naming
+    it, and the group's other cells are sampled again without it (in the same worker) and keep their times."""
+    for f in ("adv_sweep_thread.py", "good.py"):
+        load_plugin_file(PLUGINS / f)
+    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "adv-sweep-thread", "test-good"])
+    row = got["adv-sweep-thread"]
+    assert row["status"] == "error" and ("left adv-sweep-burner running its own code after its call in the group's "
+                                         "interleaved sweeps") in row["message"], row["message"]
+    assert pd.isna(row["median_ms"]) and worker.starts == 1, (row["median_ms"], worker.starts)
+    for impl in ("torch-eager", "test-good"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+        assert got[impl]["median_ms"] > 0 and got[impl]["grain"] == "sample", got[impl]
+
+
+@pytest.mark.parametrize("plugin, impl, left", [
+    ("adv_call_thread.py", "adv-call-thread", "left adv-call-burner running its own code after the call"),
+    ("adv_dispatcher_kernel.py", "adv-dispatcher-kernel", "tampered with torch's kernel of aten::mm"),
+])
+def test_inline_a_call_that_leaves_what_only_a_new_process_is_rid_of_stops_the_run(registry, tmp_path, plugin, impl,
+                                                                                  left):
+    """--inline (no worker process to replace): a call that leaves a thread running its own code, or a kernel no
+    restore undoes, is its cell's error row, saying so; then the run stops with one line, before anything else is
+    timed beside the thread or with the kernel (test-good, after it, gets no row: --resume runs it)."""
+    for f in (plugin, "good.py"):
+        load_plugin_file(PLUGINS / f)
+    module = _module(PLUGINS / plugin)
+    try:
+        with pytest.raises(DeviceLost, match=f"--inline: the run stops, since gemm_out {impl} left in this process"):
+            make_runner(tmp_path, modes=("fwd",), impls=["torch-eager", impl, "test-good"], isolate=False).run()
+    finally:  # in this process: the thread stopped, the kernel gone with the object that holds it
+        getattr(module, "STOP", threading.Event()).set()
+        for thread in getattr(module, "_STARTED", []):
+            thread.join()
+        getattr(module, "_KEPT", []).clear()
+    df, _, _ = load_run(tmp_path)
+    got = {r["impl"]: r for _, r in df.iterrows()}
+    row = got[impl]
+    assert row["status"] == "error" and left in row["message"] and (
+        "which --inline does not replace: the run times nothing more" in row["message"]), row["message"]
+    assert "test-good" not in got, got.keys()
+    assert guard.tampered() == []
+
+
+def test_a_backend_fallback_a_call_registers_fails_its_cell_and_its_worker_is_replaced(registry, tmp_path):
+    """A call that registers a backend fallback at the CPU key (a kernel for every op without one of its own there,
+    which nothing takes back): its cell is an error row saying so, its worker is replaced at once, and the cells
+    after it run without it."""
+    for f in ("adv_fallback.py", "good.py"):
+        load_plugin_file(PLUGINS / f)
+    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "adv-fallback", "test-good"])
+    row = got["adv-fallback"]
+    assert row["status"] == "error" and "tampered with torch's dispatcher: a backend fallback at CPU" in (
+        row["message"]) and "cannot be undone in this process, which is replaced" in row["message"], row["message"]
+    assert worker.starts == 2, worker.starts
+    for impl in ("torch-eager", "test-good"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+
+
+def test_a_backend_fallback_registered_at_import_vetoes_the_plugin(registry, tmp_path):
+    """A plugin whose import registers a backend fallback at the CPU key (imported by the worker only: in this
+    process nothing would take it back): its load error says so, and the worker is started again without it, so the
+    honest cells are timed without the fallback."""
+    load_plugin_file(PLUGINS / "good.py")
+    path = str((PLUGINS / "adv_fallback_import.py").resolve())
+    registry.plugin_files.append(path)  # the worker imports it; this process does not
+    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "test-good"])
+    error = got[path]["message"]
+    assert got[path]["status"] == "error" and ("tampered with torch's dispatcher: a backend fallback at CPU" in error
+                                               and "while being imported" in error
+                                               and "started again without this plugin" in error), error
     assert worker.starts == 2, worker.starts
     for impl in ("torch-eager", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])

@@ -397,6 +397,70 @@ def test_a_plugin_installed_as_a_package_runs_code_of_its_own(tmp_path, monkeypa
             sys.modules.pop(name, None)
 
 
+def test_an_old_thread_that_holds_work_of_its_own_counts_and_a_library_s_does_not():
+    """Threads that were there before (``before`` empty: every thread): a pool's thread kept in a library call
+    (``time.sleep``) with work of this file queued behind it counts, as does a thread waiting on a ``queue.Queue``
+    that holds such work; the same with a library's work queued (``print``) does not, nor an idle pool."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    own_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="own-work")
+    library_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="library-work")
+    for pool in (own_pool, library_pool):
+        pool.submit(int).result()  # the pool's thread, idle in the standard library
+    waiting = queue.Queue()
+    waiting.put(spin)
+    joins = threading.Thread(target=waiting.join, name="joins-a-queue")
+    try:
+        assert not {"own-work_0", "library-work_0"} & set(guard.own_threads(()))
+        own_pool.submit(time.sleep, 0.5), own_pool.submit(spin)
+        library_pool.submit(time.sleep, 0.5), library_pool.submit(print, end="")
+        joins.start()
+        time.sleep(0.05)
+        found = guard.own_threads(())
+        assert "own-work_0" in found and "joins-a-queue" in found and "library-work_0" not in found, found
+    finally:
+        stop.set()
+        waiting.get(), waiting.task_done()
+        joins.join()
+        for pool in (own_pool, library_pool):
+            pool.shutdown(wait=True)
+
+
+def test_a_backend_fallback_is_seen_and_no_restore_undoes_it():
+    """A backend fallback registered at a computing key (CPU: the kernel of every op without a CPU kernel of its
+    own): the check sees it (inside the timing loops too), no restore undoes it (``lasting``: the worker is
+    replaced), and it is gone with the Library that holds it."""
+    fallback = torch.library.Library("_", "IMPL")
+    fallback.fallback(lambda op, *args, **kwargs: op(*args, **kwargs), dispatch_key="CPU")
+    label = ("torch's dispatcher: a backend fallback at CPU (the kernel of every op that has none of its own "
+             "there)")
+    try:
+        assert guard.tampered() == [label]
+        with pytest.raises(guard.Tampered, match="a backend fallback at CPU"):
+            guard.verify_clocks()
+        assert guard.restore() == [label] and guard.lasting([label]) == [label]
+    finally:
+        fallback._destroy()
+    assert guard.tampered() == []
+
+
+def test_what_torch_compile_registers_is_not_tampering():
+    """torch.compile (Inductor) registers kernels and fallbacks of its own at first use: none at a computing key of
+    the ops the guard reads, and no backend fallback there."""
+    fallbacks = guard._fallbacks()
+    compiled = torch.compile(lambda x, w: torch.nn.functional.linear(x, w).relu(), fullgraph=True)
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    assert torch.allclose(compiled(x, w), torch.nn.functional.linear(x, w).relu())
+    assert guard._fallbacks() == fallbacks and guard.tampered() == []
+
+
 def test_a_kernel_registered_in_the_dispatcher_directly_is_seen_though_no_restore_undoes_it():
     """Kernels registered through torch._C, not torch.library: one over aten::mm's CPU kernel that copies torch's own
     file and line, one that gives aten::linear (CompositeImplicitAutograd) a CPU kernel of its own. The dispatcher

@@ -439,3 +439,39 @@ def test_what_a_plugin_does_to_the_samples_and_profiles_does_not_survive_the_run
         assert sorted(tuple(r[k] for k in tables.KEY) for r in records) == timed, (name, records)
     assert set(env["run_folder_restored"]) >= {tables.SAMPLES, tables.PROFILES}
     assert "put back as the run wrote it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["rewritten", "removed", "forged beside", "folder removed", "folder replaced"])
+def test_the_traces_are_put_back_as_the_run_wrote_them(tmp_path, capsys, damage):
+    """traces/ (--profile-trace: a resumed run's earlier traces included) changed by another process while the run
+    writes it: each trace is put back as the run wrote it, a file it did not write is removed (a merge takes every
+    file there), and the run says so; untouched, the folder is left alone."""
+    run = own_run(tmp_path / "run")
+    earlier = Cell("gemm_out", "tiny", "fwd", "fp32", "torch-eager")
+    (run / tables.TRACES).mkdir()
+    write_atomic(run / tables.TRACES / tables.trace_name(earlier.key), '{"traceEvents": ["earlier"]}')
+    writer = RunWriter(run, True, "smoke")
+    writer.write_env({"device": "cpu"}, resume=True)
+    for impl in ("test-a", "test-b"):
+        writer.write_profile(Cell("gemm_out", "tiny", "fwd", "fp32", impl), {"kernels": []},
+                             trace=json.dumps({"traceEvents": [impl]}))
+    wrote = snapshot(run / tables.TRACES)
+    assert len(wrote) == 3, wrote
+    first, second = sorted(wrote)[:2]
+    if damage == "rewritten":
+        (run / tables.TRACES / first).write_text('{"traceEvents": []}')
+    elif damage == "removed":
+        (run / tables.TRACES / second).unlink()
+    elif damage == "forged beside":
+        (run / tables.TRACES / "gemm_out-tiny-fwd-fp32-adv-forged.json").write_text('{"traceEvents": ["forged"]}')
+    else:
+        shutil.rmtree(run / tables.TRACES)
+        if damage == "folder replaced":
+            (run / tables.TRACES).symlink_to(tmp_path)
+    writer.close()
+    assert snapshot(run / tables.TRACES) == wrote and not (run / tables.TRACES).is_symlink()
+    assert tables.read_env(run)["run_folder_restored"], tables.read_env(run)
+    assert "put back as the run wrote it" in capsys.readouterr().err
+    writer = RunWriter(run, True, "smoke")
+    writer.close()
+    assert snapshot(run / tables.TRACES) == wrote and capsys.readouterr().err == ""
