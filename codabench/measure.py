@@ -74,7 +74,11 @@ other cells are sampled again without that cell (:meth:`Measurer._without`)."""
 def describe_exception(e: BaseException) -> str:
     """``Type: first line of the message (file:line of the innermost frame)``; a :class:`CellError`, the harness's
     verdict on what the implementation returned or did, without the harness's own line."""
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    try:
+        text = str(e).strip()
+    except Exception as inner:  # a plugin's exception whose __str__ raises: the row is still about that exception
+        text = f"(its message could not be made: __str__ raised {type(inner).__name__})"
+    msg = text.splitlines()[0] if text else ""
     tb = traceback.extract_tb(e.__traceback__)
     where = f" ({Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb and not isinstance(e, CellError) else ""
     prefix = "out of memory: " if isinstance(e, torch.cuda.OutOfMemoryError) else ""

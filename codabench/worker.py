@@ -105,6 +105,10 @@ def dispatch(measurer: Measurer, method: str, args: tuple, fate: str = guard.REP
         value = getattr(measurer, method)(*args)
     except Exception as e:
         value = Failure(describe_exception(e))
+    except KeyboardInterrupt as e:
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # --inline: Ctrl-C (or SIGTERM) stops the run
+            raise
+        value = Failure(describe_exception(e))  # the worker ignores SIGINT: the implementation raised it
     bad = guard.restore()
     kept = guard.lasting(bad)
     started = guard.own_threads((), guard.module_files(_sources(measurer.registry, args)))

@@ -65,6 +65,22 @@ def test_hangs_exits_and_crashes_cost_one_row_each(registry, tmp_path):
     assert (tmp_path / "env.json").exists()
 
 
+def test_what_a_call_raises_is_its_row_whatever_it_is(registry, tmp_path):
+    """A KeyboardInterrupt a plugin raises (the worker ignores SIGINT: Ctrl-C reaches the parent alone) is that
+    cell's error, not a worker "killed by SIGINT"; an exception whose message cannot be made is still named."""
+    load_plugin_file(PLUGINS / "crashers.py")
+    impls = ["torch-eager", "test-keyboard-interrupt", "test-unprintable-error"]
+    make_runner(tmp_path, modes=("fwd",), impls=impls).run()
+    got = rows(tmp_path)
+    interrupt = got["test-keyboard-interrupt"]
+    assert interrupt["status"] == "error" and "KeyboardInterrupt: from the plugin" in interrupt["message"]
+    assert "killed" not in interrupt["message"], interrupt["message"]
+    unprintable = got["test-unprintable-error"]
+    assert unprintable["status"] == "error" and ("_Unprintable: (its message could not be made: __str__ raised "
+                                                 "ValueError)") in unprintable["message"], unprintable["message"]
+    assert got["torch-eager"]["status"] == "ok"
+
+
 def test_a_replaced_worker_keeps_the_other_cells_verdicts(registry, tmp_path):
     """test-inaccurate (1% off: ok, FAIL) is checked before test-sys-exit takes the worker down; its group is sampled
     in a new worker, which must still allow for its own error in the correctness pass (from the parent's record),

@@ -32,6 +32,21 @@ def segfault(x, w):
     ctypes.string_at(0)
 
 
+@register("gemm_out", "test-keyboard-interrupt", dtypes=("fp32",))
+def keyboard_interrupt(x, w):
+    raise KeyboardInterrupt("from the plugin")
+
+
+class _Unprintable(RuntimeError):
+    def __str__(self):
+        raise ValueError("no text")
+
+
+@register("gemm_out", "test-unprintable-error", dtypes=("fp32",))
+def unprintable_error(x, w):
+    raise _Unprintable()
+
+
 @register("gemm_out", "test-exits-later", dtypes=("fp32",))
 def exits_later(x, w, _calls=[0]):
     """Correct on its first calls (the correctness pass), exits during the timing."""
