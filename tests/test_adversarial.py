@@ -131,19 +131,25 @@ def test_a_name_once_registered_cannot_be_taken_over(registry, tmp_path):
     assert eager["status"] == "ok" and eager["correct"] is True and eager["median_ms"] < 25, eager
 
 
-def test_a_kernel_no_restore_undoes_fails_its_cell_and_its_worker_is_replaced(registry, tmp_path):
+@pytest.mark.parametrize("plugin, impl, says", [
+    ("adv_dispatcher_kernel.py", "adv-dispatcher-kernel", "tampered with torch's kernel of aten::mm (replaced in its "
+                                                          "dispatcher)"),
+    ("adv_fallback.py", "adv-fallback", "tampered with torch's dispatcher: a backend fallback at CPU"),
+])
+def test_what_no_restore_undoes_fails_its_cell_and_its_worker_is_replaced(registry, tmp_path, plugin, impl, says):
     """A call that registers a doubled CPU kernel of aten::mm through torch._C (the guard sees it in the dispatcher,
-    but cannot take it back): its cell is an error row saying so, its worker is replaced at once, and the cells after
-    it compute with torch's own kernel (test-good is correct)."""
-    for f in ("adv_dispatcher_kernel.py", "good.py"):
+    but cannot take it back), or a backend fallback at the CPU key (a kernel for every op without one of its own
+    there, which nothing takes back): its cell is an error row saying so, its worker is replaced at once, and the
+    cells after it compute with torch's own kernels (test-good is correct)."""
+    for f in (plugin, "good.py"):
         load_plugin_file(PLUGINS / f)
-    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "adv-dispatcher-kernel", "test-good"])
-    row = got["adv-dispatcher-kernel"]
-    assert row["status"] == "error" and "tampered with torch's kernel of aten::mm (replaced in its dispatcher)" in (
-        row["message"]) and "cannot be undone in this process, which is replaced" in row["message"], row["message"]
+    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", impl, "test-good"])
+    row = got[impl]
+    assert row["status"] == "error" and says in row["message"] and (
+        "cannot be undone in this process, which is replaced" in row["message"]), row["message"]
     assert worker.starts == 2, worker.starts
-    for impl in ("torch-eager", "test-good"):
-        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+    for other in ("torch-eager", "test-good"):
+        assert got[other]["status"] == "ok" and got[other]["correct"] is True, (other, got[other]["message"])
 
 
 def _module(path) -> object:
@@ -216,21 +222,6 @@ def test_inline_a_call_that_leaves_what_only_a_new_process_is_rid_of_stops_the_r
         "which --inline does not replace: the run times nothing more" in row["message"]), row["message"]
     assert "test-good" not in got, got.keys()
     assert guard.tampered() == []
-
-
-def test_a_backend_fallback_a_call_registers_fails_its_cell_and_its_worker_is_replaced(registry, tmp_path):
-    """A call that registers a backend fallback at the CPU key (a kernel for every op without one of its own there,
-    which nothing takes back): its cell is an error row saying so, its worker is replaced at once, and the cells
-    after it run without it."""
-    for f in ("adv_fallback.py", "good.py"):
-        load_plugin_file(PLUGINS / f)
-    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "adv-fallback", "test-good"])
-    row = got["adv-fallback"]
-    assert row["status"] == "error" and "tampered with torch's dispatcher: a backend fallback at CPU" in (
-        row["message"]) and "cannot be undone in this process, which is replaced" in row["message"], row["message"]
-    assert worker.starts == 2, worker.starts
-    for impl in ("torch-eager", "test-good"):
-        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
 
 
 def test_a_backend_fallback_registered_at_import_vetoes_the_plugin(registry, tmp_path):
