@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from codabench.case import Case
 from codabench.correctness import CHECK_SEED, build_reference, check_impl
+from codabench.metrics import rel_err
 from codabench.registry import REGISTRY
 from kernels import layouts as L
 from kernels.coda import plugin  # noqa: F401  (registers coda-triton)
@@ -365,7 +366,8 @@ def test_ce_chunks_match_autograd(composition, reduction, dloss):
     assert len(g) == len(g64) and all(t is not None for t in g)
     for i, (a, one, r, t) in enumerate(zip(g, g1, g64, g32)):
         check(f"grad {i}", a, r, t)
-        torch.testing.assert_close(a, one, rtol=1e-5, atol=1e-6, msg=f"grad {i}: chunks vs one chunk")
+        apart, torch_err = rel_err(a, one), rel_err(t, r)  # chunks sum in another order: rounding apart, no more
+        assert apart <= torch_err, f"grad {i}: chunks vs one chunk {apart:.2e}, PyTorch's own error {torch_err:.2e}"
 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)

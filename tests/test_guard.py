@@ -516,15 +516,11 @@ def test_restore_can_leave_what_it_is_not_asked_to():
     assert codabench.timing.first_call is clock
 
 
-def test_a_check_costs_about_a_millisecond():
-    """The guard is checked around every timed region and after every request: a few ms at most."""
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        guard.verify_clocks()
-        times.append(time.perf_counter() - t0)
-    assert min(times) < 0.005, times
-    assert len(guard._RECORD.harness) > 500 and len(guard._RECORD.functions) > 100  # it does watch the harness
+def test_the_check_around_timed_regions_watches_the_harness():
+    """verify_clocks (around every timed region) reads the harness's references and functions, and finds them
+    unchanged. (What it costs is a figure of docs/plugins.md, not a test: it depends on the machine.)"""
+    guard.verify_clocks()
+    assert len(guard._RECORD.harness) > 500 and len(guard._RECORD.functions) > 100
 
 
 def test_cheats_on_the_harness_itself_are_error_rows(tmp_path):
