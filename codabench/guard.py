@@ -41,7 +41,7 @@ through ``torch._C`` or a compiled extension, which holds no handle this module 
 holds it: the worker is replaced. Discovery checks after every plugin import (the plugin gets a load error and the
 originals are restored before the next import; a plugin whose import left what cannot be restored is imported by no
 later worker); the worker checks after every request of every cell (the cell gets an error row). One check costs
-about a millisecond and a half (``tests/test_guard.py`` bounds it): the check inside the timing loops
+about a millisecond and a half on a GPU machine's host (docs/plugins.md): the check inside the timing loops
 (:func:`verify_clocks`) reads the dispatcher's kernels of the GEMMs alone, the check after each request and import
 those of every watched op (about a millisecond more).
 
