@@ -434,13 +434,16 @@ def test_rescale_multiplies_by_the_ratio_of_the_new_to_the_applied_gradient():
 
 
 def test_ce_chunk_rows_rule():
-    """The default chunk: the most rows (a multiple of 256) whose [rows, V] buffer fits 1 GiB, 1024 at least, M at
-    most."""
+    """The default chunk: at most the rows (a multiple of 256) whose [rows, V] buffer fits 1 GiB, or 4096 where that is
+    more; the fewest such chunks, their rows spread evenly (rounded up to 256); M where one chunk holds it."""
     assert ce_chunk_rows(16384, 128256, 2) == 4096  # Llama 3, bf16: 1002 MiB, 4 chunks of 2 x 8192 tokens
-    assert ce_chunk_rows(16384, 128256, 4) == 2048
-    assert ce_chunk_rows(10 ** 6, 32000, 2) == 16640
-    assert ce_chunk_rows(10 ** 6, 1 << 21, 2) == 1024  # the minimum
+    assert ce_chunk_rows(16384, 152064, 2) == 4096  # Qwen2: 3328 rows fit 1 GiB, under the 4096 minimum
+    assert ce_chunk_rows(16384, 128256, 4) == 4096  # fp32: 2048 fit, the minimum holds
+    assert ce_chunk_rows(10 ** 6, 32000, 2) == 16640  # 61 chunks of at most 16640 rows
+    assert ce_chunk_rows(10000, 128256, 2) == 3584  # 3 chunks: 3584, 3584, 2832, not 4096, 4096, 1808
+    assert ce_chunk_rows(10 ** 6, 1 << 21, 2) == 4096  # 245 chunks of at most the minimum
     assert ce_chunk_rows(1000, 128256, 2) == 1000  # capped by M
+    assert ce_chunk_rows(4096, 152064, 2) == 4096  # one chunk
 
 
 # ---- the plugin, through the harness's correctness check ------------------------------------------------

@@ -37,8 +37,11 @@ CHUNK_BYTES = 1 << 30
 """The most a chunk's [mc, V] dlogits buffer takes (1 GiB), unless that is under CHUNK_MIN_ROWS rows. On an H100 the
 Llama-3.2-1B training step with activation checkpointing (2 x 8192 tokens, V = 128256: 4 chunks) took 115.4 ms at
 1956 MiB peak, against 114.3 ms at 2975 MiB with 2 GiB chunks (docs/performance.md)."""
-CHUNK_MIN_ROWS = 1024
-"""Every chunk's weight-gradient GEMM reads and writes the [V, d] weight gradient: fewer rows make that dominate."""
+CHUNK_MIN_ROWS = 4096
+"""The fewest rows a chunk has (unless M has fewer). Each chunk's weight-gradient GEMM reads and writes the whole
+[V, d] weight gradient (4 V d bytes in bf16) for 2 mc V d FLOPs, and its dgrad GEMM has (mc / 128) (d / 256) output
+tiles: both costs grow as mc shrinks, whatever V is. At V = 152064, d = 4096 on an H200, 3328 rows (5 chunks) took
+103.9 ms against 100.3 at 4096 (4 chunks, 1.16 GiB; docs/performance.md)."""
 CHUNK_ALIGN = 256
 """Chunks are a multiple of 256 rows: of every BM of the autotune space, so only the last chunk has a partial tile."""
 
@@ -108,15 +111,19 @@ def rescale_(grad: torch.Tensor, applied: torch.Tensor, *tensors: torch.Tensor) 
 
 
 def ce_chunk_rows(m: int, v: int, element_size: int) -> int:
-    """Rows per chunk of :func:`lm_head_ce_grad`: the largest multiple of CHUNK_ALIGN whose [rows, v] buffer of
-    ``element_size``-byte elements fits CHUNK_BYTES, at least CHUNK_MIN_ROWS, at most m.
+    """Rows per chunk of :func:`lm_head_ce_grad`. A chunk holds at most the rows (a multiple of CHUNK_ALIGN) whose
+    [rows, v] buffer of ``element_size``-byte elements fits CHUNK_BYTES, or CHUNK_MIN_ROWS where that is more; the m
+    rows take the fewest such chunks, spread evenly (rounded up to CHUNK_ALIGN, so only the last chunk has a partial
+    tile and none is a small remainder): m itself where one chunk holds them.
 
     Llama 3 (V = 128256, bf16): 4096 rows (1002 MiB). A chunk's dgrad GEMM, [mc, d] with K = V, then has
     (4096 / 128) x (d / 256) tiles of 128 x 256: 256 for d = 2048, two waves of an H100's 132 SMs; its weight
     gradient GEMM reads and writes the bf16 [V, d] gradient once, 4 bytes per element against 2 mc FLOPs.
     """
-    rows = CHUNK_BYTES // (v * element_size) // CHUNK_ALIGN * CHUNK_ALIGN
-    return min(m, max(CHUNK_MIN_ROWS, rows))
+    most = max(CHUNK_MIN_ROWS, CHUNK_BYTES // (v * element_size) // CHUNK_ALIGN * CHUNK_ALIGN)
+    if m <= most:
+        return m
+    return cdiv(cdiv(m, cdiv(m, most)), CHUNK_ALIGN) * CHUNK_ALIGN
 
 
 def lm_head_ce_grad(h: torch.Tensor, w_lm: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor,
