@@ -2,8 +2,7 @@
 
 Triton reads ``TRITON_INTERPRET`` when it is imported, so on a machine without a GPU the entry
 points (``run_bench.py``, ``python -m codabench``) call :func:`select_device` first. Importing
-torch and calling ``torch.cuda.is_available()`` does not import triton (``torch._dynamo`` does). Without a GPU it
-then imports triton itself, to speed up the interpreter (:mod:`codabench.interpreter`).
+torch and calling ``torch.cuda.is_available()`` does not import triton (``torch._dynamo`` does).
 """
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ INTERPRETER_NOTE = ("no CUDA GPU found: running on the CPU with the Triton inter
 
 
 def select_device() -> str:
-    """``"cuda"`` when a GPU is visible, else ``"cpu"`` with ``TRITON_INTERPRET=1`` set and the interpreter patched
-    (:func:`codabench.interpreter.install`)."""
+    """``"cuda"`` when a GPU is visible, else ``"cpu"`` with ``TRITON_INTERPRET=1`` set."""
     import torch
 
     if torch.cuda.is_available():
@@ -34,7 +32,4 @@ def select_device() -> str:
             raise RuntimeError("triton was imported before codabench.bootstrap.select_device(); "
                                "set TRITON_INTERPRET=1 yourself or import codabench first")
         os.environ["TRITON_INTERPRET"] = "1"
-    from codabench.interpreter import install
-
-    install()
     return "cpu"

@@ -33,6 +33,10 @@ from codabench.bootstrap import select_device  # noqa: E402
 
 DEVICE = select_device()
 
+from interpreter_patches import install  # noqa: E402
+
+INTERPRETER_PATCHED = install()  # the interpreter without its repeated patching inside a launch: same values
+
 import pytest  # noqa: E402
 
 

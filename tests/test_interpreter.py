@@ -1,10 +1,10 @@
-"""codabench.interpreter: the interpreter without its repeated patching computes what Triton's own does."""
+"""tests/interpreter_patches.py: the interpreter without its repeated patching computes what Triton's own does."""
 import pytest
 import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from codabench import interpreter as fast
+import interpreter_patches as fast
 from kernel_helpers import rand
 from kernels.coda.cross_entropy import gemm_cross_entropy
 from kernels.coda.producer import gemm_residual_norm
