@@ -38,10 +38,11 @@ CHUNK_BYTES = 1 << 30
 Llama-3.2-1B training step with activation checkpointing (2 x 8192 tokens, V = 128256: 4 chunks) took 115.4 ms at
 1956 MiB peak, against 114.3 ms at 2975 MiB with 2 GiB chunks (docs/performance.md)."""
 CHUNK_MIN_ROWS = 4096
-"""Rows a chunk may always hold, even where their [mc, V] buffer exceeds CHUNK_BYTES. Each chunk's weight-gradient GEMM reads and writes the whole
-[V, d] weight gradient (4 V d bytes in bf16) for 2 mc V d FLOPs, and its dgrad GEMM has (mc / 128) (d / 256) output
-tiles: both costs grow as mc shrinks, whatever V is. At V = 152064, d = 4096 on an H200, 3328 rows (5 chunks) took
-103.9-104.0 ms against 97.7-100.3 at 4096 (4 chunks, 1.16 GiB; two machines, docs/performance.md)."""
+"""Rows a chunk may always hold, even where their [mc, V] buffer exceeds CHUNK_BYTES. Each chunk's weight-gradient
+GEMM reads and writes the whole [V, d] weight gradient (4 V d bytes in bf16) for 2 mc V d FLOPs, and its dgrad GEMM
+has (mc / 128) (d / 256) output tiles: both costs grow as mc shrinks, whatever V is. At V = 152064, d = 4096 on an
+H200, 3328 rows (5 chunks) took 103.9-104.0 ms against 97.7-100.3 at 4096 (4 chunks, 1.16 GiB; two machines,
+docs/performance.md)."""
 CHUNK_ALIGN = 256
 """Chunks are a multiple of 256 rows: of every BM of the autotune space, so only the last chunk has a partial tile."""
 
