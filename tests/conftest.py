@@ -35,7 +35,7 @@ DEVICE = select_device()
 
 from interpreter_patches import install  # noqa: E402
 
-INTERPRETER_PATCHED = install()  # the interpreter without its repeated patching inside a launch: same values
+install()  # the interpreter without its repeated patching inside a launch: same values
 
 import pytest  # noqa: E402
 

@@ -41,19 +41,17 @@ def test_nested_calls_are_skipped_and_a_launch_still_restores_the_language(monke
     """Inside a launch the nested calls find their modules patched (most are skipped); after it, triton.language is
     Triton's own again."""
     calls = {"patched": 0, "all": 0}
-    patch_core = interpreter._patch_lang_core  # called by Triton's own patching, once per module it patches
+    original, skipping = interpreter._patch_lang.original, interpreter._patch_lang
 
-    def counted_core(*args):
+    def counted_original(fn):
         calls["patched"] += 1
-        return patch_core(*args)
-
-    skipping = interpreter._patch_lang
+        return original(fn)
 
     def counted(fn):
         calls["all"] += 1
         return skipping(fn)
 
-    monkeypatch.setattr(interpreter, "_patch_lang_core", counted_core)
+    monkeypatch.setattr(skipping, "original", counted_original)
     monkeypatch.setattr(interpreter, "_patch_lang", counted)
     before = (tl.program_id, tl.core.tensor.__add__, tl.range)
     outputs()
