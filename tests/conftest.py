@@ -9,8 +9,8 @@ test the guard records the harness's modules again (:func:`codabench.guard.snaps
 (adopted by an inline run's record) and their undoing are a test's business, not tampering.
 
 Tests marked ``slow`` (pyproject.toml registers the marker) are left out of the default run, which its ``addopts``
-keep to about 15 minutes on 2 CPU cores; ``python -m pytest -q -m slow`` runs them (.ci/run runs both). A GPU test is
-never marked slow: the GPU commands of docs/testing.md select by name and would leave it out.
+keep to about 15 minutes on 2 CPU cores (CI, .ci/run, runs exactly that); ``python -m pytest -q -m slow`` runs
+them. A GPU test is never marked slow: the GPU commands of docs/testing.md select by name and would leave it out.
 
 The runs of the tests append to a results history in a temporary folder (``CODABENCH_HISTORY``), not the user's.
 """
