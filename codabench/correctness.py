@@ -22,7 +22,8 @@ NaN. On the GPU, before the call, blocks of the outputs' sizes are allocated, fi
 :func:`poison_allocator`); this is best effort, as allocations the implementation makes before its
 outputs may take the poisoned blocks. On the CPU the C allocator gives no such control (it may hand
 back fresh zeroed pages), so the call runs with PyTorch's deterministic fill instead: every
-``torch.empty``-family allocation comes back NaN-filled (see :func:`nan_filled_allocations`).
+``torch.empty``-family allocation comes back NaN-filled (see :func:`nan_filled_allocations`; on the CPU the worker
+runs every request so, :meth:`codabench.measure.Measurer.request`).
 """
 from __future__ import annotations
 

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import functools
 import gc
 import math
@@ -90,6 +91,7 @@ import sysconfig
 import threading
 import time
 import types
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -683,6 +685,20 @@ def _record_process(record: _Record) -> None:
     """Record torch's process-wide state and the environment variables as they are now."""
     record.process_state = {label: get() for label, (get, _) in PROCESS_STATE.items()}
     record.environ = _settings_in_environ()
+
+
+@contextlib.contextmanager
+def adopted(change: AbstractContextManager[Any]) -> Iterator[None]:
+    """Run the block inside ``change``, the harness's own change of torch's process-wide state (the CPU's NaN-filled
+    allocations), with the record of that state taken inside it: a plugin that changes it within the block is still
+    caught, by the checks around each timed region. ``change`` puts the state back on exit, and the record with it."""
+    with change:
+        recorded = _RECORD.process_state
+        _RECORD.process_state = {label: get() for label, (get, _) in PROCESS_STATE.items()}
+        try:
+            yield
+        finally:
+            _RECORD.process_state = recorded
 
 
 def snapshot(refresh: bool = False) -> None:

@@ -33,6 +33,7 @@ import secrets
 import tempfile
 import time
 import traceback
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -43,7 +44,8 @@ from codabench.case import Case
 from codabench.ceilings import GemmTimer, gemm_call, measure_ceilings
 from codabench.clocks import ClockSampler, Sampled
 from codabench.config import RunConfig
-from codabench.correctness import CHECK_SEED, GroupReference, build_reference, check_impl, compared
+from codabench.correctness import (CHECK_SEED, GroupReference, build_reference, check_impl, compared,
+                                   nan_filled_allocations)
 from codabench.eager import TorchEager
 from codabench.env import collect_env, provider_metadata
 from codabench.execute import (CellError, Timed, check_outputs, forward_shapes, run_once, timed_call, timed_result,
@@ -230,6 +232,14 @@ class Measurer:
         self.device_lost: str | None = None
         self._group_key: tuple | None = None
         self._group: _Group | None = None
+
+    def request(self) -> AbstractContextManager[None]:
+        """What every request runs inside: on the CPU, NaN-filled allocations
+        (:func:`codabench.correctness.nan_filled_allocations`), which the correctness pass needs, for the timed calls
+        too, so that both run under the same global state and the graphs torch.compile builds in the check serve the
+        timed calls (its guards include the deterministic-algorithms flag: a recompile per cell otherwise). The guard
+        takes that state as the harness's for the request (:func:`codabench.guard.adopted`)."""
+        return guard.adopted(nan_filled_allocations()) if self.device.type == "cpu" else nullcontext()
 
     # ---- run-level requests -------------------------------------------------------------------------
 

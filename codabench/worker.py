@@ -102,7 +102,8 @@ def dispatch(measurer: Measurer, method: str, args: tuple, fate: str = guard.REP
     one that retires the worker where what the request left cannot be undone in this process (``fate``: what becomes
     of the process, for the cell's row)."""
     try:
-        value = getattr(measurer, method)(*args)
+        with measurer.request():
+            value = getattr(measurer, method)(*args)
     except Exception as e:
         value = Failure(describe_exception(e))
     except KeyboardInterrupt as e:

@@ -287,6 +287,25 @@ def test_the_guard_sees_and_restores(kind):
     assert torch.mm(meta, meta).shape == (2, 2) and torch.floor_divide(meta, 2).shape == (2, 2)
 
 
+def test_the_state_the_harness_adopts_for_a_request_is_watched_and_put_back():
+    """On the CPU each request runs with NaN-filled allocations (deterministic algorithms on), taken as the harness's
+    state for it: no tampering by itself, but a plugin that turns it off inside is caught and the state put back;
+    after the block the process's own state and record hold again."""
+    from codabench.correctness import nan_filled_allocations
+
+    label = "torch deterministic algorithms"
+    with guard.adopted(nan_filled_allocations()):
+        assert torch.are_deterministic_algorithms_enabled() and guard.tampered() == []
+        guard.verify_clocks()
+        torch.use_deterministic_algorithms(False)
+        assert label in guard.tampered()
+        with pytest.raises(guard.Tampered):
+            guard.verify_clocks()
+        assert label in guard.restore()
+        assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled() and guard.tampered() == []
+
+
 def test_defaults_and_locations_a_library_adds_to_the_environment_are_not_tampering(monkeypatch):
     """Libraries set variables of their own at first use (Inductor: ``TORCH_WARM_POOL``, ``CUBLAS_WORKSPACE_CONFIG``,
     ``TRITON_CACHE_DIR`` where unset): added, not deciding what runs, they are left alone; changing one the run

@@ -81,6 +81,21 @@ def test_cpu_correctness_calls_get_nan_filled_allocations():
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+def test_on_the_cpu_the_timed_calls_run_the_graphs_torch_compile_built_in_the_check(registry, tmp_path):
+    """Every request runs with NaN-filled allocations on the CPU, the timed calls too: torch.compile's guards include
+    the deterministic-algorithms flag that the fill needs, so a check with it on and timed calls with it off compiled
+    each graph twice. The setting is the process's own again after the run."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    make_runner(tmp_path, ops=["rmsnorm_linear"], modes=("fwd",), impls=["torch-compile"], isolate=False).run()
+    rows, _ = rows_by_impl(tmp_path)
+    assert rows["torch-compile"]["status"] == "ok" and rows["torch-compile"]["correct"] is True
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_autograd_modes_compare_gradients(registry, tmp_path):
     load_plugin_file(PLUGINS / "faulty.py")
     load_plugin_file(PLUGINS / "good.py")
