@@ -206,8 +206,9 @@ def test_bad_names_and_paths_get_one_line_and_exit_2(capsys, tmp_path):
     a_file.write_text("")
     with isolated_registry():
         common = ["--no-entry-points", "--ops", "gemm_out", "--modes", "fwd"]
-        line = _usage_error(capsys, common + ["--impls", "nosuch", "--out", str(tmp_path / "r1")])
+        line = _usage_error(capsys, common + ["--impls", "nosuch", "--out", str(tmp_path / "r1")])  # a worker stopped
         assert "unknown implementation(s) nosuch; known:" in line and "torch-eager" in line
+        common.append("--inline")  # the other refusals start no worker process
         line = _usage_error(capsys, common + ["--impls", "liger", "--out", str(tmp_path / "r2")])
         assert "the selection has no cells" in line and "impls liger" in line
         line = _usage_error(capsys, common + ["--plugin", str(tmp_path / "nope.py"), "--out", str(tmp_path / "r3")])
@@ -219,7 +220,7 @@ def test_bad_names_and_paths_get_one_line_and_exit_2(capsys, tmp_path):
             assert line.startswith(f"codabench: --out {out}: "), line
     with isolated_registry():  # the name asked for may be the one a plugin that failed to load registers
         broken = (PLUGINS / "broken.py").resolve()
-        line = _usage_error(capsys, common + ["--impls", "test-broken", "--plugin", str(broken), "--inline"])
+        line = _usage_error(capsys, common + ["--impls", "test-broken", "--plugin", str(broken)])
         assert "unknown implementation(s) test-broken; known: " in line and line.endswith(
             f"; plugin {broken} failed to load: ImportError: this plugin is broken on purpose ({broken}:2)"), line
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
