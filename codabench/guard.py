@@ -91,7 +91,6 @@ import sysconfig
 import threading
 import time
 import types
-from contextlib import AbstractContextManager
 from typing import Any, Callable, Collection, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -688,7 +687,7 @@ def _record_process(record: _Record) -> None:
 
 
 @contextlib.contextmanager
-def adopted(change: AbstractContextManager[Any]) -> Iterator[None]:
+def adopted(change: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
     """Run the block inside ``change``, the harness's own change of torch's process-wide state (the CPU's NaN-filled
     allocations), with the record of that state taken inside it: a plugin that changes it within the block is still
     caught, by the checks around each timed region. ``change`` puts the state back on exit, and the record with it."""

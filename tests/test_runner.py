@@ -16,7 +16,6 @@ from codabench.results import load_run
 from codabench.report.merge import merge
 from codabench import measure
 from codabench.measure import Measurer
-from codabench.runner import Runner
 from codabench.writer import RunExists
 from codabench.timing import TimingConfig
 from harness_helpers import PLUGINS, isolated_registry, make_runner
