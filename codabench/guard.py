@@ -680,9 +680,14 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or (type(a) is type(b) and type(a) in (bool, int, float, str) and a == b)
 
 
+def _process_state() -> dict[str, Any]:
+    """torch's process-wide state now, by label (:data:`PROCESS_STATE`)."""
+    return {label: get() for label, (get, _) in PROCESS_STATE.items()}
+
+
 def _record_process(record: _Record) -> None:
     """Record torch's process-wide state and the environment variables as they are now."""
-    record.process_state = {label: get() for label, (get, _) in PROCESS_STATE.items()}
+    record.process_state = _process_state()
     record.environ = _settings_in_environ()
 
 
@@ -693,7 +698,7 @@ def adopted(change: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
     caught, by the checks around each timed region. ``change`` puts the state back on exit, and the record with it."""
     with change:
         recorded = _RECORD.process_state
-        _RECORD.process_state = {label: get() for label, (get, _) in PROCESS_STATE.items()}
+        _RECORD.process_state = _process_state()
         try:
             yield
         finally:
