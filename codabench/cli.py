@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from codabench.bootstrap import INTERPRETER_NOTE, select_device
-from codabench import distributed
+from codabench import distributed, history
 from codabench.matrix import Selection, build_cells, parse_shard
 from codabench.discovery import discover
 from codabench.env import REPO_ROOT
@@ -321,6 +321,7 @@ def _run(args: argparse.Namespace) -> int:
     sel = Selection.from_suite(suite, ops=args.ops, models=args.models or list(defined) or None, modes=args.modes,
                                dtypes=args.dtypes, impls=args.impls)
     cfg = run_config(args, suite, sel, device, run_dir, defined)
+    kept = history.keep() if not (args.no_history or args.list) else None  # before any plugin code runs
     worker = WorkerProcess(cfg) if cfg.isolate and not args.list else None
     if worker is not None:
         worker.spawn()  # it imports torch, Triton and the plugins while this process does the same for the plan
@@ -335,7 +336,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.list:
         return _list(runner, run_dir if args.resume else None)
     if runner.cells:
-        code = _execute(runner, suite.name, not args.no_history and ranks is None)
+        code = _execute(runner, suite.name, kept if ranks is None else None)
     else:  # torchrun with more ranks than groups: this rank's shard is empty
         if worker is not None:
             worker.close()
@@ -349,14 +350,14 @@ def _run(args: argparse.Namespace) -> int:
         merge(out, [d for d in dirs if (d / "results.csv").exists()])
         print(f"codabench: {ranks.world} ranks merged into {out}", file=sys.stderr)
         code = max(code, _summary(out, code))
-        if not args.no_history:
-            _to_history(out, code)
+        if kept is not None:
+            _to_history(out, code, kept)
     return distributed.finish(ranks, code)
 
 
-def _execute(runner: Runner, suite: str, history: bool) -> int:
-    """Run the cells and write the report; with ``history`` a finished run (exit code 0 or 1) is appended to the
-    results history. The exit code."""
+def _execute(runner: Runner, suite: str, kept: history.Kept | None) -> int:
+    """Run the cells and write the report; with ``kept`` (the history store as the run found it) a finished run (exit
+    code 0 or 1) is appended to the results history. The exit code."""
     out = runner.cfg.out_dir
     try:
         lock = RunLock(out)  # held over the run and its report: a second writer is refused before any cell runs
@@ -385,8 +386,8 @@ def _execute(runner: Runner, suite: str, history: bool) -> int:
         try:
             finalize(out)
             code = _summary(out, code)
-            if history:
-                _to_history(out, code)
+            if kept is not None:
+                _to_history(out, code, kept)
             return code
         except KeyboardInterrupt:
             print(f"codabench: interrupted again while the report was written; the measured rows are saved in {out} "
@@ -394,11 +395,12 @@ def _execute(runner: Runner, suite: str, history: bool) -> int:
             return EXIT_INTERRUPTED
 
 
-def _to_history(out: Path, code: int) -> None:
+def _to_history(out: Path, code: int, kept: history.Kept) -> None:
     """A finished run (exit code 0 or 1; not one cut short by Ctrl-C or a lost device) is appended to the results
-    history; a store that cannot take it costs one warning line, never the run (:func:`codabench.history.record_run`)."""
+    history, the earlier runs changed meanwhile put back first (``kept``); a store that cannot take it costs one
+    warning line, never the run (:func:`codabench.history.record_run`)."""
     if code in (EXIT_OK, EXIT_CELL_ERRORS):
-        record_run(out)
+        record_run(out, kept)
 
 
 def _summary(out: Path, code: int) -> int:

@@ -11,6 +11,7 @@ Differentiable native tensors: floating tensors whose key is in neither ``op.con
 """
 from __future__ import annotations
 
+import collections
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Iterator
@@ -149,19 +150,27 @@ def _storages(native: Tensors) -> dict[int, str]:
             if t.untyped_storage().nbytes()}
 
 
+PLAIN_DICTS = (dict, collections.OrderedDict)
+"""What a call may return its outputs in: the exact types (a subclass's methods would run when the harness reads it)."""
+SIDE_VALUES = (int, float, bool, str, type(None))
+"""The exact types a call may return beside its tensors (a count, a note): no subclass, whose methods would run the
+implementation's code when the harness reads them."""
+
+
 def check_outputs(outputs: Any, native: Tensors, device: torch.device) -> None:
-    """The outputs of a call must be a dict of plain ``torch.Tensor`` (the exact type: a subclass can defer its work
-    until it is first read, after the timed region), on the cell's device, none sharing storage with an input (an
+    """The outputs of a call must be a plain dict (:data:`PLAIN_DICTS`) with ``str`` keys of plain ``torch.Tensor`` values (the exact type:
+    a subclass, or an object that answers to the name of one, can defer its work until it is first read, after the
+    timed region) or side values of :data:`SIDE_VALUES`, on the cell's device, none sharing storage with an input (an
     input returned, or written into, as the result). Raises :class:`CellError`."""
-    if not isinstance(outputs, dict):
-        raise CellError(f"run() returned {type(outputs).__name__}, expected a dict of named tensors")
+    if type(outputs) not in PLAIN_DICTS:
+        raise CellError(f"run() returned {_type_name(outputs)}, expected a dict of named tensors")
     inputs = _storages(native)
     for k, v in outputs.items():
-        if v is None or not isinstance(v, torch.Tensor) and not hasattr(v, "__torch_function__"):
-            continue  # a non-tensor side value (e.g. a count) is not compared
-        if type(v) is not torch.Tensor and type(v) is not torch.nn.Parameter:
-            raise CellError(f"output {k!r} is a {type(v).__module__}.{type(v).__qualname__}, not a plain "
-                            "torch.Tensor (a tensor subclass may finish its work after the timed region)")
+        if type(k) is not str:
+            raise CellError(f"run() returned an output named by a {_type_name(k)}, not a str")
+        if type(v) in SIDE_VALUES:
+            continue  # a side value (e.g. a count) is not compared
+        plain_tensor(f"output {k!r}", v)
         if v.device.type != device.type:
             raise CellError(f"output {k!r} is on {v.device}, expected {device.type}")
         ptr = v.untyped_storage().data_ptr() if v.untyped_storage().nbytes() else None
@@ -171,18 +180,86 @@ def check_outputs(outputs: Any, native: Tensors, device: torch.device) -> None:
                             "outputs in run(), or keep a workspace on the implementation object)")
 
 
+def plain_tensor(what: str, v: Any) -> torch.Tensor:
+    """``v`` if its type is exactly ``torch.Tensor`` (or ``nn.Parameter``), else :class:`CellError` naming ``what``."""
+    if type(v) is not torch.Tensor and type(v) is not torch.nn.Parameter:
+        raise CellError(f"{what} is a {_type_name(v)}, not a plain torch.Tensor (a tensor subclass, or an object "
+                        "standing in for a tensor, may finish its work after the timed region)")
+    return v
+
+
+def _type_name(v: Any) -> str:
+    t = type(v)  # the real type: ``v.__class__`` is whatever the object says
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def moved(hook: str, given: Tensors, result: Any) -> Tensors:
+    """The result of a layout conversion of the implementation's (``outputs_to_canonical``, ``grads_to_canonical``,
+    ``grad_outputs_to_native``), checked to hold the values it was given, moved and not computed: it may rename,
+    reorder, reshape and split tensors and pass others through, never make new values (the conversions run untimed, so
+    work done there would not count). The tensors of ``result`` that are not among ``given``'s must hold, as a
+    multiset, exactly the values of ``given``'s tensors that are not passed through. Raises :class:`CellError`."""
+    if type(result) not in PLAIN_DICTS:
+        raise CellError(f"its {hook}() returned {_type_name(result)}, expected a dict of named tensors")
+    given_ids = {id(v) for v in given.values() if isinstance(v, torch.Tensor)}
+    kept = {id(v) for v in result.values() if id(v) in given_ids}
+    made = [plain_tensor(f"{hook}()'s {k!r}", v) for k, v in result.items()
+            if type(v) not in SIDE_VALUES and id(v) not in given_ids]
+    taken = [v for v in given.values() if isinstance(v, torch.Tensor) and id(v) not in kept]
+    if made or taken:
+        if _multiset(made) != _multiset(taken):
+            raise CellError(f"its {hook}() returned values it was not given: a layout conversion runs untimed and may "
+                            "only move values (rename, reorder, split); compute them in run()")
+    return result
+
+
+class _multiset:
+    """The values of some tensors as a sorted multiset (for :func:`moved`); equal when the sizes, NaN counts and
+    sorted values are."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        dt = torch.float64 if any(t.element_size() >= 8 for t in tensors) else torch.float32
+        flat = [t.detach().reshape(-1).to(dt) for t in tensors]
+        flat = torch.cat([f.to(flat[0].device) for f in flat]) if flat else torch.zeros(0)
+        nan = flat.isnan()
+        self.size, self.nans = flat.numel(), int(nan.sum())
+        self.values = flat[~nan].sort().values if self.nans else flat.sort().values
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _multiset) and (self.size, self.nans) == (other.size, other.nans)
+                and self.values.device == other.values.device and torch.equal(self.values, other.values))
+
+
 def timed_result(op: Op, impl: Implementation, mode: str, returned: tuple[Tensors, Tensors], keys: list[str]
                  ) -> "Result":
     """The canonical outputs and gradients of one timed call (what :attr:`Timed.fn` returned)."""
     outputs, leaves = returned
     with torch.no_grad():
-        canon_out = impl.outputs_to_canonical({k: (v.detach() if isinstance(v, torch.Tensor) else v)
-                                               for k, v in outputs.items()}, leaves)
+        canon_out = canonical_outputs(impl, {k: (v.detach() if isinstance(v, torch.Tensor) else v)
+                                             for k, v in outputs.items()}, leaves)
     if not uses_autograd(op, mode):
         return Result(canon_out, {})
-    grads = {k: leaves[k].grad for k in keys if leaves[k].grad is not None}
-    canon_grads = impl.grads_to_canonical(grads, leaves)
-    return Result(canon_out, {f"grad_{k}": v for k, v in canon_grads.items()})
+    return Result(canon_out, canonical_grads(impl, keys, leaves))
+
+
+def canonical_outputs(impl: Implementation, outputs: Tensors, native: Tensors) -> Tensors:
+    """``impl.outputs_to_canonical``, checked to move values only (:func:`moved`)."""
+    return moved("outputs_to_canonical", outputs, impl.outputs_to_canonical(outputs, native))
+
+
+def canonical_grads(impl: Implementation, keys: list[str], leaves: Tensors) -> Tensors:
+    """The gradients in the leaves' ``.grad`` (each a plain tensor), through ``impl.grads_to_canonical`` (checked to
+    move values only), named ``grad_<input>``."""
+    grads = {k: plain_tensor(f"the gradient of {k!r}", leaves[k].grad) for k in keys if leaves[k].grad is not None}
+    with torch.no_grad():
+        canon = moved("grads_to_canonical", grads, impl.grads_to_canonical(grads, leaves))
+    return {f"grad_{k}": v for k, v in canon.items()}
+
+
+def native_grad_outputs(impl: Implementation, grad_outputs: Tensors, native: Tensors) -> Tensors:
+    """``impl.grad_outputs_to_native``, checked to move values only (:func:`moved`)."""
+    with torch.no_grad():
+        return moved("grad_outputs_to_native", grad_outputs, impl.grad_outputs_to_native(grad_outputs, native))
 
 
 @dataclass
@@ -204,19 +281,18 @@ def run_native(op: Op, impl: Implementation, native: Tensors, mode: str, grad_ou
     if not uses_autograd(op, mode):
         with torch.no_grad():
             out = call_run(impl, native)
-        return Result(impl.outputs_to_canonical(out, native), {})
+            return Result(canonical_outputs(impl, out, native), {})
     keys = differentiable_keys(op, impl, native)
     leaves = fresh_leaves(native, keys)
     out = call_run(impl, leaves)
     given = own_copies(grad_outputs)
-    backward(out, impl.grad_outputs_to_native(given, leaves))
+    backward(out, native_grad_outputs(impl, given, leaves))
     check_grad_outputs(given, grad_outputs)
-    grads = {k: leaves[k].grad for k in keys if leaves[k].grad is not None}
     outputs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
-    canon_grads = impl.grads_to_canonical(grads, leaves)
+    canon_grads = canonical_grads(impl, keys, leaves)
     with torch.no_grad():
-        canon_out = impl.outputs_to_canonical(outputs, leaves)
-    return Result(canon_out, {f"grad_{k}": v for k, v in canon_grads.items()})
+        canon_out = canonical_outputs(impl, outputs, leaves)
+    return Result(canon_out, canon_grads)
 
 
 def reference_once(op: Op, case: Case, grad_outputs: Tensors | None) -> Result:

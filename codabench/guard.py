@@ -25,7 +25,9 @@ function of the harness given another ``__code__``, a trace or profile hook that
   decides what runs, such as ``TRITON_INTERPRET``, which decides whether Triton kernels run at all), and
   (:data:`PROCESS_STATE`) torch's: the torch-function and dispatch mode stacks (a mode left entered sees every torch call of every cell, the float64
   reference's too), the global ``nn.Module`` hooks, the default dtype, the intra-op threads, the float32 matmul
-  precision and the TF32 and reduced-precision flags, cuDNN's and oneDNN's switches, deterministic algorithms, and
+  precision and the TF32 and reduced-precision flags, cuDNN's and oneDNN's switches, deterministic algorithms, autograd's anomaly
+  detection, the Python signal handlers and the interval timers (a handler runs the plugin's code inside or after
+  any later call), and
   the computing kernels of torch's own ops (:func:`_replaced_kernels`): read from the dispatcher itself for the ops
   the references and baselines compute with (:data:`KERNEL_GEMMS`, :data:`KERNEL_OPS`), so that a kernel registered
   over one of torch's is seen however it came there (``torch.library``, ``torch._C._dispatch_library``, a compiled
@@ -79,11 +81,17 @@ from __future__ import annotations
 import builtins
 import collections
 import contextlib
+import csv
 import functools
 import gc
+import hashlib
+import json
 import math
 import os
 import queue
+import random
+import secrets
+import signal
 import site
 import statistics
 import sys
@@ -97,13 +105,16 @@ import torch
 import torch.nn.functional as F
 
 GUARDED: dict[str, Any] = {
-    "time": time, "math": math, "statistics": statistics, "torch": torch, "torch.nn.functional": F,
+    "time": time, "math": math, "statistics": statistics, "random": random, "random.Random": random.Random,
+    "random.SystemRandom": random.SystemRandom, "secrets": secrets, "csv": csv, "csv.DictWriter": csv.DictWriter,
+    "json": json, "json.JSONEncoder": json.JSONEncoder, "hashlib": hashlib, "torch": torch, "torch.nn.functional": F,
     "torch.linalg": torch.linalg, "torch.autograd": torch.autograd, "torch.cuda": torch.cuda,
     "torch.cuda.Event": torch.cuda.Event, "torch.cuda.Stream": torch.cuda.Stream, "torch.Tensor": torch.Tensor,
     **{f"{c.__module__}.{c.__qualname__}": c for c in torch.cuda.Event.__mro__[1:-1]},
 }
-"""Where the harness's clocks, synchronization, comparisons and reference math live (every callable attribute,
-special methods included)."""
+"""Where the harness's clocks, synchronization, comparisons, reference math, random draws (the timing inputs' seeds,
+which timed calls are rechecked) and the run folder's writers (csv, json, the digests) live (every callable
+attribute, special methods included)."""
 HOOK_FUNCTIONS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "sys": (sys, ("settrace", "setprofile", "gettrace", "getprofile")),
     "threading": (threading, ("settrace", "setprofile", "gettrace", "getprofile")),
@@ -201,6 +212,34 @@ def _put_environ(recorded: dict[str, str], name: str) -> None:
         os.environ.pop(name, None)
 
 
+_SIGNALS = sorted(set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP})
+_TIMERS = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
+_getsignal, _signal, _getitimer, _setitimer = signal.getsignal, signal.signal, signal.getitimer, signal.setitimer
+
+
+def _signal_handlers() -> tuple:
+    """The Python handler of every signal: one a plugin installs runs inside, or after, any later call (the work of
+    its own call deferred there, or time burnt in another's)."""
+    return tuple(_getsignal(s) for s in _SIGNALS)
+
+
+def _put_signal_handlers(handlers: tuple) -> None:
+    for s, h in zip(_SIGNALS, handlers):
+        if _getsignal(s) is not h and h is not None:
+            _signal(s, h)
+
+
+def _armed_timers() -> tuple:
+    """Which interval timers are armed (a timer's countdown moves, whether it is armed does not)."""
+    return tuple(_getitimer(t) != (0.0, 0.0) for t in _TIMERS)
+
+
+def _put_timers(armed: tuple) -> None:
+    for t, was in zip(_TIMERS, armed):
+        if not was:
+            _setitimer(t, 0.0)
+
+
 def _process_state() -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
     """label: (getter, setter) of each piece of :data:`PROCESS_STATE`, bound to torch's own functions now (the guard
     is imported before any plugin)."""
@@ -232,6 +271,10 @@ def _process_state() -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]
             lambda v: C._set_deterministic_algorithms(v[0], warn_only=v[1])),
         "torch.utils.deterministic.fill_uninitialized_memory": (C._get_deterministic_fill_uninitialized_memory,
                                                                 C._set_deterministic_fill_uninitialized_memory),
+        "torch.autograd.set_detect_anomaly": (
+            lambda: (C.is_anomaly_enabled(), C.is_anomaly_check_nan_enabled()), lambda v: C.set_anomaly_enabled(*v)),
+        "interval timers (signal.setitimer)": (_armed_timers, _put_timers),  # disarmed before the handlers go back
+        "signal handlers (signal.signal)": (_signal_handlers, _put_signal_handlers),
     }
     for name in [n for n in vars(nn_module) if n.startswith("_global_") and n.endswith("_hooks")]:
         state[f"torch.nn.modules.module.{name}"] = _global_hooks(nn_module, name)
@@ -451,6 +494,9 @@ class _Record:
         self.builtins: dict[str, Any] = {}
         self.hooks: tuple = ()
         self.clocks: Clocks | None = None
+        self.compiled = 0
+        """How many graphs torch.compile holds for the harness's torch-compile (:func:`watch_compiled`), the most
+        since its last new configuration: only more may come."""
 
 
 _RECORD = _Record()
@@ -759,6 +805,9 @@ def _scan(full: bool = True) -> Iterator[tuple[str, Callable[[], None]]]:
     if fallbacks:  # no restore: which Library holds it is not known (torch.library does not record a fallback)
         yield (f"torch's dispatcher: a backend fallback at {listing(fallbacks)} (the kernel of every op that has none "
                "of its own there)", _no_restore)
+    if _compiled_lost(r):
+        yield ("torch._dynamo's compiled code (reset or cleared: torch-compile would compile again inside its timed "
+               "calls)", _no_restore)
     replaced = _replaced_kernels(r, full)
     if replaced:
         yield (f"torch's kernel of {listing(replaced)} (replaced in its dispatcher)",
@@ -797,6 +846,30 @@ def _scan(full: bool = True) -> Iterator[tuple[str, Callable[[], None]]]:
                                            (sys.settrace, sys.setprofile, threading.settrace, threading.setprofile)):
             if is_ is not was:
                 yield f"{label} (a hook is set)", lambda s=setter, v=was: s(v)
+
+
+_WATCHED_CODE: list[types.CodeType] = []
+_CACHE_ENTRIES = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+
+
+def watch_compiled(code: types.CodeType, anew: bool = False) -> None:
+    """Watch torch.compile's graphs of ``code`` (the harness's torch-compile): a plugin's call that drops them
+    (``torch._dynamo.reset()``, its caches cleared) would make torch-compile compile inside its timed calls, and no
+    restore brings them back (the worker is replaced). ``anew``: torch-compile itself has just reset them for a new
+    configuration."""
+    if code not in _WATCHED_CODE:
+        _WATCHED_CODE.append(code)
+    if anew:
+        _RECORD.compiled = 0
+
+
+def _compiled_lost(r: _Record) -> bool:
+    """Whether the watched code holds fewer compiled graphs than the record's count (which follows them up)."""
+    now = sum(len(_CACHE_ENTRIES(c)) for c in _WATCHED_CODE)
+    if now >= r.compiled:
+        r.compiled = now
+        return False
+    return True
 
 
 def _no_restore() -> None:

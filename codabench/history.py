@@ -28,6 +28,7 @@ reference) and cells without an interval in either run are ``unknown``.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -202,10 +203,82 @@ def add_run(run_dir: Path, path: Path | None = None) -> tuple[dict[str, Any], in
     return run, len(cells), replaced
 
 
-def record_run(run_dir: Path) -> bool:
-    """:func:`add_run` for a run that just wrote its report: True when it was added; any failure is one warning line
-    on stderr (the run and its exit code are untouched)."""
+class Kept:
+    """A copy of the store as a run found it (:func:`keep`), to put back what changed in its earlier runs while the
+    run went on: the run's plugins execute in its worker, which could open the store and rewrite the runs it holds
+    (slowing a peer's past times, say). Each run's rows are known by a digest; a run whose rows changed, or that is
+    gone, is put back from the copy when the run is recorded (:func:`record_run`), and a warning line says so."""
+
+    def __init__(self, copy: sqlite3.Connection | None):
+        self.copy = copy
+        self.digests = _digests(copy) if copy is not None else {}
+
+
+def keep() -> Kept:
+    """The store as it is now, in memory (an empty :class:`Kept` where there is none or it cannot be read)."""
     try:
+        with closing(open_store()) as conn:
+            copy = sqlite3.connect(":memory:")
+            conn.backup(copy)
+    except (HistoryError, sqlite3.Error):
+        return Kept(None)
+    copy.row_factory = sqlite3.Row
+    return Kept(copy)
+
+
+def _digests(conn: sqlite3.Connection) -> dict[str, str]:
+    """Each run's digest (:func:`_digest`)."""
+    return {run["id"]: _digest(conn, run["id"]) for run in conn.execute("SELECT id FROM runs")}
+
+
+def _digest(conn: sqlite3.Connection, run_id: str) -> str | None:
+    """A digest of a run's ``runs`` row and its cells, in order (None where it is not in the store)."""
+    run = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+    if run is None:
+        return None
+    h = hashlib.sha256(repr(tuple(run)).encode())
+    for cell in conn.execute("SELECT * FROM cells WHERE run_id = ? ORDER BY rowid", (run_id,)):
+        h.update(repr(tuple(cell)).encode())
+    return h.hexdigest()
+
+
+def put_back(kept: Kept, path: Path | None = None) -> list[str]:
+    """The runs of ``kept`` whose rows changed or are gone in the store, written back as they were (in one
+    transaction; the runs added meanwhile are left alone)."""
+    if kept.copy is None:
+        return []
+    conn = open_store(path)
+    with closing(conn):
+        changed = [rid for rid, d in kept.digests.items() if _digest(conn, rid) != d]
+        if changed:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for rid in changed:
+                    conn.execute("DELETE FROM runs WHERE id = ?", (rid,))
+                    for table, key in (("runs", "id"), ("cells", "run_id")):
+                        rows = kept.copy.execute(f"SELECT * FROM {table} WHERE {key} = ? ORDER BY rowid", (rid,))
+                        for row in rows:
+                            conn.execute(f"INSERT INTO {table} ({', '.join(row.keys())}) VALUES "
+                                         f"({', '.join('?' * len(row))})", tuple(row))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+    return changed
+
+
+def record_run(run_dir: Path, kept: Kept | None = None) -> bool:
+    """:func:`add_run` for a run that just wrote its report: True when it was added; any failure is one warning line
+    on stderr (the run and its exit code are untouched). ``kept``: the store as the run found it (:func:`keep`): the
+    earlier runs changed meanwhile are put back first, with a warning line."""
+    try:
+        if kept is not None:
+            changed = put_back(kept)
+            if changed:
+                print(f"codabench: warning: {len(changed)} earlier run(s) of the results history {store_path()} "
+                      f"changed while this run went on (by a plugin of this run, or another codabench process): put "
+                      f"back as they were ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})",
+                      file=sys.stderr)
         add_run(run_dir)
     except Exception as e:  # the history is a by-product: nothing in it may cost a run
         print(f"codabench: warning: {run_dir} not added to the results history ({type(e).__name__}: {e}); "

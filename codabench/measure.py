@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import gc
-import secrets
+import os
 import tempfile
 import time
 import traceback
@@ -48,8 +48,8 @@ from codabench.correctness import (CHECK_SEED, GroupReference, build_reference, 
                                    nan_filled_allocations)
 from codabench.eager import TorchEager
 from codabench.env import collect_env, provider_metadata
-from codabench.execute import (CellError, Timed, check_outputs, forward_shapes, run_once, timed_call, timed_result,
-                                uses_autograd)
+from codabench.execute import (CellError, Timed, check_outputs, forward_shapes, native_grad_outputs, run_once,
+                                timed_call, timed_result, uses_autograd)
 from codabench.matrix import SPEED_BASELINE, Cell
 from codabench.profile import profile_call
 from codabench.registry import Implementation, Registry, Tensors, prepared
@@ -62,10 +62,34 @@ from workloads.ops import OPS
 
 TIMING_SEED = 0
 TIMING_GRAD_SEED = 7
-RECHECKS = 2
-"""Sweeps, drawn at random among the first ``min_sweeps`` (or among all, when their number is fixed), whose timed
-outputs are compared with PyTorch's; the last sweep's are too (where the number is fixed, its timed call itself,
+RECHECKS = 4
+"""How many timed calls' outputs are compared with PyTorch's, expected among the first ``min_sweeps`` sweeps (or
+among all, when their number is fixed): each call is rechecked or not by a draw made after it returned
+(:func:`rechecked`), so no call can know beforehand whether it will be; past ``min_sweeps``, sweep s is drawn with
+probability ``RECHECKS / s``. The last sweep's are compared too (where the number is fixed, its timed call itself,
 else one more call on its buffers)."""
+_URANDOM = os.urandom
+"""The source of the timing inputs' seeds and the recheck draws: the operating system's random bytes, bound before
+any plugin loads (nothing a plugin patches or reads tells it the next draw)."""
+
+
+def _draw() -> float:
+    """A uniform draw in [0, 1)."""
+    return int.from_bytes(_URANDOM(7), "little") / 2**56
+
+
+class Rechecks:
+    """Which of one cell's timed calls are compared with PyTorch's (:data:`RECHECKS`), each drawn once the call
+    returned; ``done``: the sweeps rechecked so far."""
+
+    def __init__(self, first_sweeps: int, fixed: int | None):
+        self.first, self.last, self.done = first_sweeps, (fixed - 1 if fixed else None), set()
+
+    def draw(self, sweep: int) -> bool:
+        if sweep == self.last or _draw() < RECHECKS / max(sweep + 1, self.first):
+            self.done.add(sweep)
+            return True
+        return False
 CAST_REPS = 5
 """Samples of an fp8 group's cast time (a cheap side figure, not a cell's timing)."""
 LEFT_THREAD_WAIT_S = 2.0
@@ -204,7 +228,7 @@ class _Fresh:
 
     def __init__(self, make: Callable[[int], Case], expected: Callable[[Case], verify.Expected]):
         self._make, self._expected = make, expected
-        self._base = secrets.randbits(40)
+        self._base = int.from_bytes(_URANDOM(5), "little")
         self._sweep: int | None = None
         self._case: Case | None = None
         self._exp: verify.Expected | None = None
@@ -340,7 +364,7 @@ class Measurer:
         op = OPS[cell.op]
         grads = self._timing_grads(group, case) if uses_autograd(op, cell.mode) else None
         native = prepared(impl, case)
-        grads_native = impl.grad_outputs_to_native(grads, native) if grads is not None else None
+        grads_native = native_grad_outputs(impl, grads, native) if grads is not None else None
         return native, grads, timed_call(op, impl, native, cell.mode, grads_native)
 
     def _capture(self, r: _Resident) -> None:
@@ -457,10 +481,8 @@ class Measurer:
         timing = self.cfg.timing
         fixed = timing.reps or (timing.cpu_reps if self.device.type != "cuda" else None)  # sweeps known in advance
         first_sweeps = fixed or timing.min_sweeps
-        rechecks = set(secrets.SystemRandom().sample(range(first_sweeps), min(RECHECKS, first_sweeps)))
-        if fixed:
-            rechecks.add(fixed - 1)  # the last sweep's timed call itself, not one more call after it
-        members = [self._member(r, group, fresh, rechecks) for r in residents]
+        draws = [Rechecks(first_sweeps, fixed) for _ in residents]
+        members = [self._member(r, group, fresh, d) for r, d in zip(residents, draws)]
         gemm_members = self._gemm_members(cells[0])
         graph_mode = any(r.graphs for r in residents)
         flush = None if not graph_mode or any(r.graph_flush or not r.graphs for r in residents) else False
@@ -470,8 +492,8 @@ class Measurer:
         except sweep.LeftThreads as left:
             return self._without(left, cells, residents, group, own_errors, lost)
         last = done.n_sweeps - 1
-        for r, m in zip(residents, members):
-            if m.error is None and last not in rechecks:
+        for r, m, d in zip(residents, members, draws):
+            if m.error is None and last not in d.done:
                 self._recheck_last(r, m, group, fresh, last)
         if any(m.error for m in members):
             self._after_error()
@@ -507,7 +529,7 @@ class Measurer:
         out.cells.update({**lost, left.member.name: left.member.error})
         return out
 
-    def _member(self, r: _Resident, group: _Group, fresh: _Fresh, rechecks: set[int]) -> Member:
+    def _member(self, r: _Resident, group: _Group, fresh: _Fresh, rechecks: Rechecks) -> Member:
         """A resident cell as a member of the sweeps: fresh inputs refilled before each call, its outputs checked
         after it, and compared with PyTorch's on the recheck sweeps."""
         impl, dev = r.impl, self.device
@@ -521,7 +543,7 @@ class Measurer:
                 return returned
 
             def after_graph(s: int, returned) -> None:
-                if s in rechecks:
+                if rechecks.draw(s):
                     _, _, set_case = next(x for x in r.graphs if x[1] is returned)
                     self._compare(r, returned, self._expected_on(r.cell, group, set_case), allowed, s)
 
@@ -534,7 +556,7 @@ class Measurer:
 
         def after(s: int, returned) -> None:
             check_outputs(returned[0], returned[1], dev)
-            if s in rechecks:
+            if rechecks.draw(s):
                 self._compare(r, returned, fresh.expected(s), allowed, s)
 
         return Member(r.cell.impl, timed.fn, setup, after, lambda: timed.context, own=own)

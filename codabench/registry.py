@@ -6,6 +6,7 @@ An implementation computes one op in its own ("native") layout. The harness call
     out    = impl.run(native)              # timed (forward; autograd graph when grads are on)
     impl.outputs_to_canonical(out, native) # untimed, for comparison
     impl.grad_outputs_to_native(dy, native), impl.grads_to_canonical(grads, native)   # untimed
+    # the three conversions may only move values (rename, reorder, split: codabench.execute.moved)
     impl.describe(native)                  # after the timed calls: how it ran them (the strategy column)
 
 Register a plain function (it is ``run``, called with the native tensors as keywords)::

@@ -109,7 +109,7 @@ def test_an_error_names_the_implementations_line_and_a_verdict_on_its_result_non
 
     with pytest.raises(CellError) as verdict:
         check_outputs(torch.zeros(2), {}, CPU)
-    assert describe_exception(verdict.value) == "CellError: run() returned Tensor, expected a dict of named tensors"
+    assert describe_exception(verdict.value) == "CellError: run() returned torch.Tensor, expected a dict of named tensors"
     with pytest.raises(KeyError) as fault:
         Counting().run({})
     described = describe_exception(fault.value)

@@ -1,6 +1,9 @@
 """The guard: what it watches (the harness's own modules too), what it restores, its cost, and the private clocks."""
 import builtins
 import os
+import random
+import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -545,17 +548,23 @@ def test_the_check_around_timed_regions_watches_the_harness():
 def test_cheats_on_the_harness_itself_are_error_rows(tmp_path):
     """Plugins that tamper with the harness during their calls (inline: in this process): each cell is an error row
     naming what was replaced, and the honest cell after them keeps its time."""
+    alarm = signal.getsignal(signal.SIGALRM)
     with isolated_registry():
         load_plugin_file(PLUGINS / "harness_cheats.py")
         load_plugin_file(PLUGINS / "good.py")
-        impls = ["cheat-builtin", "cheat-code-swap", "cheat-harness-clock", "cheat-profile-hook", "test-good"]
+        impls = ["cheat-builtin", "cheat-code-swap", "cheat-harness-clock", "cheat-profile-hook", "cheat-anomaly-mode",
+                 "cheat-signal-handler", "cheat-interval-timer", "cheat-random-source", "test-good"]
         make_runner(tmp_path, modes=("fwd",), impls=impls, isolate=False).run()
     df, _, _ = load_run(tmp_path)
     got = {r["impl"]: r for _, r in df.iterrows()}
     expect = {"cheat-builtin": "builtins.sorted", "cheat-code-swap": "codabench.metrics.rel_err.__code__",
-              "cheat-harness-clock": "codabench.guard.private_clocks", "cheat-profile-hook": "sys.setprofile"}
+              "cheat-harness-clock": "codabench.guard.private_clocks", "cheat-profile-hook": "sys.setprofile",
+              "cheat-anomaly-mode": "set_detect_anomaly", "cheat-signal-handler": "signal handlers",
+              "cheat-interval-timer": "interval timers", "cheat-random-source": "secrets.SystemRandom"}
     for impl, text in expect.items():
         assert got[impl]["status"] == "error" and text in got[impl]["message"], (impl, got[impl]["message"])
         assert pd.isna(got[impl]["median_ms"]), impl
     assert got["test-good"]["status"] == "ok" and got["test-good"]["correct"] is True
     assert sys.getprofile() is None and guard.tampered() == []
+    assert not torch.is_anomaly_enabled() and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) is alarm and secrets.SystemRandom is random.SystemRandom

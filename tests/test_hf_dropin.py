@@ -12,6 +12,7 @@ FSDP2 on one rank, and (slow) DDP and FSDP2 on two.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import os
 import warnings
@@ -697,3 +698,51 @@ def test_ddp_and_fsdp2_on_two_ranks_match_unpatched_ddp(tmp_path):
             assert_close_to(f"{name}: {n}", grads[n], g, 1e-4)
         for n, p in ref_params.items():
             assert_close_to(f"{name}: {n}", params[n], p, 1e-4)
+
+
+def test_positional_arguments_mean_what_they_mean_unpatched():
+    """The model's forward takes (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache,
+    logits_to_keep): a call that gives them by position gets the unpatched loss, logits and cache, on the CODA kernels
+    where it computes them; one position too many raises the unpatched model's TypeError."""
+    from transformers import DynamicCache
+
+    model, ref = pair()
+    ids, _, labels = batch()
+    mask = torch.ones_like(ids)
+    with launches() as names:
+        loss = model(ids, mask, None, None, None, labels).loss
+    assert "gemm_cross_entropy_kernel" in names
+    assert_close_to("loss", loss, ref(ids, mask, None, None, None, labels).loss)
+    with torch.no_grad():
+        ours, theirs = model(ids, mask, None, None, None, None, False, 2), ref(ids, mask, None, None, None, None, False, 2)
+        assert ours.logits.shape == theirs.logits.shape == (ids.shape[0], 2, VOCAB) and ours.cache is None
+        assert_close_to("kept logits", ours.logits, theirs.logits)
+        ours = model(ids, mask, None, DynamicCache(config=model.config))
+        theirs = ref(ids, mask, None, DynamicCache(config=ref.config))
+        assert ours.cache.get_seq_length() == theirs.cache.get_seq_length() == ids.shape[1]
+        assert_close_to("logits", ours.logits, theirs.logits)
+    with pytest.raises(TypeError):
+        ref(ids, mask, None, None, None, None, False, 0, "extra")
+    with pytest.raises(TypeError):
+        model(ids, mask, None, None, None, None, False, 0, "extra")
+    assert list(inspect.signature(model.forward).parameters)[:8] == list(inspect.signature(ref.forward).parameters)[:8]
+
+
+def test_torch_func_transforms_run_the_models_own_forward():
+    """grad over functional_call and vmap: the CODA kernels' autograd Functions and raw pointers do not support them,
+    so the call runs the model's own forward, with a warning, and gives the unpatched results."""
+    model, ref = pair()
+    ids, _, labels = batch()
+
+    def loss(params, m):
+        return torch.func.functional_call(m, params, (), {"input_ids": ids, "labels": labels}).loss
+
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        ours = torch.func.grad(loss)({n: p.detach() for n, p in model.named_parameters()}, model)
+    theirs = torch.func.grad(loss)({n: p.detach() for n, p in ref.named_parameters()}, ref)
+    for name, g in theirs.items():
+        assert_close_to(name, ours[name], g, 1e-5)
+    with torch.no_grad(), pytest.warns(UserWarning, match="torch.func transform"):
+        ours = torch.func.vmap(lambda x: model(input_ids=x[None]).logits[0])(ids)
+    with torch.no_grad():
+        assert_close_to("logits", ours, torch.func.vmap(lambda x: ref(input_ids=x[None]).logits[0])(ids))

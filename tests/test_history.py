@@ -305,3 +305,27 @@ def test_a_merge_appends_the_merged_run_in_place_of_its_shards(tmp_path, store, 
     with history.open_store() as conn:
         (run,) = history.runs(conn)  # the merge replaces its shards: no cell twice
     assert run["path"] == str((tmp_path / "merged").resolve()) and run["cells"] == 4 and run["gpu"] == H100
+
+
+def test_earlier_runs_a_plugin_rewrites_during_a_run_are_put_back(tmp_path, store, capsys):
+    """A plugin that rewrites the store's earlier runs in its call (their torch-eager times tripled): the run puts
+    them back as they were before it adds itself, and says so in one warning line; its own row is recorded."""
+    def run(name: str, plugin: str, impls: str) -> int:
+        with isolated_registry():
+            return main(["--ops", "gemm_out", "--modes", "fwd", "--dtypes", "fp32", "--models", "tiny", "--impls",
+                         impls, "--plugin", str(PLUGINS / plugin), "--reps", "2", "--quiet", "--no-entry-points",
+                         "--inline", "--out", str(tmp_path / name)])
+
+    assert run("one", "good.py", "torch-eager,test-good") == 0
+    with history.open_store() as conn:
+        before = history.cells(conn, history.runs(conn)[0]["id"])
+    capsys.readouterr()
+    assert run("two", "adv_rewrites_history.py", "torch-eager,adv-rewrites-history") == 0
+    err = capsys.readouterr().err
+    assert "1 earlier run(s) of the results history" in err and "put back as they were" in err, err
+    with history.open_store() as conn:
+        listed = history.runs(conn)
+        first = next(r for r in listed if r["path"] == str((tmp_path / "one").resolve()))
+        after = history.cells(conn, first["id"])
+    assert len(listed) == 2
+    assert after["median_ms"].tolist() == before["median_ms"].tolist()

@@ -1,6 +1,7 @@
 """The interleaved sweeps of a group (codabench/sweep.py) and the timed calls' checks (codabench/measure.py), on the
 CPU: every member once per sweep in a random order, pairing that cancels a drifting clock, the stopping rule, and
 the cheats that only the timed calls can catch."""
+import collections
 import math
 from dataclasses import replace
 from time import perf_counter
@@ -12,7 +13,7 @@ import torch
 from codabench import guard, stats, sweep, timing
 from codabench.clocks import ClockSampler, Sampled
 from codabench.discovery import load_plugin_file
-from codabench.execute import CellError, check_outputs
+from codabench.execute import CellError, check_outputs, moved
 from codabench.results import load_run
 from codabench.sweep import Member
 from codabench.timing import CUDA_EVENTS, TimingConfig, graph_sets
@@ -277,18 +278,63 @@ def test_outputs_must_be_plain_tensors_on_the_device_and_not_an_inputs_storage()
         check_outputs({"out": torch.empty(4, 5, device="meta")}, native, CPU)
 
 
+def test_outputs_are_checked_by_their_exact_types_not_by_what_they_say_they_are():
+    x, w = torch.randn(4, 3), torch.randn(5, 3)
+    native = {"x": x, "w": w}
+    check_outputs(collections.OrderedDict(out=x @ w.T, count=3, note="ok", scale=0.5, flag=True, none=None),
+                  native, CPU)
+
+    class Lies:
+        __class__ = torch.Tensor
+
+    class Items(dict):
+        pass
+
+    class Key(str):
+        pass
+
+    with pytest.raises(CellError, match="is a .*Lies, not a plain torch.Tensor"):
+        check_outputs({"out": Lies()}, native, CPU)
+    with pytest.raises(CellError, match="expected a dict"):
+        check_outputs(Items(out=x @ w.T), native, CPU)
+    with pytest.raises(CellError, match="named by a .*Key, not a str"):
+        check_outputs({Key("out"): x @ w.T}, native, CPU)
+    with pytest.raises(CellError, match="not a plain torch.Tensor"):
+        check_outputs({"out": [x @ w.T]}, native, CPU)
+
+
+def test_a_layout_conversion_may_move_values_but_not_make_them():
+    a, b = torch.randn(4, 6), torch.randn(3)
+    given = {"z": a, "s": b}
+    moved("c", given, given)  # passed through
+    moved("c", given, {"s": b, "gate": a[:, 0::2], "up": a[:, 1::2]})  # split, views
+    moved("c", given, {"z": a.t().contiguous()[torch.randperm(6)], "s": b.flip(0)})  # reordered copies
+    nan = a.clone()
+    nan[0, 0] = float("nan")
+    moved("c", {"z": nan}, {"z": nan.flip(1).clone()})
+    for made in ({"z": a * 2, "s": b}, {"z": a, "s": b.double() * 1.0001}, {"s": b},
+                 {"z": a.bfloat16(), "s": b}, {"z": torch.cat([a.flatten()[1:], a.flatten()[:1] + 1]), "s": b}):
+        with pytest.raises(CellError, match="values it was not given"):
+            moved("outputs_to_canonical", given, made)
+    with pytest.raises(CellError, match="not a plain torch.Tensor"):
+        moved("c", given, {"z": a.as_subclass(type("Sub", (torch.Tensor,), {})), "s": b})
+
+
 def test_timed_calls_run_on_new_inputs_every_sweep_and_their_outputs_are_rechecked(tmp_path):
     """Through the runner: the lazy tensor subclass fails at its first call; a cache keyed on the inputs' values
     never hits in a timed call (every sweep refills the buffers with new values); a plugin honest only for the
     checks' calls is caught by the rechecks of timed calls' outputs."""
     with isolated_registry():
         load_plugin_file(PLUGINS / "cheaters_timed.py")
-        impls = ["torch-eager", "cheat-lazy-tensor", "cheat-value-cache", "cheat-stale-after-checks"]
+        impls = ["torch-eager", "cheat-lazy-tensor", "cheat-value-cache", "cheat-stale-after-checks",
+                 "cheat-duck-output", "cheat-work-in-conversion"]
         make_runner(tmp_path, modes=("fwd",), impls=impls, timing=TimingConfig(cpu_reps=6), isolate=False).run()
         df, _, _ = load_run(tmp_path)
         rows = {r["impl"]: r for _, r in df.iterrows()}
-        assert rows["cheat-lazy-tensor"]["status"] == "error"
-        assert "not a plain torch.Tensor" in rows["cheat-lazy-tensor"]["message"]
+        for name in ("cheat-lazy-tensor", "cheat-duck-output"):
+            assert rows[name]["status"] == "error" and "not a plain torch.Tensor" in rows[name]["message"], name
+        conversion = rows["cheat-work-in-conversion"]
+        assert conversion["status"] == "error" and "values it was not given" in conversion["message"]
         stale = rows["cheat-stale-after-checks"]
         assert stale["status"] == "error" and "rechecked" in stale["message"], stale["message"]
         honest = rows["cheat-value-cache"]
@@ -319,3 +365,19 @@ def test_the_expected_device_is_the_accelerator_any_input_is_on():
     assert _device_of({"scale": torch.ones(()), "x": meta, "model": "tiny"}).type == "meta"
     assert _device_of({"x": Quantized(meta, torch.ones(())), "mm": ("a", [torch.ones(1)])}).type == "meta"
     assert _device_of({"x": torch.ones(2)}).type == "cpu" and _device_of({"model": "tiny"}).type == "cpu"
+
+
+def test_each_timed_call_is_drawn_for_a_recheck_only_once_it_returned():
+    """No set of rechecked sweeps exists before the calls (a plugin reading the harness's frames could read it): each
+    sweep is drawn as its call returns, RECHECKS expected among the first min_sweeps, RECHECKS / s past them, and the
+    last of a fixed number always."""
+    from codabench.measure import RECHECKS, Rechecks
+
+    assert not vars(Rechecks(20, None)).get("done")
+    first = [sum(Rechecks(20, None).draw(s) for s in range(20)) for _ in range(3000)]
+    assert abs(np.mean(first) - RECHECKS) < 0.15 and 0 < np.mean([c == 0 for c in first]) < 0.03
+    late = [sum(Rechecks(20, None).draw(s) for s in range(20, 200)) for _ in range(1000)]
+    assert abs(np.mean(late) - RECHECKS * sum(1 / (s + 1) for s in range(20, 200))) < 0.4
+    fixed = [Rechecks(6, 6) for _ in range(200)]
+    assert all(r.draw(5) for r in fixed) and all(r.done == {5} for r in fixed)
+    assert 0.5 < np.mean([Rechecks(6, 6).draw(0) for _ in range(2000)]) < 0.83  # 4 / 6

@@ -84,6 +84,7 @@ create_graph=True (the CODA kernels' gradients are not differentiable).
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 import weakref
@@ -674,8 +675,8 @@ def _other_call(model: nn.Module, options: dict[str, Any], labels: torch.Tensor 
     than those the CODA forward computes (``output_attentions``, ``output_hidden_states``, ``ignore_index`` for Hugging
     Face's loss, ...); ``return_dict=False`` with labels (the tuple holds the logits, which the fused loss does not
     write); ``logits_to_keep`` with labels (Hugging Face's loss is then over the kept positions only; the fused loss
-    covers every position); ``torch.autocast`` to a dtype other than the weights' (the kernels compute in the
-    weights' dtype)."""
+    covers every position); a ``torch.func`` transform; ``torch.autocast`` to a dtype other than the weights' (the
+    kernels compute in the weights' dtype)."""
     defaults = {name: getattr(model.config, name, None) for name in _NEUTRAL_OPTIONS}
     for name, value in {**defaults, **options}.items():
         if value is not None and not (name in _NEUTRAL_OPTIONS and value == _NEUTRAL_OPTIONS[name]):
@@ -687,6 +688,9 @@ def _other_call(model: nn.Module, options: dict[str, Any], labels: torch.Tensor 
     if labels is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         shown = logits_to_keep if isinstance(logits_to_keep, int) else type(logits_to_keep).__name__
         return f"logits_to_keep={shown} with labels (a loss over the kept positions; the fused loss covers all)"
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        return ("a torch.func transform (grad, vmap, jvp, ...), which the CODA kernels' autograd Functions and raw "
+                "pointers do not support")
     device = weight.device.type
     if torch.is_autocast_enabled(device) and (dtype := torch.get_autocast_dtype(device)) != weight.dtype:
         return (f"torch.autocast to {dtype} over {weight.dtype} weights (the CODA kernels compute in the weights' "
@@ -847,12 +851,46 @@ def _checkpoint(checkpoint: Callable[..., Any], step: Callable[..., Any], *input
     return checkpoint(step, *inputs)
 
 
-def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                  position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                  labels: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
-                  num_items_in_batch: torch.Tensor | int | None = None, shift_labels: torch.Tensor | None = None,
-                  **options: Any):
-    """The CODA forward of :func:`apply_coda` (set as the patched model's ``forward``)."""
+def _coda_forward(self: nn.Module, *args: Any, **kwargs: Any):
+    """The CODA forward of :func:`apply_coda` (set as the patched model's ``forward``): the call's arguments named as
+    the model's own forward names them (:func:`_by_name`), then :func:`_coda_call`."""
+    return _coda_call(self, **(_by_name(self, args, kwargs) if args else kwargs))
+
+
+def _by_name(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments by name, its positional ones bound as the model's class's own ``forward`` takes them (in
+    transformers 5: input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache, logits_to_keep),
+    so that a positional call means what it means unpatched; a call that forward refuses raises its ``TypeError``."""
+    sig = inspect.signature(_class(model).forward)
+    named = dict(sig.bind(model, *args, **kwargs).arguments)
+    named.pop(next(iter(sig.parameters)))  # self
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            named.update(named.pop(p.name, {}))
+        elif p.kind is p.VAR_POSITIONAL and named.pop(p.name, ()):
+            raise TypeError(f"{_class(model).__name__}.forward: unexpected positional arguments")
+    return named
+
+
+def _signature_of_forward() -> inspect.Signature:
+    """What ``inspect.signature(model.forward)`` shows of the patched model (the Trainer keeps the dataset columns
+    named there, ``generate`` looks for ``logits_to_keep``): transformers 5's parameters, then ``**kwargs``."""
+    p = inspect.Parameter
+    names = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "labels", "use_cache")
+    return inspect.Signature([p("self", p.POSITIONAL_OR_KEYWORD)] +
+                             [p(n, p.POSITIONAL_OR_KEYWORD, default=None) for n in names] +
+                             [p("logits_to_keep", p.POSITIONAL_OR_KEYWORD, default=0), p("kwargs", p.VAR_KEYWORD)])
+
+
+_coda_forward.__signature__ = _signature_of_forward()
+
+
+def _coda_call(self: nn.Module, *, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+               labels: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
+               num_items_in_batch: torch.Tensor | int | None = None, shift_labels: torch.Tensor | None = None,
+               **options: Any):
+    """The CODA forward of one call, its arguments by name."""
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -881,7 +919,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     reason = _runs_own_forward(plan)
     if reason is not None:
         warnings.warn(f"apply_coda: {reason}, which the CODA forward would not run: this call runs the model's own "
-                      "forward", stacklevel=4)
+                      "forward", stacklevel=5)
         return type(self).forward(self, **call)
     weight = _base(self.lm_head).weight
     return_dict = options.pop("return_dict", None)  # the call's (the config's False: HF's own call, which fails)
@@ -889,7 +927,7 @@ def _coda_forward(self: nn.Module, input_ids: torch.Tensor | None = None, attent
     reason = (_other_dtype(weight.dtype) or _other_shapes(input_ids, inputs_embeds, position_ids)
               or _other_call(self, options, labels, logits_to_keep, as_tuple, weight))
     if reason is not None:
-        warnings.warn(f"apply_coda: {reason}: this call runs the model's own forward", stacklevel=4)
+        warnings.warn(f"apply_coda: {reason}: this call runs the model's own forward", stacklevel=5)
         return type(self).forward(self, **call)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")

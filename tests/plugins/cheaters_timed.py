@@ -5,6 +5,10 @@
 - ``cheat-value-cache``: a cache keyed by 8 sampled values of each input. The checks' refilled and new buffers change
   the sample, so it recomputes for them; timed calls on repeated data would be free. Each sweep refills the timed
   buffers with new values, so it never hits in a timed call (``VALUE_CACHE`` counts hits, for the test).
+- ``cheat-duck-output``: returns an object that is no tensor but answers to one (its ``__class__`` says
+  ``torch.Tensor``, its attributes run the GEMM when first read); caught by the exact-type check (``type()``).
+- ``cheat-work-in-conversion``: ``run`` returns a one-element tensor expanded to the output's shape, and the untimed
+  ``outputs_to_canonical`` computes the GEMM from the inputs; caught because a conversion may only move values.
 - ``cheat-stale-after-checks``: honest for as many calls as the checks make before the timing (correctness, first
   call, same buffers, refilled, new buffers), then returns its last result; caught by the rechecks of timed calls'
   outputs against PyTorch's on the sweep's new inputs.
@@ -12,7 +16,7 @@
 import torch
 import torch.nn.functional as F
 
-from codabench.registry import register
+from codabench.registry import Implementation, register
 
 VALUE_CACHE = {"hits": 0, "calls": 0}
 
@@ -24,6 +28,37 @@ class _Lazy(torch.Tensor):
 @register("gemm_out", "cheat-lazy-tensor", dtypes=("fp32",))
 def lazy(x, w):
     return {"out": F.linear(x, w).as_subclass(_Lazy)}
+
+
+class _Later:
+    """Not a tensor: it says it is one, and computes the GEMM when any attribute is first read."""
+
+    __class__ = torch.Tensor
+
+    def __init__(self, x, w):
+        self._args, self._value = (x, w), None
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if self._value is None:
+            self._value = F.linear(*self._args)
+        return getattr(self._value, name)
+
+
+@register("gemm_out", "cheat-duck-output", dtypes=("fp32",))
+def duck(x, w):
+    return {"out": _Later(x, w)}
+
+
+@register("gemm_out", "cheat-work-in-conversion", dtypes=("fp32",))
+class WorkInConversion(Implementation):
+    def run(self, native):
+        x, w = native["x"], native["w"]
+        return {"out": torch.zeros(1, dtype=x.dtype).expand(x.shape[0], w.shape[0])}
+
+    def outputs_to_canonical(self, outputs, native):
+        return {"out": F.linear(native["x"], native["w"])}
 
 
 def _sample_key(*tensors):
