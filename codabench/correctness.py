@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from codabench import guard
 from codabench.case import Case
 from codabench.eager import TorchEager
 from codabench.execute import CellError, Result, forward_shapes, reference_once, run_once, uses_autograd
@@ -180,8 +181,13 @@ def check_impl(group: GroupReference, impl: Implementation) -> CheckOutcome:
     if on_gpu:
         poison_allocator(case.device, [t.numel() * group.expected_dtype.get(k, t.dtype).itemsize
                                        for k, t in group.reference.items()])
+    seal = guard.Seal().add("the group's reference", group)
     with nullcontext() if on_gpu else nan_filled_allocations():
         returned = run_once(op, impl, case, group.grad_outputs)
+    broken = seal.broken()
+    if broken:
+        seal.restore()
+        raise CellError(guard.seal_message(broken))
     result = compared(op, case.mode, returned)
     outcome = CheckOutcome()
     mutated = [k for k, v in snapshot.items() if not torch.equal(case.inputs[k], v)]

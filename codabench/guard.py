@@ -872,6 +872,69 @@ def _compiled_lost(r: _Record) -> bool:
     return True
 
 
+class Seal:
+    """Some of the harness's own objects as they are now: the identity of their attributes (all, or those named) and
+    of the entries of the dicts, lists and sets among them. A plugin runs in the process that holds them, and its call
+    can reach them by walking up the stack (another implementation's timed call wrapped, the error the pass rule allows
+    loosened, its own recheck draw replaced): :meth:`broken` names what differs, checked right after its code returns
+    and before the harness reads them again, and :meth:`restore` puts them back."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[str, Any, frozenset[str] | None, dict[str, Any], dict[str, tuple[list, Any]]]] = []
+
+    def add(self, label: str, obj: Any, attrs: Iterable[str] | None = None) -> Seal:
+        """Hold ``obj``: a dict's or list's entries; else its attributes (those of ``attrs`` only, where given; none
+        may be added) and the entries of those that are dicts, lists or sets."""
+        if isinstance(obj, (dict, list)):
+            self._held.append((label, obj, None, {}, {"": _entries_of(obj)}))
+            return self
+        now = dict(vars(obj))
+        kept = {k: v for k, v in now.items() if attrs is None or k in attrs}
+        inner = {k: _entries_of(v) for k, v in kept.items() if type(v) in (dict, list, set)}
+        self._held.append((label, obj, frozenset(now), kept, inner))
+        return self
+
+    def broken(self) -> list[str]:
+        """What differs from what was held (``label.attribute``), or []."""
+        out = []
+        for label, obj, names, kept, inner in self._held:
+            if names is not None:
+                now = vars(obj)
+                out += [f"{label}.{k}" for k in sorted(now.keys() - names)]
+                out += [f"{label}.{k}" for k, v in kept.items() if now.get(k, _MISSING) is not v]
+            for k, (ids, _) in inner.items():
+                if _entries_of(obj if not k else kept[k])[0] != ids:
+                    out.append(f"{label}.{k}" if k else label)
+        return list(dict.fromkeys(out))
+
+    def restore(self) -> None:
+        """Put back every attribute and entry held (and take away the attributes added)."""
+        for _, obj, names, kept, inner in self._held:
+            if names is not None:
+                for k in vars(obj).keys() - names:
+                    delattr(obj, k)
+                for k, v in kept.items():
+                    setattr(obj, k, v)
+            for k, (_, copy) in inner.items():
+                c = obj if not k else kept[k]
+                c.clear()
+                c.update(copy) if not isinstance(c, list) else c.extend(copy)
+
+
+def _entries_of(c: Any) -> tuple[list, Any]:
+    """(the identities of a container's entries, a shallow copy of it): a dict's (key, id) pairs, a list's or set's
+    ids."""
+    if isinstance(c, dict):
+        return [(k, id(v)) for k, v in c.items()], dict(c)
+    return [id(v) for v in c], type(c)(c)
+
+
+def seal_message(broken: list[str]) -> str:
+    """The error row of a cell whose code changed the harness's own objects (:class:`Seal`)."""
+    return (f"changed the harness's own data during its call: {listing(broken)} (code that reached the harness's "
+            "frames; put back, this cell does not count)")
+
+
 def _no_restore() -> None:
     """The fix of what no restore undoes (:func:`lasting` finds it still there)."""
 

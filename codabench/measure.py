@@ -65,9 +65,12 @@ TIMING_GRAD_SEED = 7
 RECHECKS = 4
 """How many timed calls' outputs are compared with PyTorch's, expected among the first ``min_sweeps`` sweeps (or
 among all, when their number is fixed): each call is rechecked or not by a draw made after it returned
-(:func:`rechecked`), so no call can know beforehand whether it will be; past ``min_sweeps``, sweep s is drawn with
+(:class:`Rechecks`), so no call can know beforehand whether it will be; past ``min_sweeps``, sweep s is drawn with
 probability ``RECHECKS / s``. The last sweep's are compared too (where the number is fixed, its timed call itself,
 else one more call on its buffers)."""
+MEMBER_PARTS = ("name", "call", "setup", "after", "context", "own", "watch")
+"""What a sweep member runs and how: sealed (:class:`codabench.guard.Seal`) over the sweeps, so that no member's call
+changes another's (its samples, error and lead change as the sweeps go)."""
 _URANDOM = os.urandom
 """The source of the timing inputs' seeds and the recheck draws: the operating system's random bytes, bound before
 any plugin loads (nothing a plugin patches or reads tells it the next draw)."""
@@ -482,13 +485,21 @@ class Measurer:
         fixed = timing.reps or (timing.cpu_reps if self.device.type != "cuda" else None)  # sweeps known in advance
         first_sweeps = fixed or timing.min_sweeps
         draws = [Rechecks(first_sweeps, fixed) for _ in residents]
-        members = [self._member(r, group, fresh, d) for r, d in zip(residents, draws)]
+        seal = guard.Seal().add("the group's reference", group.reference()).add("the sweep's inputs", fresh,
+                                                                                ("_make", "_expected", "_base"))
+        members = [self._member(r, group, fresh, d, seal) for r, d in zip(residents, draws)]
         gemm_members = self._gemm_members(cells[0])
+        everyone = members + gemm_members
+        for m, d in zip(members, draws):
+            seal.add(f"{m.name}'s recheck draws", d, ("first", "last"))
+        for m in everyone:
+            seal.add(f"{m.name}'s sweep member", m, MEMBER_PARTS)
+        seal.add("the sweep's members", everyone)
         graph_mode = any(r.graphs for r in residents)
         flush = None if not graph_mode or any(r.graph_flush or not r.graphs for r in residents) else False
         try:
-            done = sweep.sample(members + gemm_members, self.device, self.cfg.timing, self.clocks,
-                                baseline=SPEED_BASELINE, flush_l2=flush)
+            done = sweep.sample(everyone, self.device, self.cfg.timing, self.clocks, baseline=SPEED_BASELINE,
+                                flush_l2=flush, seal=seal)
         except sweep.LeftThreads as left:
             return self._without(left, cells, residents, group, own_errors, lost)
         last = done.n_sweeps - 1
@@ -529,11 +540,13 @@ class Measurer:
         out.cells.update({**lost, left.member.name: left.member.error})
         return out
 
-    def _member(self, r: _Resident, group: _Group, fresh: _Fresh, rechecks: Rechecks) -> Member:
+    def _member(self, r: _Resident, group: _Group, fresh: _Fresh, rechecks: Rechecks, seal: guard.Seal) -> Member:
         """A resident cell as a member of the sweeps: fresh inputs refilled before each call, its outputs checked
-        after it, and compared with PyTorch's on the recheck sweeps."""
+        after it, and compared with PyTorch's on the recheck sweeps (within the error ``allowed``, which ``seal``
+        holds)."""
         impl, dev = r.impl, self.device
         allowed, own = self._allowed(r.cell, group), guard.module_files([impl.source])
+        seal.add(f"{r.cell.impl}'s allowed error", allowed)
         if r.graphs:
             turn = iter(range(1 << 62))
 

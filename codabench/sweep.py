@@ -144,11 +144,12 @@ def _describe(e: BaseException) -> str:
     return describe_exception(e)
 
 
-def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clocks: guard.Clocks
-         ) -> tuple[tuple[Any, Any] | float, float] | None:
+def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clocks: guard.Clocks,
+         seal: guard.Seal | None = None) -> tuple[tuple[Any, Any] | float, float] | None:
     """Time member ``m`` once: (CUDA events (start, end) on the GPU, wall milliseconds on the CPU; the host
     milliseconds from the start to the call's return); None on error. A thread it left running its code:
-    :class:`LeftThreads`."""
+    :class:`LeftThreads`. ``seal``: the harness's objects its set-up and call must leave as they were (checked before
+    its outputs are: the member fails, and they are put back, before any other member runs)."""
     perf_counter, Event, record = clocks.perf_counter, clocks.Event, clocks.record
     before = clocks.running() if m.own is not None else None
     try:
@@ -173,6 +174,11 @@ def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clo
             took = (start, end)
         if before is not None:
             _left_threads(m, before, clocks)
+        broken = seal.broken() if seal is not None else []
+        if broken:
+            seal.restore()
+            m.error = guard.seal_message(broken)
+            return None
         if m.after is not None:
             m.after(sweep, returned)
         return took, host
@@ -193,9 +199,10 @@ class _Chunks:
     are kept only when the check after it (and after the next chunk's enqueue) passes."""
 
     def __init__(self, members: list[Member], device: torch.device, flush: Callable[[], None] | None,
-                 rng: np.random.Generator, clocks: guard.Clocks, keep: bool = True):
+                 rng: np.random.Generator, clocks: guard.Clocks, keep: bool = True, seal: guard.Seal | None = None):
         self.members, self.device, self.flush, self.rng, self.clocks, self.keep = (members, device, flush, rng,
                                                                                     clocks, keep)
+        self.seal = seal
         self.cpu = device.type != "cuda"
         self.kept = 0
         """Sweeps whose samples are in (kept, or read and dropped with ``keep`` False)."""
@@ -214,7 +221,7 @@ class _Chunks:
             for i in self.rng.permutation(len(self.members)):
                 m = self.members[i]
                 if m.error is None:
-                    one = _one(m, s, self.cpu, self.flush, self.clocks)
+                    one = _one(m, s, self.cpu, self.flush, self.clocks, self.seal)
                     if one is not None:
                         taken.append((m, s, *one))
         self.drain()
@@ -273,21 +280,22 @@ def half_widths(members: list[Member], baseline: str | None, kind: str) -> dict[
 
 
 def sample(members: list[Member], device: torch.device, cfg: TimingConfig, nvml: ClockSampler,
-           baseline: str | None = None, flush_l2: bool | None = None) -> Sweeps:
+           baseline: str | None = None, flush_l2: bool | None = None, seal: guard.Seal | None = None) -> Sweeps:
     """Settle, then sweep ``members`` until their watched ratios are resolved or the budget is spent (module
     docstring). ``flush_l2``: flush before every sample (default ``cfg.flush_l2``; CUDA-graph members rotate input
-    sets larger than L2 instead)."""
+    sets larger than L2 instead). ``seal``: the harness's objects every member's set-up and call must leave as they
+    were (:func:`_one`)."""
     rng, clocks = np.random.default_rng(), guard.private_clocks()  # bound once, before any member runs
     if device.type != "cuda":
         n = max(cfg.reps or cfg.cpu_reps, 1)
-        _Chunks(members, device, None, rng, clocks).push(range(n))
+        _Chunks(members, device, None, rng, clocks, seal=seal).push(range(n))
         return Sweeps(members, CPU_WALL, n, "cpu" if any(m.error is None for m in members) else "failed")
     flush = l2_flusher(device).flush if (cfg.flush_l2 if flush_l2 is None else flush_l2) else None
     sampled = Sampled()
     with nvml.sampling(sampled):
-        settle_s, sweep_s = _settle(members, device, cfg, flush, rng, sampled, nvml.available, clocks)
+        settle_s, sweep_s = _settle(members, device, cfg, flush, rng, sampled, nvml.available, clocks, seal)
         _lead(members, device, clocks)
-        n, stop, _ = _sweep(members, device, cfg, flush, rng, sweep_s, baseline, clocks)
+        n, stop, _ = _sweep(members, device, cfg, flush, rng, sweep_s, baseline, clocks, seal)
     for m in members:
         m.clock_mhz = sampled.at(m.ran_s)
     out = Sweeps(members, CUDA_EVENTS, n, stop, settle_s)
@@ -298,12 +306,12 @@ def sample(members: list[Member], device: torch.device, cfg: TimingConfig, nvml:
     return out
 
 
-def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nvml: bool, clocks: guard.Clocks
-            ) -> tuple[float, float]:
+def _settle(members, device, cfg: TimingConfig, flush, rng, sampled: Sampled, nvml: bool, clocks: guard.Clocks,
+            seal: guard.Seal | None = None) -> tuple[float, float]:
     """Warm-up sweeps until settled (module docstring); returns (seconds, wall seconds per sweep)."""
     perf_counter = clocks.perf_counter
     t0, sweeps = perf_counter(), 0
-    chunks = _Chunks(members, device, flush, rng, clocks, keep=False)
+    chunks = _Chunks(members, device, flush, rng, clocks, keep=False, seal=seal)
     while True:
         chunks.push(range(WARMUP_SWEEP - sweeps, WARMUP_SWEEP - sweeps + 1))
         sweeps += 1
@@ -331,7 +339,7 @@ def group_budget_s(cfg: TimingConfig, members: int, sweep_s: float) -> float:
 
 
 def _sweep(members, device, cfg: TimingConfig, flush, rng, sweep_s: float, baseline: str | None,
-           clocks: guard.Clocks) -> tuple[int, str, dict[str, float]]:
+           clocks: guard.Clocks, seal: guard.Seal | None = None) -> tuple[int, str, dict[str, float]]:
     """Phase 2: chunks of sweeps until resolved, the budget spent or max_sweeps; (sweeps, stop, half-widths). The
     rule reads the sweeps in (one chunk may be in flight); the chunk in flight when it stops is kept too."""
     kind, perf_counter = CUDA_EVENTS, clocks.perf_counter
@@ -340,7 +348,7 @@ def _sweep(members, device, cfg: TimingConfig, flush, rng, sweep_s: float, basel
     t0, sent = perf_counter(), 0
     min_sweeps = cfg.reps or cfg.min_sweeps
     max_sweeps = cfg.reps or cfg.max_sweeps
-    chunks = _Chunks(members, device, flush, rng, clocks)
+    chunks = _Chunks(members, device, flush, rng, clocks, seal=seal)
 
     def stop(reason: str) -> tuple[int, str, dict[str, float]]:
         chunks.drain()

@@ -10,6 +10,7 @@ from codabench import guard
 from codabench.discovery import load_plugin_file
 from codabench.results import load_run
 from codabench.runner import DeviceLost
+from codabench.timing import TimingConfig
 from codabench.worker import WorkerProcess
 from harness_helpers import PLUGINS, isolated_registry, make_runner
 
@@ -254,3 +255,26 @@ def test_a_backend_fallback_registered_at_import_vetoes_the_plugin(registry, tmp
     assert worker.starts == 2, worker.starts
     for impl in ("torch-eager", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+
+
+def test_a_call_that_changes_the_harnesss_own_objects_fails_its_cell_and_they_are_put_back(registry, tmp_path):
+    """Calls that walk up the stack into the harness's frames: one loosens the pass rule in its correctness call,
+    one wraps torch-eager's timed call in a busy wait, one takes its own output checks away in the sweeps. Each cell is
+    an error row naming what it changed (checked right after its code returns); the objects are put back before any
+    other member runs, so torch-eager keeps its time and test-good passes."""
+    load_plugin_file(PLUGINS / "adv_reaches_the_harness.py")
+    load_plugin_file(PLUGINS / "good.py")
+    impls = ["torch-eager", "adv-loosens-the-rule", "adv-slows-a-member", "adv-skips-its-checks", "test-good"]
+    make_runner(tmp_path, modes=("fwd",), impls=impls, timing=TimingConfig(cpu_reps=6), isolate=False).run()
+    df, _, _ = load_run(tmp_path)
+    got = {r["impl"]: r for _, r in df.iterrows()}
+    says = {"adv-loosens-the-rule": "the group's reference.torch_stats",
+            "adv-slows-a-member": "torch-eager's sweep member.call",
+            "adv-skips-its-checks": "adv-skips-its-checks's sweep member.after"}
+    for impl, part in says.items():
+        row = got[impl]
+        assert row["status"] == "error" and "changed the harness's own data" in row["message"] and (
+            part in row["message"]), (impl, row["message"])
+    for impl in ("torch-eager", "test-good"):
+        assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
+    assert got["torch-eager"]["median_ms"] < 1.5, got["torch-eager"]["median_ms"]  # not 2 ms slower
