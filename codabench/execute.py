@@ -158,10 +158,10 @@ implementation's code when the harness reads them."""
 
 
 def check_outputs(outputs: Any, native: Tensors, device: torch.device) -> None:
-    """The outputs of a call must be a plain dict (:data:`PLAIN_DICTS`) with ``str`` keys of plain ``torch.Tensor`` values (the exact type:
-    a subclass, or an object that answers to the name of one, can defer its work until it is first read, after the
-    timed region) or side values of :data:`SIDE_VALUES`, on the cell's device, none sharing storage with an input (an
-    input returned, or written into, as the result). Raises :class:`CellError`."""
+    """The outputs of a call must be a plain dict (:data:`PLAIN_DICTS`) with ``str`` keys of plain ``torch.Tensor``
+    values (the exact type: a subclass, or an object that answers to the name of one, can defer its work until it is
+    first read, after the timed region) or side values of :data:`SIDE_VALUES`, on the cell's device, none sharing
+    storage with an input (an input returned, or written into, as the result). Raises :class:`CellError`."""
     if type(outputs) not in PLAIN_DICTS:
         raise CellError(f"run() returned {_type_name(outputs)}, expected a dict of named tensors")
     inputs = _storages(native)

@@ -25,27 +25,30 @@ function of the harness given another ``__code__``, a trace or profile hook that
   decides what runs, such as ``TRITON_INTERPRET``, which decides whether Triton kernels run at all), and
   (:data:`PROCESS_STATE`) torch's: the torch-function and dispatch mode stacks (a mode left entered sees every torch call of every cell, the float64
   reference's too), the global ``nn.Module`` hooks, the default dtype, the intra-op threads, the float32 matmul
-  precision and the TF32 and reduced-precision flags, cuDNN's and oneDNN's switches, deterministic algorithms, autograd's anomaly
-  detection, the Python signal handlers and the interval timers (a handler runs the plugin's code inside or after
-  any later call), and
-  the computing kernels of torch's own ops (:func:`_replaced_kernels`): read from the dispatcher itself for the ops
+  precision and the TF32 and reduced-precision flags, cuDNN's and oneDNN's switches, deterministic algorithms,
+  autograd's anomaly detection, the Python signal handlers and the interval timers (a handler runs the plugin's code
+  inside or after any later call), and the computing kernels of torch's own ops (:func:`_replaced_kernels`): read from the dispatcher itself for the ops
   the references and baselines compute with (:data:`KERNEL_GEMMS`, :data:`KERNEL_OPS`), so that a kernel registered
   over one of torch's is seen however it came there (``torch.library``, ``torch._C._dispatch_library``, a compiled
   extension), and through ``torch.library`` for every other op; and the dispatch keys that hold a backend fallback
   (:func:`_fallbacks`: a fallback registered at a computing key, such as CPU, is the kernel of every op without one of
   its own there, and nothing takes it back);
+- torch-compile's graphs (:func:`watch_compiled`): a call that drops them would make it compile in its timed calls;
 - the registered implementations (:func:`watch_registered`, from :meth:`codabench.registry.Registry.add`): a
   registry's entries are append-only, none removed, replaced or changed, and a name once registered stays taken.
 
-:func:`tampered` lists what now differs, :func:`restore` puts the originals back (so the baselines' times stay
-true), :func:`tamper_message` is the error row's text. What no restore undoes (:func:`lasting`: a kernel registered
-through ``torch._C`` or a compiled extension, which holds no handle this module can destroy) ends the process that
-holds it: the worker is replaced. Discovery checks after every plugin import (the plugin gets a load error and the
-originals are restored before the next import; a plugin whose import left what cannot be restored is imported by no
-later worker); the worker checks after every request of every cell (the cell gets an error row). One check costs
-about a millisecond and a half on a GPU machine's host (docs/plugins.md): the check inside the timing loops
-(:func:`verify_clocks`) reads the dispatcher's kernels of the GEMMs alone, the check after each request and import
-those of every watched op (about a millisecond more).
+:func:`tampered` lists what now differs, :func:`restore` puts the originals back (so the baselines' times stay true),
+:func:`tamper_message` is the error row's text. The harness's own objects that decide a verdict (the group's
+reference, the sweeps' members, ...) are held by a :class:`Seal` around the plugin code that could reach them,
+checked right after it returns.
+
+What no restore undoes (:func:`lasting`: a kernel registered through ``torch._C`` or a compiled extension, which
+holds no handle this module can destroy) ends the process that holds it: the worker is replaced. Discovery checks
+after every plugin import (the plugin gets a load error and the originals are restored before the next import; a
+plugin whose import left what cannot be restored is imported by no later worker); the worker checks after every
+request of every cell (the cell gets an error row). One check costs about a millisecond and a half on a GPU machine's
+host (docs/plugins.md): the check inside the timing loops (:func:`verify_clocks`) reads the dispatcher's kernels of
+the GEMMs alone, the check after each request and import those of every watched op (about a millisecond more).
 
 Threads are checked apart (:func:`stray_threads`, :func:`own_threads`): a thread that a plugin's import started and
 left running its own code, or that runs an implementation's code after a request the worker serves (its correctness
