@@ -71,7 +71,7 @@ class TorchCompile(TorchEager):
             torch._functorch.config.donated_buffer = False
             op, model, mm = self.op_def, case.model, case.mm
             graph = lambda inp: op.reference(inp, model, mm)  # noqa: E731
-            guard.watch_compiled(graph.__code__, anew=True)  # only this reset may drop its graphs
+            guard.watch_compiled(graph.__code__)  # the sweeps see a call that drops its graphs
             self._compiled = torch.compile(graph, fullgraph=True, dynamic=False,
                                            mode=None if COMPILE_MODE == "default" else COMPILE_MODE)
             TorchCompile._key = key

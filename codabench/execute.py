@@ -12,6 +12,7 @@ Differentiable native tensors: floating tensors whose key is in neither ``op.con
 from __future__ import annotations
 
 import collections
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Iterator
@@ -198,7 +199,8 @@ def moved(hook: str, given: Tensors, result: Any) -> Tensors:
     ``grad_outputs_to_native``), checked to hold the values it was given, moved and not computed: it may rename,
     reorder, reshape and split tensors and pass others through, never make new values (the conversions run untimed, so
     work done there would not count). The tensors of ``result`` that are not among ``given``'s must hold, as a
-    multiset, exactly the values of ``given``'s tensors that are not passed through. Raises :class:`CellError`."""
+    multiset, exactly the values of ``given``'s tensors that are not passed through (:func:`_fingerprint`). Raises
+    :class:`CellError`."""
     if type(result) not in PLAIN_DICTS:
         raise CellError(f"its {hook}() returned {_type_name(result)}, expected a dict of named tensors")
     given_ids = {id(v) for v in given.values() if isinstance(v, torch.Tensor)}
@@ -207,27 +209,34 @@ def moved(hook: str, given: Tensors, result: Any) -> Tensors:
             if type(v) not in SIDE_VALUES and id(v) not in given_ids]
     taken = [v for v in given.values() if isinstance(v, torch.Tensor) and id(v) not in kept]
     if made or taken:
-        if _multiset(made) != _multiset(taken):
+        keys = [int.from_bytes(_URANDOM(4), "little") % (_P - 1) + 1 for _ in range(4)]
+        if _fingerprint(made, keys) != _fingerprint(taken, keys):
             raise CellError(f"its {hook}() returned values it was not given: a layout conversion runs untimed and may "
                             "only move values (rename, reorder, split); compute them in run()")
     return result
 
 
-class _multiset:
-    """The values of some tensors as a sorted multiset (for :func:`moved`); equal when the sizes, NaN counts and
-    sorted values are."""
+_URANDOM = os.urandom
+"""The source of the fingerprints' keys (:func:`_fingerprint`), bound before any plugin loads."""
+_P = (1 << 31) - 1
 
-    def __init__(self, tensors: list[torch.Tensor]):
-        dt = torch.float64 if any(t.element_size() >= 8 for t in tensors) else torch.float32
-        flat = [t.detach().reshape(-1).to(dt) for t in tensors]
-        flat = torch.cat([f.to(flat[0].device) for f in flat]) if flat else torch.zeros(0)
-        nan = flat.isnan()
-        self.size, self.nans = flat.numel(), int(nan.sum())
-        self.values = flat[~nan].sort().values if self.nans else flat.sort().values
 
-    def __eq__(self, other: object) -> bool:
-        return (isinstance(other, _multiset) and (self.size, self.nans) == (other.size, other.nans)
-                and self.values.device == other.values.device and torch.equal(self.values, other.values))
+def _fingerprint(tensors: list[torch.Tensor], keys: list[int]) -> tuple[int, int]:
+    """(number of values, a fingerprint of the multiset of their bit patterns) for :func:`moved`: the sum over the
+    values, as float64, of ``g (g + k4) mod p``, ``g`` a keyed combination of its bits mod the prime ``p = 2^31 - 1``.
+    Equal for the same values in any order, across tensors (a float32 or bf16 value and its float64 have one
+    pattern); a value changed, added or dropped changes it but with a chance of 2^-31, and the keys are drawn after the
+    conversion ran, so no plugin can aim at a collision. Chunks of 2^24 values keep the memory small."""
+    k1, k2, k3, k4 = keys
+    size, total = 0, 0
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        size += flat.numel()
+        for part in flat.split(1 << 24):
+            b = part.to(torch.float64).view(torch.int64)
+            g = ((b & _P) * k1 % _P + ((b >> 31) & _P) * k2 % _P + ((b >> 62) & 3) * k3 % _P) % _P
+            total += int((g * (g + k4) % _P).sum())
+    return size, total
 
 
 def timed_result(op: Op, impl: Implementation, mode: str, returned: tuple[Tensors, Tensors], keys: list[str]

@@ -33,14 +33,13 @@ function of the harness given another ``__code__``, a trace or profile hook that
   extension), and through ``torch.library`` for every other op; and the dispatch keys that hold a backend fallback
   (:func:`_fallbacks`: a fallback registered at a computing key, such as CPU, is the kernel of every op without one of
   its own there, and nothing takes it back);
-- torch-compile's graphs (:func:`watch_compiled`): a call that drops them would make it compile in its timed calls;
 - the registered implementations (:func:`watch_registered`, from :meth:`codabench.registry.Registry.add`): a
   registry's entries are append-only, none removed, replaced or changed, and a name once registered stays taken.
 
 :func:`tampered` lists what now differs, :func:`restore` puts the originals back (so the baselines' times stay true),
 :func:`tamper_message` is the error row's text. The harness's own objects that decide a verdict (the group's
-reference, the sweeps' members, ...) are held by a :class:`Seal` around the plugin code that could reach them,
-checked right after it returns.
+reference, the sweeps' members, ...) and, in the sweeps, torch-compile's graphs are held by a :class:`Seal` around
+the plugin code that could reach them, checked right after it returns.
 
 What no restore undoes (:func:`lasting`: a kernel registered through ``torch._C`` or a compiled extension, which
 holds no handle this module can destroy) ends the process that holds it: the worker is replaced. Discovery checks
@@ -497,9 +496,6 @@ class _Record:
         self.builtins: dict[str, Any] = {}
         self.hooks: tuple = ()
         self.clocks: Clocks | None = None
-        self.compiled = 0
-        """How many graphs torch.compile holds for the harness's torch-compile (:func:`watch_compiled`), the most
-        since its last new configuration: only more may come."""
 
 
 _RECORD = _Record()
@@ -808,9 +804,6 @@ def _scan(full: bool = True) -> Iterator[tuple[str, Callable[[], None]]]:
     if fallbacks:  # no restore: which Library holds it is not known (torch.library does not record a fallback)
         yield (f"torch's dispatcher: a backend fallback at {listing(fallbacks)} (the kernel of every op that has none "
                "of its own there)", _no_restore)
-    if _compiled_lost(r):
-        yield ("torch._dynamo's compiled code (reset or cleared: torch-compile would compile again inside its timed "
-               "calls)", _no_restore)
     replaced = _replaced_kernels(r, full)
     if replaced:
         yield (f"torch's kernel of {listing(replaced)} (replaced in its dispatcher)",
@@ -853,26 +846,20 @@ def _scan(full: bool = True) -> Iterator[tuple[str, Callable[[], None]]]:
 
 _WATCHED_CODE: list[types.CodeType] = []
 _CACHE_ENTRIES = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+GRAPHS = "torch-compile's graphs"
+"""The label of :meth:`Seal.add_graphs`."""
 
 
-def watch_compiled(code: types.CodeType, anew: bool = False) -> None:
-    """Watch torch.compile's graphs of ``code`` (the harness's torch-compile): a plugin's call that drops them
-    (``torch._dynamo.reset()``, its caches cleared) would make torch-compile compile inside its timed calls, and no
-    restore brings them back (the worker is replaced). ``anew``: torch-compile itself has just reset them for a new
-    configuration."""
+def watch_compiled(code: types.CodeType) -> None:
+    """Count torch.compile's graphs of ``code`` (the harness's torch-compile) in :func:`compiled_graphs`."""
     if code not in _WATCHED_CODE:
         _WATCHED_CODE.append(code)
-    if anew:
-        _RECORD.compiled = 0
 
 
-def _compiled_lost(r: _Record) -> bool:
-    """Whether the watched code holds fewer compiled graphs than the record's count (which follows them up)."""
-    now = sum(len(_CACHE_ENTRIES(c)) for c in _WATCHED_CODE)
-    if now >= r.compiled:
-        r.compiled = now
-        return False
-    return True
+def compiled_graphs() -> int:
+    """How many graphs torch.compile holds for the watched code: ``torch._dynamo.reset()`` (or its caches cleared)
+    drops them, and torch-compile then compiles again at its next call."""
+    return sum(len(_CACHE_ENTRIES(c)) for c in _WATCHED_CODE)
 
 
 class Seal:
@@ -884,6 +871,13 @@ class Seal:
 
     def __init__(self) -> None:
         self._held: list[tuple[str, Any, frozenset[str] | None, dict[str, Any], dict[str, tuple[list, Any]]]] = []
+        self._graphs: int | None = None
+
+    def add_graphs(self) -> Seal:
+        """Hold torch-compile's graphs too (:func:`compiled_graphs`): none may be dropped (more may come). No restore
+        brings them back: the caller stops timing beside the call that dropped them."""
+        self._graphs = compiled_graphs()
+        return self
 
     def add(self, label: str, obj: Any, attrs: Iterable[str] | None = None) -> Seal:
         """Hold ``obj``: a dict's or list's entries; else its attributes (those of ``attrs`` only, where given; none
@@ -898,8 +892,13 @@ class Seal:
         return self
 
     def broken(self) -> list[str]:
-        """What differs from what was held (``label.attribute``), or []."""
+        """What differs from what was held (``label.attribute``, :data:`GRAPHS`), or []."""
         out = []
+        if self._graphs is not None:
+            now = compiled_graphs()
+            if now < self._graphs:
+                out.append(GRAPHS)
+            self._graphs = max(now, self._graphs)
         for label, obj, names, kept, inner in self._held:
             if names is not None:
                 now = vars(obj)

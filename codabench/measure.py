@@ -485,8 +485,8 @@ class Measurer:
         fixed = timing.reps or (timing.cpu_reps if self.device.type != "cuda" else None)  # sweeps known in advance
         first_sweeps = fixed or timing.min_sweeps
         draws = [Rechecks(first_sweeps, fixed) for _ in residents]
-        seal = guard.Seal().add("the group's reference", group.reference()).add("the sweep's inputs", fresh,
-                                                                                ("_make", "_expected", "_base"))
+        seal = guard.Seal().add_graphs().add("the group's reference", group.reference()).add(
+            "the sweep's inputs", fresh, ("_make", "_expected", "_base"))
         members = [self._member(r, group, fresh, d, seal) for r, d in zip(residents, draws)]
         gemm_members = self._gemm_members(cells[0])
         everyone = members + gemm_members
@@ -526,7 +526,8 @@ class Measurer:
     def _without(self, left: sweep.LeftThreads, cells: list[Cell], residents: list[_Resident], group: _Group,
                  own_errors: dict[str, CellErrors], lost: dict[str, str]) -> GroupSamples:
         """The group's sweeps after a cell's call left a thread running its own code in them
-        (:class:`codabench.sweep.LeftThreads`): that cell's error, and the other cells sampled again without it, their
+        (:class:`codabench.sweep.LeftThreads`), or dropped torch-compile's graphs (:class:`codabench.sweep.DroppedGraphs`,
+        no thread): that cell's error, and the other cells sampled again without it, their
         earlier samples dropped (they ran beside the thread), once the thread has ended; one still alive after
         :data:`LEFT_THREAD_WAIT_S` fails the request (and retires the worker: :func:`codabench.worker.dispatch`)."""
         deadline = time.monotonic() + LEFT_THREAD_WAIT_S

@@ -127,6 +127,15 @@ class LeftThreads(Exception):
         self.member, self.threads = member, threads
 
 
+class DroppedGraphs(LeftThreads):
+    """A member's set-up or call dropped torch-compile's graphs (:meth:`codabench.guard.Seal.add_graphs`): torch-compile
+    would compile inside its next timed call, so the sweeps stop, and the others are sampled again without the member
+    (the warm-up compiles again)."""
+
+    def __init__(self, member: Member):
+        LeftThreads.__init__(self, member, [])
+
+
 def _left_threads(m: Member, before: set[threading.Thread], clocks: guard.Clocks) -> None:
     """Raise :class:`LeftThreads` where ``m``'s set-up or call (outside the timed region, after it) left a thread
     started since ``before`` alive that runs its code. Costs a look at the thread list where it started none."""
@@ -178,6 +187,8 @@ def _one(m: Member, sweep: int, cpu: bool, flush: Callable[[], None] | None, clo
         if broken:
             seal.restore()
             m.error = guard.seal_message(broken)
+            if guard.GRAPHS in broken:
+                raise DroppedGraphs(m)
             return None
         if m.after is not None:
             m.after(sweep, returned)

@@ -153,17 +153,16 @@ def test_what_no_restore_undoes_fails_its_cell_and_its_worker_is_replaced(regist
         assert got[other]["status"] == "ok" and got[other]["correct"] is True, (other, got[other]["message"])
 
 
-def test_a_call_that_drops_torch_compiles_graphs_fails_its_cell_and_its_worker_is_replaced(registry, tmp_path):
-    """``torch._dynamo.reset()`` in a call: torch-compile's graphs, compiled before it in the group, are gone (it
-    would compile in its timed calls); the cell is an error row saying so, the worker is replaced, and torch-compile
-    is timed on graphs compiled again outside its timed calls."""
+def test_a_call_that_drops_torch_compiles_graphs_in_the_sweeps_fails_its_cell(registry, tmp_path):
+    """``torch._dynamo.reset()`` in every call: in the group's sweeps torch-compile's graphs are gone right after the
+    call (it would compile in its next timed call); the cell is an error row saying so, and the others are sampled
+    again without it in the same worker (on a GPU after a warm-up, which compiles again)."""
     for f in ("adv_dynamo_reset.py", "good.py"):
         load_plugin_file(PLUGINS / f)
     got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "torch-compile", "adv-dynamo-reset", "test-good"])
     row = got["adv-dynamo-reset"]
-    assert row["status"] == "error" and "torch._dynamo's compiled code" in row["message"] and (
-        "cannot be undone in this process, which is replaced" in row["message"]), row["message"]
-    assert worker.starts == 2, worker.starts
+    assert row["status"] == "error" and "torch-compile's graphs" in row["message"], row["message"]
+    assert worker.starts == 1, worker.starts
     for impl in ("torch-eager", "torch-compile", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
 

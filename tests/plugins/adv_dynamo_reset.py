@@ -1,7 +1,8 @@
-"""Computes honestly, but its call ends with ``torch._dynamo.reset()``: torch-compile's graphs are gone, so it would
-compile again inside its timed calls (79 ms a sample for 1.5 on the CPU), making every other implementation look
-faster against the speedup's reference. No restore brings the graphs back: its cell must be an error row naming
-them, and its worker is replaced."""
+"""Computes honestly, but every call ends with ``torch._dynamo.reset()``: in the group's sweeps torch-compile would
+compile again inside each of its timed calls (79 ms a sample for 1.5 on the CPU), making every other implementation
+look faster against the speedup's reference. Its cell must be an error row naming torch-compile's graphs, and the
+others are sampled again without it (their warm-up compiles again). A reset outside the sweeps (its correctness
+call) costs torch-compile only a compile in its warm-up, as hf-compile's own reset at a new model does."""
 import torch
 import torch.nn.functional as F
 
