@@ -12,13 +12,13 @@ Differentiable native tensors: floating tensors whose key is in neither ``op.con
 from __future__ import annotations
 
 import collections
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
+from codabench import guard
 from codabench.case import Case
 from codabench.registry import Implementation, Native, Tensors, prepared
 from workloads.op import Op
@@ -209,15 +209,13 @@ def moved(hook: str, given: Tensors, result: Any) -> Tensors:
             if type(v) not in SIDE_VALUES and id(v) not in given_ids]
     taken = [v for v in given.values() if isinstance(v, torch.Tensor) and id(v) not in kept]
     if made or taken:
-        keys = [int.from_bytes(_URANDOM(4), "little") % (_P - 1) + 1 for _ in range(4)]
+        keys = [int.from_bytes(guard.URANDOM(4), "little") % (_P - 1) + 1 for _ in range(4)]
         if _fingerprint(made, keys) != _fingerprint(taken, keys):
             raise CellError(f"its {hook}() returned values it was not given: a layout conversion runs untimed and may "
                             "only move values (rename, reorder, split); compute them in run()")
     return result
 
 
-_URANDOM = os.urandom
-"""The source of the fingerprints' keys (:func:`_fingerprint`), bound before any plugin loads."""
 _P = (1 << 31) - 1
 
 

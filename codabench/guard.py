@@ -844,6 +844,9 @@ def _scan(full: bool = True) -> Iterator[tuple[str, Callable[[], None]]]:
                 yield f"{label} (a hook is set)", lambda s=setter, v=was: s(v)
 
 
+URANDOM = os.urandom
+"""The operating system's random bytes, bound before any plugin loads: the source of the timing inputs' seeds, the
+recheck draws and the conversions' fingerprint keys (nothing a plugin patches or reads tells it the next draw)."""
 _WATCHED_CODE: list[types.CodeType] = []
 _CACHE_ENTRIES = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
 GRAPHS = "torch-compile's graphs"

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import tempfile
 import time
 import traceback
@@ -71,14 +70,10 @@ else one more call on its buffers)."""
 MEMBER_PARTS = ("name", "call", "setup", "after", "context", "own", "watch")
 """What a sweep member runs and how: sealed (:class:`codabench.guard.Seal`) over the sweeps, so that no member's call
 changes another's (its samples, error and lead change as the sweeps go)."""
-_URANDOM = os.urandom
-"""The source of the timing inputs' seeds and the recheck draws: the operating system's random bytes, bound before
-any plugin loads (nothing a plugin patches or reads tells it the next draw)."""
-
 
 def _draw() -> float:
     """A uniform draw in [0, 1)."""
-    return int.from_bytes(_URANDOM(7), "little") / 2**56
+    return int.from_bytes(guard.URANDOM(7), "little") / 2**56
 
 
 class Rechecks:
@@ -231,7 +226,7 @@ class _Fresh:
 
     def __init__(self, make: Callable[[int], Case], expected: Callable[[Case], verify.Expected]):
         self._make, self._expected = make, expected
-        self._base = int.from_bytes(_URANDOM(5), "little")
+        self._base = int.from_bytes(guard.URANDOM(5), "little")
         self._sweep: int | None = None
         self._case: Case | None = None
         self._exp: verify.Expected | None = None

@@ -276,4 +276,5 @@ def test_a_call_that_changes_the_harnesss_own_objects_fails_its_cell_and_they_ar
             part in row["message"]), (impl, row["message"])
     for impl in ("torch-eager", "test-good"):
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
-    assert got["torch-eager"]["median_ms"] < 1.5, got["torch-eager"]["median_ms"]  # not 2 ms slower
+    eager, good = got["torch-eager"]["median_ms"], got["test-good"]["median_ms"]
+    assert eager < good + 1.0, (eager, good)  # the same GEMM: not 2 ms slower
