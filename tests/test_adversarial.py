@@ -91,10 +91,10 @@ def test_a_plugin_that_leaves_a_thread_running_its_code_is_vetoed(registry, tmp_
         assert got[impl]["status"] == "ok" and got[impl]["correct"] is True, (impl, got[impl]["message"])
 
 
-def _run_in_a_worker(tmp_path, impls: list[str]) -> tuple[dict, WorkerProcess]:
+def _run_in_a_worker(tmp_path, impls: list[str], **cfg) -> tuple[dict, WorkerProcess]:
     """The rows by implementation (and load errors by source) of a run of ``impls`` in a worker process, and that
-    worker's handle (how many processes it started)."""
-    runner = make_runner(tmp_path, modes=("fwd",), impls=impls)
+    worker's handle (how many processes it started); ``cfg``: more of the run's settings."""
+    runner = make_runner(tmp_path, modes=("fwd",), impls=impls, **cfg)
     runner.worker = WorkerProcess(runner.cfg)
     runner.run()
     df, _, _ = load_run(tmp_path)
@@ -156,10 +156,13 @@ def test_what_no_restore_undoes_fails_its_cell_and_its_worker_is_replaced(regist
 def test_a_call_that_drops_torch_compiles_graphs_in_the_sweeps_fails_its_cell(registry, tmp_path):
     """``torch._dynamo.reset()`` in every call: in the group's sweeps torch-compile's graphs are gone right after the
     call (it would compile in its next timed call); the cell is an error row saying so, and the others are sampled
-    again without it in the same worker (on a GPU after a warm-up, which compiles again)."""
+    again without it in the same worker (on a GPU after a warm-up, which compiles again). Two sweeps: where the calls
+    before the sweeps had dropped the graphs already, the first sweep may run the reset before torch-compile compiles
+    again, and the second sees it."""
     for f in ("adv_dynamo_reset.py", "good.py"):
         load_plugin_file(PLUGINS / f)
-    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "torch-compile", "adv-dynamo-reset", "test-good"])
+    got, worker = _run_in_a_worker(tmp_path, ["torch-eager", "torch-compile", "adv-dynamo-reset", "test-good"],
+                                   timing=TimingConfig(cpu_reps=2))
     row = got["adv-dynamo-reset"]
     assert row["status"] == "error" and "torch-compile's graphs" in row["message"], row["message"]
     assert worker.starts == 1, worker.starts
