@@ -206,12 +206,12 @@ def add_run(run_dir: Path, path: Path | None = None) -> tuple[dict[str, Any], in
 class Kept:
     """A copy of the store as a run found it (:func:`keep`), to put back what changed in its earlier runs while the
     run went on: the run's plugins execute in its worker, which could open the store and rewrite the runs it holds
-    (slowing a peer's past times, say). Each run's rows are known by a digest; a run whose rows changed, or that is
-    gone, is put back from the copy when the run is recorded (:func:`record_run`), and a warning line says so."""
+    (slowing a peer's past times, say). When the run is recorded (:func:`record_run`), each run of the copy is compared
+    with the store by a digest of its rows; one that changed, or is gone, is put back from the copy, and a warning line
+    says so. (The digests are taken then, not at the start, which stays a copy.)"""
 
     def __init__(self, copy: sqlite3.Connection | None):
         self.copy = copy
-        self.digests = _digests(copy) if copy is not None else {}
 
 
 def keep() -> Kept:
@@ -224,11 +224,6 @@ def keep() -> Kept:
         return Kept(None)
     copy.row_factory = sqlite3.Row
     return Kept(copy)
-
-
-def _digests(conn: sqlite3.Connection) -> dict[str, str]:
-    """Each run's digest (:func:`_digest`)."""
-    return {run["id"]: _digest(conn, run["id"]) for run in conn.execute("SELECT id FROM runs")}
 
 
 def _digest(conn: sqlite3.Connection, run_id: str) -> str | None:
@@ -249,7 +244,8 @@ def put_back(kept: Kept, path: Path | None = None) -> list[str]:
         return []
     conn = open_store(path)
     with closing(conn):
-        changed = [rid for rid, d in kept.digests.items() if _digest(conn, rid) != d]
+        changed = [run["id"] for run in kept.copy.execute("SELECT id FROM runs")
+                   if _digest(conn, run["id"]) != _digest(kept.copy, run["id"])]
         if changed:
             conn.execute("BEGIN IMMEDIATE")
             try:
