@@ -923,7 +923,10 @@ class Seal:
             for k, (_, copy) in inner.items():
                 c = obj if not k else kept[k]
                 c.clear()
-                c.update(copy) if not isinstance(c, list) else c.extend(copy)
+                if isinstance(c, list):
+                    c.extend(copy)
+                else:
+                    c.update(copy)
 
 
 def _entries_of(c: Any) -> tuple[list, Any]:
